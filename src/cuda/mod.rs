@@ -1,0 +1,20 @@
+//! The only module that calls `cudarc`. It owns lazy driver initialization, the cached
+//! "is a driver here?" answer, binding a device's primary context to the calling thread,
+//! streams, events, copies and pointer queries. The rest of the crate sees our own types.
+//!
+//! cudarc panics when libcuda is missing; every entry point here first goes through
+//! [`driver`], which checks once (without panicking) and returns [`Error::NoDriver`].
+//! Set `CUDALLOC_NO_DRIVER=1` to make the crate behave as if no driver were present
+//! (useful to test fallback paths on a GPU machine).
+
+mod driver;
+mod memory;
+mod stream;
+
+pub use driver::{device_count, driver_available, drop_errors, mem_info, CudaError};
+pub use memory::{
+    memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice,
+    MemoryType, PointerInfo,
+};
+pub(crate) use memory::raw;
+pub use stream::{Event, Stream};

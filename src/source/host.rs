@@ -1,0 +1,52 @@
+//! Pageable host memory from the system allocator: the reference source, the fallback
+//! without a driver, and the source the CPU-only tests and loom models run on.
+
+use core::ptr::NonNull;
+use std::alloc::{GlobalAlloc, Layout, System};
+
+use super::{HostVisible, MemoryKind, MemorySource, PAGE_SIZE};
+use crate::error::{Error, Result};
+
+/// Page-aligned pageable host memory from [`System`].
+///
+/// ```
+/// use cudalloc::source::{HostSource, MemorySource};
+/// let block = HostSource.allocate(100).unwrap();
+/// assert_eq!(block.as_ptr() as usize % HostSource.align(), 0);
+/// unsafe { HostSource.deallocate(block, 100) };
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostSource;
+
+impl HostSource {
+    fn layout(size: usize) -> Result<Layout> {
+        Layout::from_size_align(size, PAGE_SIZE).map_err(|_| Error::TooLarge {
+            requested: size,
+            limit: isize::MAX as usize - PAGE_SIZE,
+        })
+    }
+}
+
+// SAFETY: System returns exclusive blocks of the layout's size and alignment (PAGE_SIZE).
+unsafe impl MemorySource for HostSource {
+    fn align(&self) -> usize {
+        PAGE_SIZE
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Pageable
+    }
+    fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
+        debug_assert!(size > 0);
+        let layout = Self::layout(size)?;
+        // SAFETY: layout has nonzero size (size > 0 is the trait's contract).
+        NonNull::new(unsafe { System.alloc(layout) }).ok_or(Error::OutOfMemory { requested: size })
+    }
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize) {
+        // SAFETY: `ptr` came from `allocate(size)`, which used exactly this layout, and
+        // that layout was valid then, so it is valid now.
+        unsafe { System.dealloc(ptr.as_ptr(), Layout::from_size_align_unchecked(size, PAGE_SIZE)) }
+    }
+}
+
+// SAFETY: system memory is ordinary host memory.
+unsafe impl HostVisible for HostSource {}

@@ -1,0 +1,146 @@
+//! Managed (unified) memory from `cuMemAllocManaged`, with prefetch and advice.
+//!
+//! Oversubscribing managed memory can hang the GPU, so this source never lets the bytes
+//! it holds exceed a limit: 90% of the device's total memory by default, and each request
+//! must also fit in the memory the device reports free at that moment.
+
+use core::ptr::NonNull;
+
+use super::{HostVisible, MemoryKind, MemorySource};
+use crate::cuda::{mem_info, raw, Location, ManagedAdvice, Stream};
+use crate::error::{Error, Result};
+use crate::sync::global::{AtomicUsize, Ordering};
+
+/// Which processors may access a new managed block before it is attached to a stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ManagedAttach {
+    /// Any stream on any device (`CU_MEM_ATTACH_GLOBAL`).
+    #[default]
+    Global,
+    /// The host only, until attached to a stream (`CU_MEM_ATTACH_HOST`).
+    Host,
+}
+
+/// Managed memory from `cuMemAllocManaged` on device 0.
+///
+/// ```
+/// use cudalloc::source::{ManagedAttach, ManagedSource, MemorySource};
+/// let src = ManagedSource::new(ManagedAttach::Global);
+/// if let Ok(p) = src.allocate(1024) {
+///     unsafe { p.as_ptr().write(7) }; // the host can use it directly
+///     unsafe { src.deallocate(p, 1024) };
+/// }
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ManagedSource {
+    attach: ManagedAttach,
+}
+
+impl ManagedSource {
+    /// A source allocating with `attach`.
+    pub const fn new(attach: ManagedAttach) -> Self {
+        Self { attach }
+    }
+}
+
+/// Managed bytes held by all `ManagedSource`s of the process.
+static MANAGED_HELD: AtomicUsize = AtomicUsize::new(0);
+
+/// Managed bytes currently allocated through the crate (all handles and pools).
+pub fn managed_bytes_held() -> usize {
+    MANAGED_HELD.load(Ordering::Relaxed)
+}
+
+fn reserve(size: usize) -> Result<()> {
+    let (free, total) = mem_info(0)?;
+    let limit = total / 10 * 9;
+    if size > free {
+        return Err(Error::TooLarge { requested: size, limit: free });
+    }
+    let held = MANAGED_HELD.fetch_add(size, Ordering::Relaxed);
+    if held.checked_add(size).is_none_or(|after| after > limit) {
+        MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
+        return Err(Error::LimitExceeded { requested: size, held, limit });
+    }
+    Ok(())
+}
+
+/// Managed blocks are 256-byte aligned at least (the driver's guarantee for every
+/// allocation it makes).
+const MANAGED_ALIGN: usize = 256;
+
+// SAFETY: cuMemAllocManaged returns an exclusive block of `size` bytes, checked for the
+// alignment we promise.
+unsafe impl MemorySource for ManagedSource {
+    fn align(&self) -> usize {
+        MANAGED_ALIGN
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Managed
+    }
+    fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
+        debug_assert!(size > 0, "zero-size requests never reach CUDA");
+        reserve(size)?;
+        let p = match raw::managed_alloc(size, self.attach == ManagedAttach::Global) {
+            Ok(p) => p,
+            Err(e) => {
+                MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        if p as usize % MANAGED_ALIGN != 0 {
+            // SAFETY: p came from managed_alloc and was never handed out.
+            unsafe { raw::mem_free(p as u64) };
+            MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
+            return Err(Error::InvalidArgument("cuMemAllocManaged returned a misaligned block"));
+        }
+        NonNull::new(p).ok_or(Error::OutOfMemory { requested: size })
+    }
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize) {
+        // SAFETY: ptr came from managed_alloc in `allocate` and is unused now.
+        unsafe { raw::mem_free(ptr.as_ptr() as u64) };
+        MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: managed memory is addressable by the host at the same address.
+unsafe impl HostVisible for ManagedSource {}
+
+/// Queues a migration of the pages behind `data` to `location` on `stream`
+/// (`cuMemPrefetchAsync`). `data` must live in managed memory (a `Vec<T, ManagedAlloc>`,
+/// say); the driver rejects other memory with an error. Contents are unchanged.
+///
+/// ```
+/// use allocator_api2::vec::Vec;
+/// use cudalloc::{cuda::{Location, Stream}, source::prefetch, ManagedAlloc};
+/// if let Ok(stream) = Stream::new(0) {
+///     let v: Vec<u32, _> = Vec::from_iter_in(0..1024, ManagedAlloc);
+///     prefetch(&v, Location::Device(0), &stream).unwrap();
+///     stream.synchronize().unwrap();
+/// }
+/// ```
+pub fn prefetch<T>(data: &[T], location: Location, stream: &Stream) -> Result<()> {
+    let len = core::mem::size_of_val(data);
+    if len == 0 {
+        return Ok(());
+    }
+    raw::prefetch(data.as_ptr().cast(), len, location, stream)
+}
+
+/// Gives the driver `advice` about the managed pages behind `data` (`cuMemAdvise`).
+///
+/// ```
+/// use allocator_api2::vec::Vec;
+/// use cudalloc::{cuda::ManagedAdvice, source::advise, ManagedAlloc};
+/// let v: Vec<u32, _> = Vec::from_iter_in(0..1024, ManagedAlloc);
+/// if cudalloc::cuda::driver_available() {
+///     advise(&v, ManagedAdvice::ReadMostly).unwrap();
+/// }
+/// ```
+pub fn advise<T>(data: &[T], advice: ManagedAdvice) -> Result<()> {
+    let len = core::mem::size_of_val(data);
+    if len == 0 {
+        return Ok(());
+    }
+    raw::advise(data.as_ptr().cast(), len, advice)
+}

@@ -1,0 +1,64 @@
+//! The one place that imports synchronization primitives: `std` normally, loom's
+//! model-checked versions under `--cfg loom`. Every other module imports from here.
+#![allow(unused_imports, dead_code)]
+
+#[cfg(loom)]
+pub(crate) use loom::{
+    cell::UnsafeCell,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        Arc, Mutex, MutexGuard,
+    },
+    thread,
+};
+
+#[cfg(not(loom))]
+pub(crate) use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        Arc, Mutex, MutexGuard,
+    },
+    thread,
+};
+
+/// `std`'s `UnsafeCell` with loom's closure-based access API, so model code and real
+/// code are the same text.
+#[cfg(not(loom))]
+#[derive(Debug, Default)]
+pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+#[allow(dead_code)]
+impl<T> UnsafeCell<T> {
+    pub(crate) const fn new(value: T) -> Self {
+        Self(std::cell::UnsafeCell::new(value))
+    }
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        f(self.0.get())
+    }
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
+    }
+}
+
+/// Locks a mutex, recovering the data if another thread panicked while holding it: the
+/// structures behind our locks keep their invariants between statements, and an
+/// allocator must not turn one panic into a poisoned process.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    #[cfg(loom)]
+    {
+        m.lock().unwrap()
+    }
+    #[cfg(not(loom))]
+    {
+        m.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+/// Process-wide statics (driver state, global counters, the pools behind the zero-sized
+/// handles) need `const` constructors, which loom's types lack; they are never part of
+/// a loom model, so they always use `std`'s versions.
+pub(crate) mod global {
+    pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+    pub(crate) use std::sync::OnceLock;
+}
