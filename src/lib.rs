@@ -40,10 +40,13 @@
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod arena;
+pub mod count;
 pub mod cuda;
 mod direct;
 pub mod error;
 mod handle;
+pub mod pool;
 pub mod source;
 mod sync;
 

@@ -1,0 +1,2 @@
+//! Benchmarks (in progress).
+fn main() {}

@@ -1,0 +1,2 @@
+//! A/B report (in progress).
+fn main() {}

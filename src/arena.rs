@@ -1,0 +1,1 @@
+//! Bump arenas (in progress).

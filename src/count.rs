@@ -1,0 +1,1 @@
+//! Counting allocator (in progress).

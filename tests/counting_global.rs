@@ -1,0 +1,2 @@
+//! Counting<System> as the global allocator (in progress).
+fn main() {}
