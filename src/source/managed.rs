@@ -114,7 +114,8 @@ unsafe impl HostVisible for ManagedSource {}
 /// use allocator_api2::vec::Vec;
 /// use cudalloc::{cuda::{Location, Stream}, source::prefetch, ManagedAlloc};
 /// if let Ok(stream) = Stream::new(0) {
-///     let v: Vec<u32, _> = Vec::from_iter_in(0..1024, ManagedAlloc);
+///     let mut v: Vec<u32, _> = Vec::new_in(ManagedAlloc);
+///     v.extend(0..1024);
 ///     prefetch(&v, Location::Device(0), &stream).unwrap();
 ///     stream.synchronize().unwrap();
 /// }
@@ -132,7 +133,8 @@ pub fn prefetch<T>(data: &[T], location: Location, stream: &Stream) -> Result<()
 /// ```
 /// use allocator_api2::vec::Vec;
 /// use cudalloc::{cuda::ManagedAdvice, source::advise, ManagedAlloc};
-/// let v: Vec<u32, _> = Vec::from_iter_in(0..1024, ManagedAlloc);
+/// let mut v: Vec<u32, _> = Vec::new_in(ManagedAlloc);
+///     v.extend(0..1024);
 /// if cudalloc::cuda::driver_available() {
 ///     advise(&v, ManagedAdvice::ReadMostly).unwrap();
 /// }
