@@ -45,6 +45,11 @@ fn fallback_allocate(kind: &str, layout: Layout) -> Result<NonNull<[u8]>, AllocE
     if layout.size() == 0 {
         return Ok(dangling(layout));
     }
+    // Refuse what the machine cannot hold: with unlimited overcommit the system
+    // allocator would hand out address space that faults later.
+    if crate::source::physical_memory().is_some_and(|phys| layout.size() > phys) {
+        return Err(AllocError);
+    }
     // SAFETY: the layout has nonzero size.
     let p = unsafe { System.alloc(layout) };
     NonNull::new(p)

@@ -126,8 +126,10 @@ pub enum MemoryType {
 pub struct PointerInfo {
     /// The kind of memory.
     pub memory_type: MemoryType,
-    /// The flags the block was allocated with, for memory from `cuMemHostAlloc`
-    /// (`None` for registered, managed, device and pageable memory).
+    /// The flags of pinned memory as `cuMemHostGetFlags` reports them (`None` for
+    /// managed, device and pageable memory). With unified addressing (every 64-bit
+    /// system) the driver maps all pinned memory and reports `DEVICE_MAP` whether or not
+    /// it was asked for; registered memory reports the flags it was registered with.
     pub host_alloc_flags: Option<HostAllocFlags>,
     /// The device address of mapped host memory (`DEVICE_MAP`, registered memory on
     /// systems with unified addressing) or of managed and device memory.

@@ -37,6 +37,13 @@ unsafe impl MemorySource for HostSource {
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0);
+        // Refuse what the machine cannot hold: with unlimited overcommit the system
+        // allocator hands out address space that faults when touched.
+        if let Some(phys) = super::physical_memory() {
+            if size > phys {
+                return Err(Error::TooLarge { requested: size, limit: phys });
+            }
+        }
         let layout = Self::layout(size)?;
         // SAFETY: layout has nonzero size (size > 0 is the trait's contract).
         NonNull::new(unsafe { System.alloc(layout) }).ok_or(Error::OutOfMemory { requested: size })

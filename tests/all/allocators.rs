@@ -15,8 +15,9 @@ fn slow() -> Options {
 
 #[test]
 fn global_reference() {
-    suite(&Global, Options::default());
-    threads(&Global, 4, Options::default());
+    let opts = Options { huge_must_fail: false, ..Options::default() };
+    suite(&Global, opts);
+    threads(&Global, 4, opts);
 }
 
 #[test]
