@@ -49,6 +49,7 @@ mod handle;
 pub mod pool;
 pub mod source;
 mod sync;
+pub mod workload;
 
 pub use direct::Direct;
 pub use error::{Error, Result};

@@ -200,6 +200,19 @@ pub fn mem_info(ordinal: usize) -> Result<(usize, usize)> {
     Ok(result::mem_get_info().map_err(CudaError::from)?)
 }
 
+/// The name of device `ordinal`, such as `NVIDIA H200`.
+///
+/// ```
+/// if let Ok(name) = cudalloc::cuda::device_name(0) {
+///     println!("device 0: {name}");
+/// }
+/// ```
+pub fn device_name(ordinal: usize) -> Result<String> {
+    driver()?;
+    let dev = result::device::get(ordinal as i32).map_err(CudaError::from)?;
+    Ok(result::device::get_name(dev).map_err(CudaError::from)?)
+}
+
 static DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
 
 /// Records a CUDA error that happened where it cannot be returned (in `Drop`, in

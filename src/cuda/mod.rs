@@ -11,7 +11,7 @@ mod driver;
 mod memory;
 mod stream;
 
-pub use driver::{device_count, driver_available, drop_errors, mem_info, CudaError};
+pub use driver::{device_count, device_name, driver_available, drop_errors, mem_info, CudaError};
 pub use memory::{
     memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice,
     MemoryType, PointerInfo,

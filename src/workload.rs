@@ -1,0 +1,75 @@
+//! Generic workloads for A/B comparisons: each takes any allocator-api2 allocator, so
+//! the same code runs on `Global`, `&bumpalo::Bump` and every allocator of this crate.
+//! The criterion benches and the `ab` example both time these functions.
+//!
+//! ```
+//! use cudalloc::workload;
+//! let bump = bumpalo::Bump::new();
+//! assert_eq!(workload::vec_push(&bump, 1000), 999 * 1000 / 2);
+//! assert_eq!(workload::vec_push(cudalloc::PinnedAlloc, 1000), 999 * 1000 / 2);
+//! ```
+
+use core::hint::black_box;
+
+use allocator_api2::alloc::{Allocator, Layout};
+use allocator_api2::vec::Vec;
+
+/// Allocates a block of `size` bytes (8-aligned), writes its first and last byte, frees
+/// it. Returns whether the allocation succeeded.
+///
+/// ```
+/// assert!(cudalloc::workload::alloc_free(&allocator_api2::alloc::Global, 256));
+/// ```
+#[inline]
+pub fn alloc_free<A: Allocator>(a: &A, size: usize) -> bool {
+    let Ok(layout) = Layout::from_size_align(size.max(1), 8) else { return false };
+    match a.allocate(layout) {
+        Ok(p) => {
+            let p = p.cast::<u8>();
+            // SAFETY: the block has `layout.size()` >= 1 writable bytes.
+            unsafe {
+                p.as_ptr().write_volatile(1);
+                p.as_ptr().add(layout.size() - 1).write_volatile(2);
+                a.deallocate(black_box(p), layout);
+            }
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// Pushes `0..n` as `u64` one at a time into a `Vec` in `a` (growth by doubling,
+/// through `grow`), and returns their sum.
+pub fn vec_push<A: Allocator>(a: A, n: usize) -> u64 {
+    let mut v: Vec<u64, A> = Vec::new_in(a);
+    for i in 0..n as u64 {
+        v.push(black_box(i));
+    }
+    v.iter().sum()
+}
+
+/// Allocates `n` small objects of 8..=256 bytes (sizes from a fixed sequence), writes
+/// each, keeps them all live, then frees them in allocation order. Returns the bytes
+/// allocated. This is the per-batch staging pattern arenas are made for.
+pub fn small_objects<A: Allocator>(a: &A, n: usize) -> usize {
+    let mut live: std::vec::Vec<(core::ptr::NonNull<u8>, Layout)> = std::vec::Vec::with_capacity(n);
+    let mut x: u32 = 0x9E37_79B9;
+    let mut bytes = 0;
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        let size = 8 + (x as usize % 249);
+        let Ok(layout) = Layout::from_size_align(size, 8) else { continue };
+        let Ok(p) = a.allocate(layout) else { break };
+        // SAFETY: the block has `size` >= 8 writable bytes.
+        unsafe { p.cast::<u8>().as_ptr().write_volatile(size as u8) };
+        bytes += size;
+        live.push((p.cast(), layout));
+    }
+    for (p, layout) in live {
+        // SAFETY: allocated above by `a` with `layout`, freed once.
+        unsafe { a.deallocate(p, layout) };
+    }
+    bytes
+}
