@@ -203,7 +203,7 @@ pub fn pointer_info(ptr: *const u8) -> Result<PointerInfo> {
         let rc = unsafe { sys::cuMemHostGetFlags(&mut flags, ptr as *mut c_void) };
         // The driver reports extra internal bits; keep the three documented flags.
         (rc == sys::CUresult::CUDA_SUCCESS)
-            .then(|| HostAllocFlags(flags & HostAllocFlags::ALL))
+            .then_some(HostAllocFlags(flags & HostAllocFlags::ALL))
     } else {
         None
     };
