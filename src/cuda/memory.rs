@@ -394,6 +394,13 @@ pub unsafe fn memset_d8_async(dst: u64, value: u8, len: usize, stream: &Stream) 
 ///     assert_eq!(back, [1, 2, 3, 4]);
 /// }
 /// ```
+///
+/// Device memory cannot be read on the host: there is no way to index or deref it.
+///
+/// ```compile_fail
+/// let dev = cudalloc::cuda::DeviceMemory::new(4, 0).unwrap();
+/// let first: u8 = dev[0];
+/// ```
 #[derive(Debug)]
 pub struct DeviceMemory {
     ptr: u64,
