@@ -53,4 +53,5 @@ pub mod workload;
 
 pub use direct::Direct;
 pub use error::{Error, Result};
+pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
 pub use handle::{fallback_allocations, Managed, ManagedAlloc, Pinned, PinnedAlloc};

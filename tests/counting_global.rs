@@ -1,2 +1,252 @@
-//! Counting<System> as the global allocator (in progress).
-fn main() {}
+//! `Counting<System>` installed as the global allocator: windows see every heap
+//! allocation of their thread (`Vec`, `String`, `Box` of std), threads do not see each
+//! other's, and the process-wide window sees them all. Its own binary (harness = false):
+//! a test binary has one global allocator, and libtest's own threads would allocate.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Barrier;
+
+use cudalloc::count::{assert_no_leaks, Counting, LeakScope, Window};
+
+#[global_allocator]
+static GLOBAL: Counting<System> = Counting::new(System);
+
+fn window_sees_heap_allocations() {
+    let w = Window::open();
+    let v: Vec<u64> = (0..1000).collect();
+    let s = format!("{}", v.len());
+    drop((v, s));
+    let d = w.check().expect("balanced");
+    assert!(d.allocs >= 2 && d.bytes_allocated >= 8000, "{d}");
+}
+
+fn planted_leak_is_reported_exactly() {
+    let w = Window::open();
+    let leaked = Box::new([3u8; 40]);
+    let report = w.check().unwrap_err();
+    assert_eq!(report.scope, LeakScope::Thread);
+    assert_eq!(
+        (report.leaked_count(), report.leaked_bytes()),
+        (1, 40),
+        "{report}"
+    );
+    drop(leaked);
+}
+
+fn leak_helper_panics_with_the_numbers() {
+    let mut kept = None;
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {})); // the panic is expected: print nothing
+    let err = catch_unwind(AssertUnwindSafe(|| {
+        assert_no_leaks(|| kept = Some(vec![0u32; 25]))
+    }));
+    std::panic::set_hook(hook);
+    let err = err.expect_err("must panic");
+    let msg = err.downcast_ref::<String>().expect("formatted message");
+    assert!(msg.contains("1 blocks, 100 bytes not freed"), "{msg}");
+    drop(kept);
+}
+
+fn windows_nest_and_track_peak() {
+    let outer = Window::open();
+    {
+        let inner = Window::open();
+        drop(vec![0u8; 1 << 20]);
+        assert_eq!(inner.peak_bytes(), 1 << 20);
+        inner.assert_no_leaks();
+    }
+    assert!(outer.peak_bytes() >= 1 << 20);
+    outer.assert_no_leaks();
+}
+
+fn reallocs_and_failures_are_counted() {
+    let before = GLOBAL.snapshot();
+    let w = Window::open();
+    let mut v = Vec::with_capacity(1);
+    for i in 0..100u32 {
+        v.push(i);
+    }
+    drop(v);
+    let huge = Layout::from_size_align(isize::MAX as usize - 4095, 4096).unwrap();
+    // SAFETY: a valid nonzero layout; the result is null (too large) and never used.
+    let p = unsafe { GLOBAL.alloc(huge) };
+    assert!(p.is_null());
+    let d = w.check().expect("balanced");
+    assert!(d.reallocs >= 1, "{d}");
+    assert_eq!(d.failures, 1, "{d}");
+    let g = GLOBAL.snapshot() - before;
+    assert!(g.reallocs >= d.reallocs && g.failures >= 1, "{g}");
+}
+
+fn global_snapshot_follows_live_memory() {
+    let before = GLOBAL.snapshot();
+    let big = vec![1u8; 3 << 20];
+    let during = GLOBAL.snapshot();
+    assert!(
+        during.live_bytes() >= before.live_bytes() + (3 << 20) - 4096,
+        "{during}"
+    );
+    assert!(during.peak_bytes >= during.live_bytes());
+    drop(big);
+    assert!(GLOBAL.snapshot().allocs > before.allocs);
+}
+
+fn threads_do_not_see_each_other() {
+    let barrier = Barrier::new(8);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|id| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    let mut reports = Vec::with_capacity(8);
+                    let mut kept = None;
+                    for round in 0..200 {
+                        let w = Window::open();
+                        let words: Vec<String> = (0..30).map(|i| format!("{id}-{round}-{i}")).collect();
+                        let joined = words.join(",");
+                        drop((words, joined));
+                        if id % 2 == 1 && round == 199 {
+                            kept = Some(vec![0u8; 10 + id]);
+                        }
+                        if let Err(r) = w.check() {
+                            reports.push((round, r.leaked_count(), r.leaked_bytes()));
+                        }
+                    }
+                    drop(kept);
+                    reports
+                })
+            })
+            .collect();
+        for (id, h) in handles.into_iter().enumerate() {
+            let reports = h.join().unwrap();
+            if id % 2 == 1 {
+                assert_eq!(reports, [(199, 1, 10 + id as u64)], "thread {id}");
+            } else {
+                assert_eq!(reports, [], "thread {id}: false positive");
+            }
+        }
+    });
+}
+
+fn process_window_sees_every_thread() {
+    let w = GLOBAL.process_window();
+    // `spawn` + `join`, not a scope: `join` waits until the thread has exited, so
+    // whatever it frees on its way out is freed before the window closes.
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            std::thread::spawn(move || {
+                drop((0..1000).map(|i| i.to_string()).collect::<Vec<_>>());
+                (t == 3).then(|| Box::new([0u8; 72]))
+            })
+        })
+        .collect();
+    let mut leaked = None;
+    for h in handles {
+        if let Some(b) = h.join().unwrap() {
+            leaked = Some(b);
+        }
+    }
+    let report = w.check().unwrap_err();
+    assert_eq!(report.scope, LeakScope::Process);
+    assert_eq!(
+        (report.leaked_count(), report.leaked_bytes()),
+        (1, 72),
+        "{report}"
+    );
+    drop(leaked);
+}
+
+fn process_window_balances_cross_thread_frees() {
+    GLOBAL.assert_no_leaks(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+        std::thread::scope(|s| {
+            s.spawn(move || (0..100).for_each(|i| tx.send(vec![i as u8; 100]).unwrap()));
+            s.spawn(move || rx.into_iter().for_each(drop));
+        });
+    });
+}
+
+#[cfg(feature = "backtrace")]
+fn sites_name_the_leaking_function() {
+    let w = Window::open();
+    drop(vec![0u8; 10]);
+    let leaked = vec![0u8; 48];
+    let report = w.check().unwrap_err();
+    assert_eq!(
+        (report.leaked_count(), report.leaked_bytes()),
+        (1, 48),
+        "{report}"
+    );
+    assert_eq!(report.sites.len(), 1, "{report}");
+    assert!(
+        report.sites[0]
+            .backtrace
+            .contains("sites_name_the_leaking_function"),
+        "{report}"
+    );
+    drop(leaked);
+    // Capturing and printing allocated nothing that the counters saw.
+    let w = Window::open();
+    let leaked = Box::new(1u64);
+    let text = w.check().unwrap_err().to_string();
+    drop(leaked);
+    assert!(text.contains("8 bytes at"), "{text}");
+}
+
+fn main() {
+    #[cfg_attr(not(feature = "backtrace"), allow(unused_mut))]
+    let mut tests: Vec<(&str, fn())> = vec![
+        ("window_sees_heap_allocations", window_sees_heap_allocations),
+        (
+            "planted_leak_is_reported_exactly",
+            planted_leak_is_reported_exactly,
+        ),
+        (
+            "leak_helper_panics_with_the_numbers",
+            leak_helper_panics_with_the_numbers,
+        ),
+        ("windows_nest_and_track_peak", windows_nest_and_track_peak),
+        (
+            "reallocs_and_failures_are_counted",
+            reallocs_and_failures_are_counted,
+        ),
+        (
+            "global_snapshot_follows_live_memory",
+            global_snapshot_follows_live_memory,
+        ),
+        ("threads_do_not_see_each_other", threads_do_not_see_each_other),
+        (
+            "process_window_sees_every_thread",
+            process_window_sees_every_thread,
+        ),
+        (
+            "process_window_balances_cross_thread_frees",
+            process_window_balances_cross_thread_frees,
+        ),
+    ];
+    #[cfg(feature = "backtrace")]
+    tests.push(("sites_name_the_leaking_function", sites_name_the_leaking_function));
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let (mut passed, mut failed) = (0, 0);
+    for (name, test) in tests {
+        if filter.as_deref().is_some_and(|f| !name.contains(f)) {
+            continue;
+        }
+        match catch_unwind(test) {
+            Ok(()) => {
+                passed += 1;
+                println!("test {name} ... ok");
+            }
+            Err(_) => {
+                failed += 1;
+                println!("test {name} ... FAILED");
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}

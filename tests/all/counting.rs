@@ -1,1 +1,432 @@
-//! Tests (in progress).
+//! `Counting<A>` as an allocator-api2 `Allocator`: counters, thread windows, process-wide
+//! windows and leak reports, over the crate's allocators. (As a global allocator:
+//! `tests/counting_global.rs`.)
+
+use core::ptr::NonNull;
+use std::alloc::System;
+use std::sync::Barrier;
+
+use allocator_api2::alloc::{AllocError, Allocator, Layout};
+use allocator_api2::{boxed::Box, vec::Vec};
+use cudalloc::count::{assert_no_leaks, check_leaks, Counting, LeakScope, ProcessWindow, Snapshot, Window};
+use cudalloc::cuda::{pointer_info, MemoryType};
+use cudalloc::source::HostSource;
+use cudalloc::{Direct, ManagedAlloc, PinnedAlloc};
+
+use crate::conformance::{suite, threads, Options};
+
+/// An allocator that refuses everything.
+struct Refusing;
+
+// SAFETY: it never hands out a block, so there is nothing to free.
+unsafe impl Allocator for Refusing {
+    fn allocate(&self, _: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        Err(AllocError)
+    }
+    unsafe fn deallocate(&self, _: NonNull<u8>, _: Layout) {
+        unreachable!("Refusing allocates nothing")
+    }
+}
+
+fn assert_idle(s: Snapshot, what: &str) {
+    assert_eq!((s.live_count(), s.live_bytes()), (0, 0), "{what}: {s}");
+}
+
+#[test]
+fn conformance_through_counting() {
+    let slow = Options {
+        random_ops: 400,
+        ..Options::default()
+    };
+    let pinned = Counting::new(PinnedAlloc);
+    suite(&pinned, slow);
+    threads(&pinned, 3, slow);
+    let s = pinned.snapshot();
+    assert_idle(s, "Counting<PinnedAlloc>");
+    assert!(
+        s.failures >= 2,
+        "the two huge requests failed and were counted: {s}"
+    );
+    assert!(s.reallocs > 0 && s.allocs > 400, "{s}");
+
+    let host = Counting::new(Direct::new(HostSource));
+    suite(&host, Options::default());
+    threads(&host, 4, Options::default());
+    assert_idle(host.snapshot(), "Counting<Direct<HostSource>>");
+}
+
+#[test]
+fn counters_count_every_kind_of_operation() {
+    let c = Counting::new(System);
+    let l16 = Layout::from_size_align(16, 8).unwrap();
+    let l64 = Layout::from_size_align(64, 8).unwrap();
+    let l8 = Layout::from_size_align(8, 8).unwrap();
+    let a = c.allocate(l16).unwrap();
+    let b = c.allocate_zeroed(l16).unwrap();
+    // SAFETY: `a` and `b` were allocated above with `l16`; each is resized once and freed once.
+    unsafe {
+        let a = c.grow(a.cast(), l16, l64).unwrap();
+        let b = c.grow_zeroed(b.cast(), l16, l64).unwrap();
+        let b = c.shrink(b.cast(), l64, l8).unwrap();
+        let s = c.snapshot();
+        assert_eq!((s.allocs, s.reallocs, s.frees, s.failures), (2, 3, 0, 0));
+        assert_eq!(
+            (s.bytes_allocated, s.bytes_freed),
+            (16 + 16 + 64 + 64 + 8, 16 + 16 + 64)
+        );
+        assert_eq!((s.live_count(), s.live_bytes(), s.peak_bytes), (2, 72, 128));
+        c.deallocate(a.cast(), l64);
+        c.deallocate(b.cast(), l8);
+    }
+    let s = c.snapshot();
+    assert_eq!((s.frees, s.bytes_freed), (2, 16 + 16 + 64 + 64 + 8));
+    assert_idle(s, "after the frees");
+    assert_eq!(s.peak_bytes, 128);
+    assert!(s.to_string().contains("peak 128 B"), "{s}");
+
+    let refusing = Counting::new(Refusing);
+    assert!(refusing.allocate(l8).is_err());
+    assert_eq!(
+        refusing.snapshot(),
+        Snapshot {
+            failures: 1,
+            ..Snapshot::default()
+        }
+    );
+}
+
+#[test]
+fn snapshots_subtract_to_deltas() {
+    let c = Counting::new(System);
+    let keep = Box::new_in([1u8; 10], &c);
+    let before = c.snapshot();
+    let v: Vec<u8, _> = Vec::with_capacity_in(100, &c);
+    drop(keep);
+    let d = c.snapshot() - before;
+    assert_eq!(d, c.snapshot().delta(&before));
+    assert_eq!((d.allocs, d.frees, d.net_count(), d.net_bytes()), (1, 1, 0, 90));
+    assert_eq!((d.leaked_count(), d.leaked_bytes()), (0, 90));
+    assert!(!d.is_balanced());
+    assert!(d.to_string().contains("net +0 blocks, +90 B"), "{d}");
+    drop(v);
+}
+
+#[test]
+fn zero_size_blocks_are_not_counted() {
+    let c = Counting::new(PinnedAlloc);
+    let w = Window::open();
+    let unit = Box::new_in((), &c);
+    let empty: Vec<u64, _> = Vec::new_in(&c);
+    drop((unit, empty));
+    assert_eq!(c.snapshot(), Snapshot::default());
+    w.assert_no_leaks();
+}
+
+#[test]
+fn each_allocator_counts_only_itself() {
+    let pinned = Counting::new(PinnedAlloc);
+    let managed = Counting::new(ManagedAlloc);
+    let a = Box::new_in([0u8; 48], &pinned);
+    let b = Vec::<u8, _>::with_capacity_in(1000, &managed);
+    assert_eq!(
+        (pinned.snapshot().live_count(), pinned.snapshot().live_bytes()),
+        (1, 48)
+    );
+    assert_eq!(
+        (managed.snapshot().live_count(), managed.snapshot().live_bytes()),
+        (1, 1000)
+    );
+    drop((a, b));
+    assert_idle(pinned.snapshot(), "pinned");
+    assert_idle(managed.snapshot(), "managed");
+}
+
+/// Leaks one `[u8; 24]` box from `counting` inside a window; returns the report and
+/// the box (to free).
+fn plant_leak<A: Allocator>(
+    counting: &Counting<A>,
+) -> (cudalloc::count::LeakReport, Box<[u8; 24], &Counting<A>>) {
+    let w = Window::open();
+    let churn: Vec<u32, _> =
+        (0..100)
+            .collect::<std::vec::Vec<_>>()
+            .into_iter()
+            .fold(Vec::new_in(counting), |mut v, x| {
+                v.push(x);
+                v
+            });
+    drop(churn);
+    let leaked = Box::new_in([7u8; 24], counting);
+    let report = w.check().expect_err("a planted leak must be reported");
+    (report, leaked)
+}
+
+#[test]
+fn planted_leak_of_pinned_memory_is_reported() {
+    let pinned = Counting::new(PinnedAlloc);
+    let (report, leaked) = plant_leak(&pinned);
+    assert_eq!(report.scope, LeakScope::Thread);
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 24));
+    let text = report.to_string();
+    assert!(
+        text.contains("memory leaked in a thread window: 1 blocks, 24 bytes"),
+        "{text}"
+    );
+    drop(leaked);
+    assert_idle(pinned.snapshot(), "pinned");
+}
+
+#[test]
+fn planted_leak_of_managed_memory_is_reported() {
+    let managed = Counting::new(ManagedAlloc);
+    let (report, leaked) = plant_leak(&managed);
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 24));
+    drop(leaked);
+    assert_idle(managed.snapshot(), "managed");
+}
+
+#[test]
+fn gpu_leaked_pinned_block_is_really_pinned() {
+    gpu!();
+    let pinned = Counting::new(PinnedAlloc);
+    let (report, leaked) = plant_leak(&pinned);
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 24));
+    let info = pointer_info(leaked.as_ptr()).expect("pointer_info");
+    assert_eq!(info.memory_type, MemoryType::PinnedHost, "{info:?}");
+    drop(leaked);
+}
+
+#[test]
+fn gpu_leaked_managed_block_is_really_managed() {
+    gpu!();
+    let managed = Counting::new(ManagedAlloc);
+    let (report, leaked) = plant_leak(&managed);
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 24));
+    let info = pointer_info(leaked.as_ptr()).expect("pointer_info");
+    assert_eq!(info.memory_type, MemoryType::Managed, "{info:?}");
+    drop(leaked);
+}
+
+#[test]
+fn windows_nest() {
+    let c = Counting::new(System);
+    let outer = Window::open();
+    let kept = Box::new_in(5u64, &c);
+    {
+        let inner = Window::open();
+        drop(Vec::<u8, _>::with_capacity_in(300, &c));
+        assert_eq!(inner.peak_bytes(), 300);
+        inner.assert_no_leaks();
+    }
+    let inner = Window::open();
+    let leaked = Box::new_in(6u32, &c);
+    assert_eq!(inner.check().unwrap_err().leaked_bytes(), 4);
+    let report = outer.check().unwrap_err();
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (2, 12));
+    drop((kept, leaked));
+}
+
+#[test]
+fn realloc_growth_inside_a_window_is_a_leak_of_bytes() {
+    let c = Counting::new(System);
+    let mut v: Vec<u8, _> = Vec::with_capacity_in(8, &c);
+    let w = Window::open();
+    v.reserve_exact(100);
+    let report = w.check().unwrap_err();
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (0, 100 - 8));
+    assert_eq!(report.delta.reallocs, 1);
+}
+
+#[test]
+fn failures_are_counted_not_leaked() {
+    let c = Counting::new(Refusing);
+    let w = Window::open();
+    assert!(Vec::<u8, _>::new_in(&c).try_reserve(10).is_err());
+    let d = w.check().expect("a failure is no leak");
+    assert_eq!((d.allocs, d.failures), (0, 1));
+}
+
+#[test]
+fn leak_helpers() {
+    let c = Counting::new(PinnedAlloc);
+    assert_no_leaks(|| drop(Box::new_in([0u64; 8], &c)));
+    let mut kept = None;
+    let report = check_leaks(|| kept = Some(Box::new_in([0u64; 8], &c))).unwrap_err();
+    assert_eq!(report.leaked_bytes(), 64);
+
+    let mut kept_too = None;
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        assert_no_leaks(|| kept_too = Some(Box::new_in([0u64; 3], &c)));
+    }))
+    .expect_err("assert_no_leaks must panic on a leak");
+    let message = panic.downcast_ref::<String>().expect("a formatted message");
+    assert!(message.contains("1 blocks, 24 bytes not freed"), "{message}");
+    drop((kept, kept_too));
+    assert_idle(c.snapshot(), "after the leak helpers");
+}
+
+#[test]
+fn thread_window_ignores_other_threads_process_window_does_not() {
+    let c = Counting::new(PinnedAlloc);
+    let process = ProcessWindow::open(&c);
+    let mine = Window::open();
+    let leaked = std::thread::scope(|s| s.spawn(|| Box::new_in([1u8; 40], &c)).join().unwrap());
+    mine.assert_no_leaks();
+    let report = process.check().unwrap_err();
+    assert_eq!(report.scope, LeakScope::Process);
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 40));
+    assert!(report
+        .to_string()
+        .contains("process-wide window: 1 blocks, 40 bytes"));
+    drop(leaked);
+}
+
+#[test]
+fn process_window_finds_a_leak_among_threads() {
+    let c = Counting::new(System);
+    let w = c.process_window();
+    let leaked = std::thread::scope(|s| {
+        let handles: std::vec::Vec<_> = (0..4)
+            .map(|t| {
+                let c = &c;
+                s.spawn(move || {
+                    let mut v: Vec<u64, _> = Vec::new_in(c);
+                    v.extend(0..1000);
+                    drop(v);
+                    (t == 2).then(|| Box::new_in([0u8; 56], c))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| h.join().unwrap())
+            .collect::<std::vec::Vec<_>>()
+    });
+    let report = w.check().unwrap_err();
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 56));
+    drop(leaked);
+}
+
+#[test]
+fn process_window_balances_frees_on_other_threads() {
+    let c = Counting::new(ManagedAlloc);
+    c.assert_no_leaks(|| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for i in 0..100u32 {
+                    tx.send(Box::new_in(i, &c)).unwrap();
+                }
+                drop(tx);
+            });
+            s.spawn(|| rx.into_iter().for_each(drop));
+        });
+    });
+}
+
+/// Allocates and frees through `c` in a window, `rounds` times; when `leak`, keeps one
+/// block of `13 + id` bytes in the last window. Returns every report.
+fn busy_windows<A: Allocator>(
+    c: &Counting<A>,
+    id: usize,
+    rounds: usize,
+    leak: bool,
+) -> std::vec::Vec<(usize, u64, u64)> {
+    let mut reports = std::vec::Vec::new();
+    let mut kept = None;
+    for round in 0..rounds {
+        let w = Window::open();
+        let mut v: Vec<Vec<u8, &Counting<A>>, _> = Vec::new_in(c);
+        for i in 0..20 {
+            let mut inner = Vec::new_in(c);
+            inner.resize(1 + (i * 7 + id) % 50, i as u8);
+            v.push(inner);
+        }
+        v.truncate(5);
+        v.shrink_to_fit();
+        drop(v);
+        if leak && round == rounds - 1 {
+            let layout = Layout::from_size_align(13 + id, 1).unwrap();
+            kept = Some((c.allocate(layout).unwrap(), layout));
+        }
+        if let Err(r) = w.check() {
+            reports.push((round, r.leaked_count(), r.leaked_bytes()));
+        }
+    }
+    if let Some((p, layout)) = kept {
+        // SAFETY: allocated above from `c` with `layout`, freed once.
+        unsafe { c.deallocate(p.cast(), layout) };
+    }
+    reports
+}
+
+/// One allocator for the parallel tests below. System, not PinnedAlloc: on the GPU
+/// machine an uncached pinned allocation costs ~0.7 ms, and what is tested here (that
+/// windows of threads running at once stay apart) does not depend on the memory kind.
+static SHARED: Counting<System> = Counting::new(System);
+
+#[test]
+fn eight_threads_at_once_see_only_their_own_leaks() {
+    let barrier = Barrier::new(8);
+    std::thread::scope(|s| {
+        let handles: std::vec::Vec<_> = (0..8)
+            .map(|id| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    busy_windows(&SHARED, id, 200, id % 2 == 1)
+                })
+            })
+            .collect();
+        for (id, h) in handles.into_iter().enumerate() {
+            let reports = h.join().unwrap();
+            if id % 2 == 1 {
+                assert_eq!(reports, [(199, 1, 13 + id as u64)], "thread {id}");
+            } else {
+                assert_eq!(reports, [], "thread {id}: false positive");
+            }
+        }
+    });
+}
+
+// Eight tests that libtest runs at once (as many at a time as it has threads), all on
+// the one shared allocator: none may see another's allocations.
+macro_rules! parallel_tests {
+    ($($name:ident = $id:expr),*) => {$(
+        #[test]
+        fn $name() {
+            assert_eq!(busy_windows(&SHARED, $id, 300, false), []);
+        }
+    )*};
+}
+parallel_tests!(
+    parallel_0 = 0,
+    parallel_1 = 1,
+    parallel_2 = 2,
+    parallel_3 = 3,
+    parallel_4 = 4,
+    parallel_5 = 5,
+    parallel_6 = 6,
+    parallel_7 = 7
+);
+
+#[cfg(feature = "backtrace")]
+#[test]
+fn report_lists_allocation_sites() {
+    let c = Counting::new(System);
+    let w = Window::open();
+    drop(Box::new_in(1u8, &c));
+    let leaked = Box::new_in([0u8; 33], &c);
+    let report = w.check().unwrap_err();
+    assert_eq!(report.sites.len(), 1, "{report}");
+    assert_eq!(report.sites[0].size, 33);
+    assert_eq!(report.sites[0].address, &*leaked as *const [u8; 33] as usize);
+    assert!(
+        report.sites[0]
+            .backtrace
+            .contains("report_lists_allocation_sites"),
+        "{report}"
+    );
+    assert!(report.to_string().contains("33 bytes at"), "{report}");
+    drop(leaked);
+}

@@ -1,1 +1,0 @@
-//! Counting allocator (in progress).

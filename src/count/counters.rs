@@ -1,0 +1,498 @@
+//! The numbers behind [`Counting`](super::Counting): one shard of counters per thread,
+//! written by that thread alone and summed when read, so the hot path of an allocation
+//! is a handful of plain loads and stores, with no locked instruction.
+
+use core::fmt;
+use core::ops::Sub;
+
+use crate::sync::{AtomicU64, Ordering::Relaxed};
+
+/// Threads that get a private shard at a time; later threads share one, with atomic
+/// read-modify-writes. A thread gives its shard back when it exits.
+pub(crate) const SHARDS: usize = if cfg!(loom) { 2 } else { 16 };
+
+/// The most net bytes a shard keeps to itself before adding them to the shared live
+/// total that `peak_bytes` is taken from; see [`Counters`] for what this bounds.
+pub(crate) const PEAK_SLACK: u64 = if cfg!(loom) { 8 } else { 4096 };
+
+/// Counters of one thread (or, for [`Counters::shared`], of every thread without a
+/// shard of its own).
+///
+/// Invariant: a private shard is written only by the thread that holds its slot, so an
+/// update is `store(load() + d)`; the slot handoff (release when a thread exits,
+/// acquire when the next one claims it) orders one owner's writes before the next's.
+/// The shared shard is written with `fetch_add` by any number of threads.
+#[cfg_attr(not(loom), repr(align(128)))] // two cache lines: no false sharing between owners
+#[derive(Debug)]
+struct Shard {
+    allocs: AtomicU64,
+    frees: AtomicU64,
+    reallocs: AtomicU64,
+    bytes_allocated: AtomicU64,
+    bytes_freed: AtomicU64,
+    /// Net bytes (an `i64` in two's complement) not yet added to `Counters::committed`:
+    /// `|pending| <= PEAK_SLACK` between operations; always 0 in the shared shard.
+    pending: AtomicU64,
+}
+
+macro_rules! shard_new {
+    ($($kw:ident)?) => {
+        $($kw)? fn new() -> Self {
+            Self {
+                allocs: AtomicU64::new(0),
+                frees: AtomicU64::new(0),
+                reallocs: AtomicU64::new(0),
+                bytes_allocated: AtomicU64::new(0),
+                bytes_freed: AtomicU64::new(0),
+                pending: AtomicU64::new(0),
+            }
+        }
+    };
+}
+
+impl Shard {
+    #[cfg(not(loom))]
+    shard_new!(const);
+    #[cfg(loom)]
+    shard_new!();
+}
+
+/// Adds `d` to a counter that only the calling thread writes: a load and a store, no
+/// locked instruction (Relaxed: the value publishes no other memory).
+#[inline(always)]
+fn add_owned(counter: &AtomicU64, d: u64) {
+    counter.store(counter.load(Relaxed).wrapping_add(d), Relaxed);
+}
+
+/// The counters of one [`Counting`](super::Counting) allocator: totals of allocations,
+/// frees, reallocations, failures and bytes, and the peak of live bytes.
+///
+/// # Consistency
+///
+/// Every counter is a Relaxed atomic: they are statistics, and nothing else in memory is
+/// published through them. A reader that needs exact numbers (a leak check after
+/// `join`) gets them from the happens-before edge that the join (or any other
+/// synchronization) already provides. A [`snapshot`](Counters::snapshot) taken while
+/// other threads allocate sums counters each of which was true at some moment, but not
+/// all at the same moment: its live (and so its peak) may briefly include blocks that
+/// were never live together.
+///
+/// Totals and live counts are exact. `peak_bytes` is exact while one thread at a time
+/// allocates; when several do, each thread adds its net bytes to the shared live total
+/// only once they exceed 4 KiB either way, so the peak may be off by up to 4 KiB for
+/// every other thread allocating at that moment. (An exact peak needs a locked
+/// read-modify-write on one shared cache line at every allocation and free; measured on
+/// the allocation-heavy benchmark, that alone costs more than all the rest of the
+/// counting together.)
+///
+/// ```
+/// use cudalloc::count::Counters;
+/// static COUNTERS: Counters = Counters::new();
+/// assert_eq!(COUNTERS.snapshot().allocs, 0);
+/// ```
+#[derive(Debug)]
+pub struct Counters {
+    shards: [Shard; SHARDS],
+    shared: Shard,
+    /// Sum of the net bytes the shards have pushed out of `pending` (an `i64`):
+    /// `live_bytes == committed + sum(shard.pending)`.
+    committed: AtomicU64,
+    /// The highest `committed + pending` any allocation saw.
+    peak: AtomicU64,
+    failures: AtomicU64,
+}
+
+macro_rules! counters_new {
+    ($($kw:ident)?, $shards:expr) => {
+        /// Counters at zero.
+        pub $($kw)? fn new() -> Self {
+            Self {
+                shards: $shards,
+                shared: Shard::new(),
+                committed: AtomicU64::new(0),
+                peak: AtomicU64::new(0),
+                failures: AtomicU64::new(0),
+            }
+        }
+    };
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Counters {
+    #[cfg(not(loom))]
+    counters_new!(const, [const { Shard::new() }; SHARDS]);
+    #[cfg(loom)]
+    counters_new!(, core::array::from_fn(|_| Shard::new()));
+
+    /// The counters now: sums over every thread's shard.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// use cudalloc::count::Counting;
+    /// let counting = Counting::new(std::alloc::System);
+    /// let v: Vec<u8, _> = Vec::with_capacity_in(100, &counting);
+    /// let s = counting.counters().snapshot();
+    /// assert_eq!((s.allocs, s.live_bytes()), (1, 100));
+    /// # drop(v);
+    /// ```
+    pub fn snapshot(&self) -> Snapshot {
+        let mut s = Snapshot::default();
+        for shard in self.shards.iter().chain(core::iter::once(&self.shared)) {
+            s.allocs = s.allocs.wrapping_add(shard.allocs.load(Relaxed));
+            s.frees = s.frees.wrapping_add(shard.frees.load(Relaxed));
+            s.reallocs = s.reallocs.wrapping_add(shard.reallocs.load(Relaxed));
+            s.bytes_allocated = s
+                .bytes_allocated
+                .wrapping_add(shard.bytes_allocated.load(Relaxed));
+            s.bytes_freed = s.bytes_freed.wrapping_add(shard.bytes_freed.load(Relaxed));
+        }
+        s.failures = self.failures.load(Relaxed);
+        // The peak is never below what is live now (this also settles the slack).
+        s.peak_bytes = self.peak.load(Relaxed).max(s.live_bytes());
+        s
+    }
+
+    /// Allocations counted on private shards (tests of the slot handoff).
+    #[cfg(all(test, not(loom)))]
+    pub(crate) fn shards_written(&self) -> u64 {
+        self.shards.iter().map(|s| s.allocs.load(Relaxed)).sum()
+    }
+
+    /// Counts an allocation of `size` bytes by the thread holding `slot` (any value
+    /// `>= SHARDS` means the shared shard).
+    #[inline(always)]
+    pub(crate) fn record_alloc(&self, slot: usize, size: u64) {
+        match self.shards.get(slot) {
+            Some(shard) => {
+                add_owned(&shard.allocs, 1);
+                add_owned(&shard.bytes_allocated, size);
+                let live = self.settle(shard, size as i64);
+                self.note_peak(live);
+            }
+            None => self.record_alloc_shared(size),
+        }
+    }
+
+    /// Counts a free of `size` bytes (see [`Counters::record_alloc`] for `slot`).
+    #[inline(always)]
+    pub(crate) fn record_free(&self, slot: usize, size: u64) {
+        match self.shards.get(slot) {
+            Some(shard) => {
+                add_owned(&shard.frees, 1);
+                add_owned(&shard.bytes_freed, size);
+                self.settle(shard, (size as i64).wrapping_neg());
+            }
+            None => self.record_free_shared(size),
+        }
+    }
+
+    /// Counts a reallocation from `old` to `new` bytes: one realloc; `old` bytes freed and
+    /// `new` allocated, so `live_bytes == bytes_allocated - bytes_freed` holds.
+    #[inline(always)]
+    pub(crate) fn record_realloc(&self, slot: usize, old: u64, new: u64) {
+        match self.shards.get(slot) {
+            Some(shard) => {
+                add_owned(&shard.reallocs, 1);
+                add_owned(&shard.bytes_allocated, new);
+                add_owned(&shard.bytes_freed, old);
+                let live = self.settle(shard, new.wrapping_sub(old) as i64);
+                if new > old {
+                    self.note_peak(live);
+                }
+            }
+            None => self.record_realloc_shared(old, new),
+        }
+    }
+
+    /// Counts a request the inner allocator refused.
+    #[cold]
+    pub(crate) fn record_failure(&self) {
+        self.failures.fetch_add(1, Relaxed);
+    }
+
+    /// Adds `delta` to the shard's pending bytes, pushing them to `committed` once they
+    /// leave `[-PEAK_SLACK, PEAK_SLACK]`; returns this thread's estimate of live bytes.
+    #[inline(always)]
+    fn settle(&self, shard: &Shard, delta: i64) -> i64 {
+        let pending = (shard.pending.load(Relaxed) as i64).wrapping_add(delta);
+        if pending.unsigned_abs() <= PEAK_SLACK {
+            shard.pending.store(pending as u64, Relaxed);
+            (self.committed.load(Relaxed) as i64).wrapping_add(pending)
+        } else {
+            self.commit(shard, pending)
+        }
+    }
+
+    #[inline(never)]
+    fn commit(&self, shard: &Shard, pending: i64) -> i64 {
+        shard.pending.store(0, Relaxed);
+        (self.committed.fetch_add(pending as u64, Relaxed) as i64).wrapping_add(pending)
+    }
+
+    /// Raises the peak to `live`; the load first keeps the common case (no new peak) free
+    /// of locked instructions. Relaxed: `fetch_max` is atomic, so no raise is lost.
+    #[inline(always)]
+    fn note_peak(&self, live: i64) {
+        if live > 0 && live as u64 > self.peak.load(Relaxed) {
+            self.peak.fetch_max(live as u64, Relaxed);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_alloc_shared(&self, size: u64) {
+        self.shared.allocs.fetch_add(1, Relaxed);
+        self.shared.bytes_allocated.fetch_add(size, Relaxed);
+        let live = self.committed.fetch_add(size, Relaxed).wrapping_add(size);
+        self.note_peak(live as i64);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_free_shared(&self, size: u64) {
+        self.shared.frees.fetch_add(1, Relaxed);
+        self.shared.bytes_freed.fetch_add(size, Relaxed);
+        self.committed.fetch_sub(size, Relaxed);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn record_realloc_shared(&self, old: u64, new: u64) {
+        self.shared.reallocs.fetch_add(1, Relaxed);
+        self.shared.bytes_allocated.fetch_add(new, Relaxed);
+        self.shared.bytes_freed.fetch_add(old, Relaxed);
+        let delta = new.wrapping_sub(old);
+        let live = self.committed.fetch_add(delta, Relaxed).wrapping_add(delta);
+        if new > old {
+            self.note_peak(live as i64);
+        }
+    }
+}
+
+/// The counters of an allocator at one moment ([`Counters::snapshot`]). Totals count
+/// from the allocator's creation; subtract an earlier snapshot for what happened in
+/// between.
+///
+/// ```
+/// use allocator_api2::boxed::Box;
+/// use cudalloc::count::Counting;
+/// let counting = Counting::new(std::alloc::System);
+/// let before = counting.snapshot();
+/// let b = Box::new_in([0u8; 32], &counting);
+/// let after = counting.snapshot();
+/// assert_eq!(after.live_bytes(), 32);
+/// assert_eq!((after - before).net_bytes(), 32);
+/// println!("{after}");
+/// # drop(b);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Snapshot {
+    /// Successful allocations (reallocations not included).
+    pub allocs: u64,
+    /// Frees.
+    pub frees: u64,
+    /// Successful reallocations (`realloc`, `grow`, `shrink`).
+    pub reallocs: u64,
+    /// Requests the inner allocator refused (allocations and reallocations).
+    pub failures: u64,
+    /// Bytes handed out: allocations plus the new size of every reallocation.
+    pub bytes_allocated: u64,
+    /// Bytes given back: frees plus the old size of every reallocation.
+    pub bytes_freed: u64,
+    /// The most bytes live at once (see [`Counters`] on its precision).
+    pub peak_bytes: u64,
+}
+
+impl Snapshot {
+    /// Blocks allocated and not yet freed.
+    pub fn live_count(&self) -> u64 {
+        self.allocs.saturating_sub(self.frees)
+    }
+
+    /// Bytes allocated and not yet freed.
+    pub fn live_bytes(&self) -> u64 {
+        self.bytes_allocated.saturating_sub(self.bytes_freed)
+    }
+
+    /// What happened between `earlier` and `self`; the same as `self - earlier`.
+    pub fn delta(&self, earlier: &Snapshot) -> Delta {
+        Delta {
+            allocs: self.allocs.wrapping_sub(earlier.allocs),
+            frees: self.frees.wrapping_sub(earlier.frees),
+            reallocs: self.reallocs.wrapping_sub(earlier.reallocs),
+            failures: self.failures.wrapping_sub(earlier.failures),
+            bytes_allocated: self.bytes_allocated.wrapping_sub(earlier.bytes_allocated),
+            bytes_freed: self.bytes_freed.wrapping_sub(earlier.bytes_freed),
+        }
+    }
+}
+
+impl Sub for Snapshot {
+    type Output = Delta;
+    fn sub(self, earlier: Snapshot) -> Delta {
+        self.delta(&earlier)
+    }
+}
+
+impl fmt::Display for Snapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "live {} blocks / {} B, peak {} B; {} allocs, {} frees, {} reallocs, {} failures; \
+             {} B allocated, {} B freed",
+            self.live_count(),
+            self.live_bytes(),
+            self.peak_bytes,
+            self.allocs,
+            self.frees,
+            self.reallocs,
+            self.failures,
+            self.bytes_allocated,
+            self.bytes_freed
+        )
+    }
+}
+
+/// What happened between two snapshots, or in a window: counts of operations and bytes.
+/// The net values are signed, since frees of blocks allocated earlier count too.
+///
+/// ```
+/// use cudalloc::count::Window;
+/// let w = Window::open();
+/// let d = w.delta();
+/// assert_eq!((d.net_count(), d.net_bytes()), (0, 0));
+/// assert!(d.is_balanced());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Delta {
+    /// Allocations.
+    pub allocs: u64,
+    /// Frees.
+    pub frees: u64,
+    /// Reallocations.
+    pub reallocs: u64,
+    /// Refused requests.
+    pub failures: u64,
+    /// Bytes allocated (allocations plus the new size of reallocations).
+    pub bytes_allocated: u64,
+    /// Bytes freed (frees plus the old size of reallocations).
+    pub bytes_freed: u64,
+}
+
+impl Delta {
+    /// Allocations minus frees.
+    pub fn net_count(&self) -> i64 {
+        self.allocs.wrapping_sub(self.frees) as i64
+    }
+
+    /// Bytes allocated minus bytes freed.
+    pub fn net_bytes(&self) -> i64 {
+        self.bytes_allocated.wrapping_sub(self.bytes_freed) as i64
+    }
+
+    /// Blocks allocated and not freed: the net count, or 0 if more was freed.
+    pub fn leaked_count(&self) -> u64 {
+        self.net_count().max(0) as u64
+    }
+
+    /// Bytes allocated and not freed: the net bytes, or 0 if more was freed.
+    pub fn leaked_bytes(&self) -> u64 {
+        self.net_bytes().max(0) as u64
+    }
+
+    /// Whether nothing leaked: no more blocks or bytes allocated than freed.
+    pub fn is_balanced(&self) -> bool {
+        self.leaked_count() == 0 && self.leaked_bytes() == 0
+    }
+}
+
+impl fmt::Display for Delta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} allocs, {} frees, {} reallocs, {} failures; {} B allocated, {} B freed; \
+             net {:+} blocks, {:+} B",
+            self.allocs,
+            self.frees,
+            self.reallocs,
+            self.failures,
+            self.bytes_allocated,
+            self.bytes_freed,
+            self.net_count(),
+            self.net_bytes()
+        )
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use super::*;
+    use crate::sync::{thread, Arc};
+
+    /// Two threads with private shards and one on the shared shard allocate, reallocate
+    /// and free at once (with a slack of 8 bytes, so commits happen); after the joins
+    /// every total is exact and the peak lies between what one thread alone had live
+    /// and what all had live together.
+    #[test]
+    fn totals_exact_and_peak_bounded() {
+        loom::model(|| {
+            let c = Arc::new(Counters::new());
+            let a = {
+                let c = c.clone();
+                thread::spawn(move || {
+                    c.record_alloc(0, 8);
+                    c.record_alloc(0, 8); // 16 live here: commits
+                    c.record_free(0, 8);
+                })
+            };
+            let b = {
+                let c = c.clone();
+                thread::spawn(move || {
+                    c.record_alloc(1, 4);
+                    c.record_realloc(1, 4, 12); // commits 12
+                    c.record_free(1, 12);
+                })
+            };
+            c.record_alloc(SHARDS, 2); // the shared shard
+            c.record_failure();
+            // The stored peak never exceeds what was live at once (a snapshot taken now
+            // may: it sums shards read at different moments).
+            let peak = c.peak.load(Relaxed);
+            assert!(peak <= 30, "peak {peak} above the most ever live");
+            a.join().unwrap();
+            b.join().unwrap();
+            let s = c.snapshot();
+            assert_eq!((s.allocs, s.frees, s.reallocs, s.failures), (4, 2, 1, 1));
+            assert_eq!(
+                (s.bytes_allocated, s.bytes_freed),
+                (8 + 8 + 4 + 12 + 2, 8 + 4 + 12)
+            );
+            assert_eq!((s.live_count(), s.live_bytes()), (2, 10));
+            // Thread a alone had 16 live; all together at most 16 + 12 + 2.
+            assert!((16..=30).contains(&s.peak_bytes), "peak {}", s.peak_bytes);
+        });
+    }
+
+    /// Peak updates race with each other: the larger one always wins.
+    #[test]
+    fn peak_keeps_the_maximum() {
+        loom::model(|| {
+            let c = Arc::new(Counters::new());
+            let a = {
+                let c = c.clone();
+                thread::spawn(move || c.record_alloc(SHARDS, 20))
+            };
+            c.record_alloc(0, 9);
+            a.join().unwrap();
+            assert_eq!(c.snapshot().live_bytes(), 29);
+            // The raw peak, not the snapshot's (which is never below what is live).
+            let peak = c.peak.load(Relaxed);
+            assert!((20..=29).contains(&peak), "peak {peak}: a raise was lost");
+        });
+    }
+}

@@ -1,0 +1,526 @@
+//! Counting allocations: [`Counting<A>`] wraps any allocator (as `#[global_allocator]`
+//! and as an allocator-api2 `Allocator`) and counts what passes through it; windows
+//! ([`Window`], [`ProcessWindow`]) turn the counts into leak checks for tests.
+//!
+//! ```
+//! use std::alloc::System;
+//! use cudalloc::count::{Counting, Window};
+//!
+//! #[global_allocator]
+//! static GLOBAL: Counting<System> = Counting::new(System);
+//!
+//! fn main() {
+//!     let w = Window::open();
+//!     let v = vec![1, 2, 3];
+//!     drop(v);
+//!     w.assert_no_leaks();
+//!     println!("{}", GLOBAL.snapshot());
+//! }
+//! ```
+//!
+//! The hot path takes no lock and executes no locked instruction in the common case:
+//! each thread writes a shard of counters of its own (see [`Counters`]) and its own
+//! thread-local totals, which the windows of that thread read.
+
+mod counters;
+mod thread;
+mod window;
+
+#[cfg(all(feature = "backtrace", not(loom)))]
+mod sites;
+
+/// Stand-ins for the allocation-site table when the `backtrace` feature is off: every
+/// call compiles to nothing.
+#[cfg(not(all(feature = "backtrace", not(loom))))]
+mod sites {
+    use super::thread::ThreadState;
+    use super::LeakSite;
+
+    pub(crate) const ENABLED: bool = false;
+
+    pub(crate) struct SiteKey {
+        pub(crate) thread: u64,
+        pub(crate) instance: usize,
+        pub(crate) seq: u64,
+    }
+
+    pub(crate) fn now() -> u64 {
+        0
+    }
+
+    #[inline(always)]
+    pub(crate) fn record(_: &ThreadState, _: usize, _: usize, _: usize) {}
+
+    #[inline(always)]
+    pub(crate) fn forget(_: &ThreadState, _: usize) {}
+
+    pub(crate) fn collect(_: &ThreadState, _: impl Fn(&SiteKey) -> bool) -> Vec<LeakSite> {
+        Vec::new()
+    }
+}
+
+use core::fmt;
+use core::ptr::NonNull;
+use std::alloc::GlobalAlloc;
+
+use allocator_api2::alloc::{AllocError, Allocator, Layout};
+
+pub use counters::{Counters, Delta, Snapshot};
+pub use window::{assert_no_leaks, check_leaks, LeakReport, LeakScope, LeakSite, ProcessWindow, Window};
+
+use crate::sync::global::{AtomicUsize, Ordering};
+use thread::{current, ThreadState};
+
+/// An allocator that counts what passes through `A`: allocations, frees, reallocations,
+/// failures, bytes, live and peak (see [`Snapshot`]), and feeds the leak-check windows.
+///
+/// It is a `GlobalAlloc` when `A` is, and `const`-constructible, so it can count a whole
+/// program; and an allocator-api2 `Allocator` when `A` is, so `Counting<PinnedAlloc>`
+/// counts pinned memory (use it by reference: `Vec::new_in(&counting)`).
+///
+/// ```
+/// use allocator_api2::vec::Vec;
+/// use cudalloc::{count::Counting, PinnedAlloc};
+///
+/// static PINNED: Counting<PinnedAlloc> = Counting::new(PinnedAlloc);
+///
+/// let before = PINNED.snapshot();
+/// let mut v: Vec<u8, _> = Vec::with_capacity_in(64, &PINNED);
+/// v.reserve(1000); // one reallocation
+/// drop(v);
+/// let d = PINNED.snapshot() - before;
+/// assert_eq!((d.allocs, d.reallocs, d.frees), (1, 1, 1));
+/// assert!(d.is_balanced());
+/// ```
+///
+/// Blocks of size zero are passed through uncounted: they hold no memory, and
+/// collections need not free them. With the `backtrace` feature, what the crate
+/// allocates to capture and print allocation sites is not counted either.
+///
+/// A `Counting` holds a cache-line-aligned shard of counters for each of 16 threads
+/// (about 2 KiB): keep it in a `static` or borrow it, rather than copying it into every
+/// collection.
+pub struct Counting<A> {
+    inner: A,
+    counters: Counters,
+    /// Open [`ProcessWindow`]s on this allocator (they turn on site capture).
+    process_windows: AtomicUsize,
+}
+
+impl<A> Counting<A> {
+    /// Wraps `inner`.
+    ///
+    /// ```
+    /// use cudalloc::{count::Counting, ManagedAlloc};
+    /// static MANAGED: Counting<ManagedAlloc> = Counting::new(ManagedAlloc);
+    /// assert_eq!(MANAGED.snapshot().live_count(), 0);
+    /// ```
+    #[cfg(not(loom))]
+    pub const fn new(inner: A) -> Self {
+        Self {
+            inner,
+            counters: Counters::new(),
+            process_windows: AtomicUsize::new(0),
+        }
+    }
+
+    /// Wraps `inner` (loom builds: loom's atomics are not `const`).
+    #[cfg(loom)]
+    pub fn new(inner: A) -> Self {
+        Self {
+            inner,
+            counters: Counters::new(),
+            process_windows: AtomicUsize::new(0),
+        }
+    }
+
+    /// The wrapped allocator.
+    ///
+    /// ```
+    /// use cudalloc::{count::Counting, PinnedAlloc};
+    /// assert_eq!(*Counting::new(PinnedAlloc).inner(), PinnedAlloc);
+    /// ```
+    pub fn inner(&self) -> &A {
+        &self.inner
+    }
+
+    /// The counters.
+    ///
+    /// ```
+    /// use cudalloc::count::Counting;
+    /// let c = Counting::new(std::alloc::System);
+    /// assert_eq!(c.counters().snapshot(), c.snapshot());
+    /// ```
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// The counters now; subtract an earlier snapshot for what happened in between.
+    ///
+    /// ```
+    /// use allocator_api2::boxed::Box;
+    /// use cudalloc::count::Counting;
+    /// let c = Counting::new(std::alloc::System);
+    /// let b = Box::new_in(0u128, &c);
+    /// let s = c.snapshot();
+    /// assert_eq!((s.live_count(), s.live_bytes(), s.peak_bytes), (1, 16, 16));
+    /// # drop(b);
+    /// ```
+    pub fn snapshot(&self) -> Snapshot {
+        self.counters.snapshot()
+    }
+
+    /// Opens a [`ProcessWindow`] on this allocator: what it does on every thread.
+    ///
+    /// ```
+    /// use allocator_api2::boxed::Box;
+    /// use cudalloc::count::Counting;
+    /// let c = Counting::new(std::alloc::System);
+    /// let w = c.process_window();
+    /// let b = std::thread::scope(|s| s.spawn(|| Box::new_in(1u8, &c)).join().unwrap());
+    /// drop(b);
+    /// w.assert_no_leaks();
+    /// ```
+    pub fn process_window(&self) -> ProcessWindow<'_, A> {
+        ProcessWindow::open(self)
+    }
+
+    /// Runs `f` in a [`ProcessWindow`] on this allocator and panics with the leak report
+    /// if it leaked. Threads that `f` spawns must be joined before it returns.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// use cudalloc::{count::Counting, PinnedAlloc};
+    /// let pinned = Counting::new(PinnedAlloc);
+    /// pinned.assert_no_leaks(|| {
+    ///     std::thread::scope(|s| {
+    ///         s.spawn(|| drop(Vec::<u64, _>::with_capacity_in(8, &pinned)));
+    ///     });
+    /// });
+    /// ```
+    #[track_caller]
+    pub fn assert_no_leaks(&self, f: impl FnOnce()) {
+        let w = self.process_window();
+        f();
+        w.assert_no_leaks();
+    }
+
+    /// This allocator's identity in the site table (stable while a window borrows it).
+    fn id(&self) -> usize {
+        self as *const Self as *const () as usize
+    }
+
+    #[inline(always)]
+    fn recording(&self, t: &ThreadState) -> bool {
+        sites::ENABLED && (t.window_open() || self.process_windows.load(Ordering::Relaxed) != 0)
+    }
+
+    #[inline(always)]
+    fn count_alloc(&self, ptr: *mut u8, size: usize) {
+        let size64 = size as u64;
+        let counted = current(|t| {
+            if t.is_internal() {
+                return;
+            }
+            self.counters.record_alloc(t.slot(), size64);
+            t.on_alloc(size64);
+            if self.recording(t) {
+                sites::record(t, self.id(), ptr as usize, size);
+            }
+        });
+        if counted.is_none() {
+            self.counters.record_alloc(usize::MAX, size64);
+        }
+    }
+
+    #[inline(always)]
+    fn count_free(&self, ptr: *mut u8, size: usize) {
+        let size64 = size as u64;
+        let counted = current(|t| {
+            if t.is_internal() {
+                return;
+            }
+            self.counters.record_free(t.slot(), size64);
+            t.on_free(size64);
+            sites::forget(t, ptr as usize);
+        });
+        if counted.is_none() {
+            self.counters.record_free(usize::MAX, size64);
+        }
+    }
+
+    #[inline(always)]
+    fn count_realloc(&self, old: usize, new_ptr: *mut u8, new: usize) {
+        let counted = current(|t| {
+            if t.is_internal() {
+                return;
+            }
+            self.counters.record_realloc(t.slot(), old as u64, new as u64);
+            t.on_realloc(old as u64, new as u64);
+            if self.recording(t) {
+                sites::record(t, self.id(), new_ptr as usize, new);
+            }
+        });
+        if counted.is_none() {
+            self.counters.record_realloc(usize::MAX, old as u64, new as u64);
+        }
+    }
+
+    /// Drops the recorded site of a block about to be moved or resized: once `A` has the
+    /// old address back, another thread may be handed it (and record it) at once.
+    #[inline(always)]
+    fn forget_site(&self, ptr: *mut u8) {
+        if sites::ENABLED {
+            let _ = current(|t| {
+                if !t.is_internal() {
+                    sites::forget(t, ptr as usize)
+                }
+            });
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn count_failure(&self) {
+        self.counters.record_failure();
+        let _ = current(|t| {
+            if !t.is_internal() {
+                t.on_failure()
+            }
+        });
+    }
+
+    /// Counts the outcome of growing or shrinking a block from `old` to `new` bytes: a
+    /// reallocation, or an allocation or a free where one side has size zero (blocks of
+    /// size zero are not counted).
+    #[inline(always)]
+    fn count_resize(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+        result: Result<NonNull<[u8]>, AllocError>,
+    ) -> Result<NonNull<[u8]>, AllocError> {
+        match result {
+            Ok(block) => {
+                let new_ptr = block.cast::<u8>().as_ptr();
+                match (old.size(), new.size()) {
+                    (0, 0) => {}
+                    (0, n) => self.count_alloc(new_ptr, n),
+                    (o, 0) => self.count_free(ptr.as_ptr(), o),
+                    (o, n) => self.count_realloc(o, new_ptr, n),
+                }
+            }
+            Err(_) => self.count_failure(),
+        }
+        result
+    }
+}
+
+impl<A: Default> Default for Counting<A> {
+    fn default() -> Self {
+        Self::new(A::default())
+    }
+}
+
+impl<A: fmt::Debug> fmt::Debug for Counting<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Counting")
+            .field("inner", &self.inner)
+            .field("counters", &self.snapshot())
+            .finish()
+    }
+}
+
+// SAFETY: every call is forwarded to `A` with the caller's arguments, and its result is
+// returned unchanged, so `A`'s guarantees are ours; the counting around the calls reads
+// and writes only counters (no allocation through `self`, and nothing panics).
+unsafe impl<A: GlobalAlloc> GlobalAlloc for Counting<A> {
+    #[inline]
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller meets `GlobalAlloc::alloc`'s contract (nonzero size).
+        let p = unsafe { self.inner.alloc(layout) };
+        if p.is_null() {
+            self.count_failure();
+        } else {
+            self.count_alloc(p, layout.size());
+        }
+        p
+    }
+
+    #[inline]
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller meets `GlobalAlloc::alloc_zeroed`'s contract.
+        let p = unsafe { self.inner.alloc_zeroed(layout) };
+        if p.is_null() {
+            self.count_failure();
+        } else {
+            self.count_alloc(p, layout.size());
+        }
+        p
+    }
+
+    #[inline]
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // Counted first: once `A` has it back, the address may be handed out again.
+        self.count_free(ptr, layout.size());
+        // SAFETY: the caller passes a block this allocator (so `A`) gave out, with its layout.
+        unsafe { self.inner.dealloc(ptr, layout) }
+    }
+
+    #[inline]
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        self.forget_site(ptr);
+        // SAFETY: the caller meets `GlobalAlloc::realloc`'s contract for this block.
+        let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
+        if p.is_null() {
+            self.count_failure();
+        } else {
+            self.count_realloc(layout.size(), p, new_size);
+        }
+        p
+    }
+}
+
+// SAFETY: every call is forwarded to `A` with the caller's arguments and its result
+// returned unchanged, so blocks are `A`'s: valid, exclusive, and freed by the same path
+// (a copy or reference of `Counting<A>` forwards to the same `A`). Counting reads and
+// writes only counters and never panics.
+unsafe impl<A: Allocator> Allocator for Counting<A> {
+    #[inline]
+    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        let result = self.inner.allocate(layout);
+        match result {
+            Ok(block) if layout.size() != 0 => self.count_alloc(block.cast().as_ptr(), layout.size()),
+            Ok(_) => {}
+            Err(_) => self.count_failure(),
+        }
+        result
+    }
+
+    #[inline]
+    fn allocate_zeroed(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        let result = self.inner.allocate_zeroed(layout);
+        match result {
+            Ok(block) if layout.size() != 0 => self.count_alloc(block.cast().as_ptr(), layout.size()),
+            Ok(_) => {}
+            Err(_) => self.count_failure(),
+        }
+        result
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        if layout.size() != 0 {
+            self.count_free(ptr.as_ptr(), layout.size());
+        }
+        // SAFETY: the caller passes a block this allocator (so `A`) gave out, with its layout.
+        unsafe { self.inner.deallocate(ptr, layout) }
+    }
+
+    #[inline]
+    unsafe fn grow(
+        &self,
+        ptr: NonNull<u8>,
+        old_layout: Layout,
+        new_layout: Layout,
+    ) -> Result<NonNull<[u8]>, AllocError> {
+        self.forget_site(ptr.as_ptr());
+        // SAFETY: the caller meets `Allocator::grow`'s contract for this block.
+        let result = unsafe { self.inner.grow(ptr, old_layout, new_layout) };
+        self.count_resize(ptr, old_layout, new_layout, result)
+    }
+
+    #[inline]
+    unsafe fn grow_zeroed(
+        &self,
+        ptr: NonNull<u8>,
+        old_layout: Layout,
+        new_layout: Layout,
+    ) -> Result<NonNull<[u8]>, AllocError> {
+        self.forget_site(ptr.as_ptr());
+        // SAFETY: the caller meets `Allocator::grow_zeroed`'s contract for this block.
+        let result = unsafe { self.inner.grow_zeroed(ptr, old_layout, new_layout) };
+        self.count_resize(ptr, old_layout, new_layout, result)
+    }
+
+    #[inline]
+    unsafe fn shrink(
+        &self,
+        ptr: NonNull<u8>,
+        old_layout: Layout,
+        new_layout: Layout,
+    ) -> Result<NonNull<[u8]>, AllocError> {
+        self.forget_site(ptr.as_ptr());
+        // SAFETY: the caller meets `Allocator::shrink`'s contract for this block.
+        let result = unsafe { self.inner.shrink(ptr, old_layout, new_layout) };
+        self.count_resize(ptr, old_layout, new_layout, result)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use allocator_api2::{boxed::Box, vec::Vec};
+    use std::alloc::System;
+
+    #[test]
+    fn counts_each_kind_of_operation() {
+        let c = Counting::new(System);
+        let mut v: Vec<u8, _> = Vec::with_capacity_in(10, &c);
+        v.reserve(100);
+        v.shrink_to(20);
+        let s = c.snapshot();
+        assert_eq!((s.allocs, s.reallocs, s.frees, s.failures), (1, 2, 0, 0));
+        assert_eq!(s.live_bytes(), 20);
+        assert_eq!(s.peak_bytes, 100);
+        drop(v);
+        let s = c.snapshot();
+        assert_eq!((s.live_count(), s.live_bytes(), s.frees), (0, 0, 1));
+    }
+
+    #[test]
+    fn zero_size_blocks_are_not_counted() {
+        let c = Counting::new(System);
+        let b = Box::new_in((), &c);
+        drop(b);
+        assert_eq!(c.snapshot(), Snapshot::default());
+    }
+
+    #[test]
+    fn windows_nest_and_track_their_peak() {
+        let c = Counting::new(System);
+        let outer = Window::open();
+        let a = Box::new_in([0u8; 64], &c);
+        {
+            let inner = Window::open();
+            drop(Box::new_in([0u8; 256], &c));
+            assert_eq!(inner.peak_bytes(), 256);
+            inner.assert_no_leaks();
+        }
+        assert_eq!(outer.peak_bytes(), 64 + 256);
+        let report = outer.check().unwrap_err();
+        assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 64));
+        drop(a);
+    }
+
+    #[test]
+    fn slots_are_reused_after_threads_exit() {
+        static C: Counting<System> = Counting::new(System);
+        let c = &C;
+        for _ in 0..3 * SHARDS {
+            // `join` waits for the thread's exit, so its slot is free again after it.
+            std::thread::spawn(|| drop(Box::new_in(1u64, &C))).join().unwrap();
+        }
+        let s = c.snapshot();
+        assert_eq!((s.allocs, s.frees), (3 * SHARDS as u64, 3 * SHARDS as u64));
+        // Most of those threads had a private shard (the slot came back each time).
+        let private: u64 = c.counters.shards_written();
+        assert!(
+            private >= 2 * SHARDS as u64,
+            "only {private} allocations on private shards"
+        );
+    }
+
+    use counters::SHARDS;
+}

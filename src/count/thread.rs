@@ -1,0 +1,236 @@
+//! Per-thread state shared by every `Counting` allocator: the thread's slot (which shard
+//! of each allocator's counters it writes), its own running totals for windows, and the
+//! window depth. All of it is `Cell`s in a `const`-initialized thread-local without
+//! `Drop`, so reading it never allocates and works until the thread is gone.
+
+use core::cell::Cell;
+
+use super::counters::{Snapshot, SHARDS};
+use crate::sync::global::{AtomicU64, Ordering};
+
+/// `slot` before the thread's first counted operation.
+const UNASSIGNED: u32 = u32::MAX;
+/// `slot` of a thread without a private shard (any value `>= SHARDS` works).
+const SHARED: u32 = SHARDS as u32;
+const _: () = assert!(SHARDS <= 64, "slots are the bits of one u64");
+
+/// Bit `i` is set while some thread holds slot `i`.
+static SLOTS_IN_USE: AtomicU64 = AtomicU64::new(0);
+/// Source of thread serials (never reused, unlike slots).
+static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) struct ThreadState {
+    /// Shard index; `UNASSIGNED`, or `>= SHARDS` for the shared shard.
+    slot: Cell<u32>,
+    /// Unique id of this thread among all that ever counted (0: not yet assigned).
+    serial: Cell<u64>,
+    /// Open windows on this thread.
+    depth: Cell<u32>,
+    /// What every `Counting` allocator did on this thread (wrapping).
+    totals: Cell<Snapshot>,
+    /// Net bytes this thread allocated minus freed, and the highest it reached since
+    /// the innermost window opened.
+    live: Cell<i64>,
+    peak: Cell<i64>,
+    /// Set while the crate itself allocates (capturing or printing allocation sites):
+    /// such blocks are neither counted nor recorded.
+    internal: Cell<bool>,
+}
+
+thread_local! {
+    static THREAD: ThreadState = const { ThreadState::new() };
+    static SLOT: SlotGuard = const { SlotGuard(Cell::new(UNASSIGNED)) };
+}
+
+/// Runs `f` on this thread's state; `None` only where the platform has already torn
+/// thread-locals down (a `const` one without `Drop` stays usable on mainstream targets).
+#[inline(always)]
+pub(crate) fn current<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
+    THREAD.try_with(f).ok()
+}
+
+impl ThreadState {
+    const fn new() -> Self {
+        Self {
+            slot: Cell::new(UNASSIGNED),
+            serial: Cell::new(0),
+            depth: Cell::new(0),
+            totals: Cell::new(Snapshot {
+                allocs: 0,
+                frees: 0,
+                reallocs: 0,
+                failures: 0,
+                bytes_allocated: 0,
+                bytes_freed: 0,
+                peak_bytes: 0,
+            }),
+            live: Cell::new(0),
+            peak: Cell::new(0),
+            internal: Cell::new(false),
+        }
+    }
+
+    /// The shard this thread writes (`>= SHARDS`: the shared one).
+    #[inline(always)]
+    pub(crate) fn slot(&self) -> usize {
+        let slot = self.slot.get();
+        if slot != UNASSIGNED {
+            slot as usize
+        } else {
+            self.assign()
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn assign(&self) -> usize {
+        // Until the guard below is in place, this thread (including any allocation made
+        // while registering the guard's destructor) uses the shared shard.
+        self.slot.set(SHARED);
+        self.serial.set(NEXT_SERIAL.fetch_add(1, Ordering::Relaxed));
+        if let Some(slot) = claim_slot() {
+            if SLOT.try_with(|g| g.0.set(slot)).is_ok() {
+                self.slot.set(slot);
+            } else {
+                release_slot(slot);
+            }
+        }
+        self.slot.get() as usize
+    }
+
+    /// This thread's serial (assigning one if needed).
+    pub(crate) fn serial(&self) -> u64 {
+        self.slot();
+        self.serial.get()
+    }
+
+    /// Whether the crate itself is allocating on this thread (only ever set with the
+    /// `backtrace` feature).
+    #[inline(always)]
+    pub(crate) fn is_internal(&self) -> bool {
+        super::sites::ENABLED && self.internal.get()
+    }
+
+    /// Sets the internal flag, returning its previous value.
+    #[cfg_attr(not(all(feature = "backtrace", not(loom))), allow(dead_code))]
+    pub(crate) fn set_internal(&self, on: bool) -> bool {
+        self.internal.replace(on)
+    }
+
+    #[inline(always)]
+    pub(crate) fn window_open(&self) -> bool {
+        self.depth.get() != 0
+    }
+
+    #[inline(always)]
+    pub(crate) fn on_alloc(&self, size: u64) {
+        let mut t = self.totals.get();
+        t.allocs = t.allocs.wrapping_add(1);
+        t.bytes_allocated = t.bytes_allocated.wrapping_add(size);
+        self.totals.set(t);
+        self.grow_live(size as i64);
+    }
+
+    #[inline(always)]
+    pub(crate) fn on_free(&self, size: u64) {
+        let mut t = self.totals.get();
+        t.frees = t.frees.wrapping_add(1);
+        t.bytes_freed = t.bytes_freed.wrapping_add(size);
+        self.totals.set(t);
+        self.live.set(self.live.get().wrapping_sub(size as i64));
+    }
+
+    #[inline(always)]
+    pub(crate) fn on_realloc(&self, old: u64, new: u64) {
+        let mut t = self.totals.get();
+        t.reallocs = t.reallocs.wrapping_add(1);
+        t.bytes_allocated = t.bytes_allocated.wrapping_add(new);
+        t.bytes_freed = t.bytes_freed.wrapping_add(old);
+        self.totals.set(t);
+        self.grow_live(new.wrapping_sub(old) as i64);
+    }
+
+    #[cold]
+    pub(crate) fn on_failure(&self) {
+        let mut t = self.totals.get();
+        t.failures = t.failures.wrapping_add(1);
+        self.totals.set(t);
+    }
+
+    #[inline(always)]
+    fn grow_live(&self, delta: i64) {
+        let live = self.live.get().wrapping_add(delta);
+        self.live.set(live);
+        if live > self.peak.get() {
+            self.peak.set(live);
+        }
+    }
+
+    /// This thread's running totals.
+    pub(crate) fn totals(&self) -> Snapshot {
+        self.totals.get()
+    }
+
+    /// Opens a window: returns the live level at opening and the peak to restore.
+    pub(crate) fn open_window(&self) -> (i64, i64) {
+        self.serial();
+        self.depth.set(self.depth.get() + 1);
+        let live = self.live.get();
+        (live, self.peak.replace(live))
+    }
+
+    /// The highest net bytes since the innermost open window opened.
+    pub(crate) fn peak(&self) -> i64 {
+        self.peak.get()
+    }
+
+    /// Closes a window opened with [`ThreadState::open_window`].
+    pub(crate) fn close_window(&self, saved_peak: i64) {
+        debug_assert!(self.depth.get() > 0, "closing a window that is not open");
+        self.depth.set(self.depth.get().saturating_sub(1));
+        // The enclosing window's peak covers what happened inside this one.
+        self.peak.set(self.peak.get().max(saved_peak));
+    }
+}
+
+/// Holds the thread's slot; its destructor (run at thread exit) gives the slot back.
+struct SlotGuard(Cell<u32>);
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let slot = self.0.replace(UNASSIGNED);
+        if slot != UNASSIGNED {
+            // Stop writing the shard before anyone else may claim it: whatever this
+            // thread allocates or frees from now on goes to the shared shard.
+            let _ = THREAD.try_with(|t| t.slot.set(SHARED));
+            release_slot(slot);
+        }
+    }
+}
+
+fn claim_slot() -> Option<u32> {
+    let all = if SHARDS == 64 {
+        u64::MAX
+    } else {
+        (1u64 << SHARDS) - 1
+    };
+    let mut used = SLOTS_IN_USE.load(Ordering::Relaxed);
+    loop {
+        let free = !used & all;
+        if free == 0 {
+            return None;
+        }
+        let slot = free.trailing_zeros();
+        // Acquire: the previous owner's writes to the shard happen before ours.
+        match SLOTS_IN_USE.compare_exchange_weak(used, used | 1 << slot, Ordering::Acquire, Ordering::Relaxed)
+        {
+            Ok(_) => return Some(slot),
+            Err(now) => used = now,
+        }
+    }
+}
+
+fn release_slot(slot: u32) {
+    // Release: our writes to the shard happen before the next owner's.
+    SLOTS_IN_USE.fetch_and(!(1u64 << slot), Ordering::Release);
+}

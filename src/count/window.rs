@@ -1,0 +1,398 @@
+//! Windows: what was allocated and not freed between opening and closing one, on this
+//! thread ([`Window`]) or on every thread through one allocator ([`ProcessWindow`]),
+//! and the [`LeakReport`] a leak check fails with.
+
+use core::fmt;
+use core::marker::PhantomData;
+
+use super::counters::{Delta, Snapshot};
+use super::thread::{current, ThreadState};
+use super::{sites, Counting};
+use crate::sync::global::Ordering;
+
+/// Counts what every [`Counting`] allocator allocates and frees *on this thread* while
+/// the window is open, so tests that run at once on other threads (as `cargo test`
+/// runs them) do not disturb it.
+///
+/// A window balances what the thread allocated against what it freed: `leaked` is
+/// allocated-in-window minus freed-in-window, counted in blocks and in bytes, and only
+/// a positive value is a leak. So a block allocated here and freed on another thread
+/// counts as leaked here (use a [`ProcessWindow`] for work spread over threads), and
+/// freeing blocks allocated before the window opened can hide a leak of the same size.
+/// With the `backtrace` feature the report also lists, from a per-block table, where
+/// each block allocated in the window and still live was allocated.
+///
+/// Windows nest. A window is tied to its thread (it is `!Send`).
+///
+/// ```
+/// use allocator_api2::vec::Vec;
+/// use cudalloc::{count::{Counting, Window}, PinnedAlloc};
+///
+/// let pinned = Counting::new(PinnedAlloc);
+/// let w = Window::open();
+/// let mut v: Vec<u32, _> = Vec::new_in(&pinned);
+/// v.extend(0..1000);
+/// drop(v);
+/// w.assert_no_leaks();
+///
+/// let w = Window::open();
+/// let kept: Vec<u32, _> = Vec::with_capacity_in(10, &pinned);
+/// let report = w.check().unwrap_err();
+/// assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 40));
+/// # drop(kept);
+/// ```
+#[must_use = "a window checks nothing unless asked: call `assert_no_leaks` or `check`"]
+pub struct Window {
+    start: Snapshot,
+    start_live: i64,
+    saved_peak: i64,
+    serial: u64,
+    since: u64,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Window {
+    /// Opens a window on the calling thread. Allocates nothing.
+    pub fn open() -> Window {
+        let (start, (start_live, saved_peak), serial) =
+            current(|t| (t.totals(), t.open_window(), t.serial())).unwrap_or_default();
+        Window {
+            start,
+            start_live,
+            saved_peak,
+            serial,
+            since: sites::now(),
+            _not_send: PhantomData,
+        }
+    }
+
+    /// What this thread did through `Counting` allocators since the window opened.
+    ///
+    /// ```
+    /// use allocator_api2::boxed::Box;
+    /// use cudalloc::count::{Counting, Window};
+    /// let counting = Counting::new(std::alloc::System);
+    /// let w = Window::open();
+    /// let b = Box::new_in(7u64, &counting);
+    /// assert_eq!(w.delta().net_bytes(), 8);
+    /// drop(b);
+    /// assert!(w.delta().is_balanced());
+    /// # w.assert_no_leaks();
+    /// ```
+    pub fn delta(&self) -> Delta {
+        current(|t| t.totals().delta(&self.start)).unwrap_or_default()
+    }
+
+    /// The most net bytes this thread had allocated at once since the window opened.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// use cudalloc::count::{Counting, Window};
+    /// let counting = Counting::new(std::alloc::System);
+    /// let w = Window::open();
+    /// drop(Vec::<u8, _>::with_capacity_in(4096, &counting));
+    /// assert_eq!(w.peak_bytes(), 4096);
+    /// # w.assert_no_leaks();
+    /// ```
+    pub fn peak_bytes(&self) -> u64 {
+        current(|t| t.peak().saturating_sub(self.start_live).max(0) as u64).unwrap_or(0)
+    }
+
+    /// Closes the window: `Ok` with what happened if nothing leaked, else the report.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// use cudalloc::{count::{Counting, Window}, PinnedAlloc};
+    /// let pinned = Counting::new(PinnedAlloc);
+    /// let w = Window::open();
+    /// let mut v: Vec<u8, _> = Vec::new_in(&pinned);
+    /// v.resize(100, 1);
+    /// drop(v);
+    /// let d = w.check().expect("nothing leaked");
+    /// assert_eq!((d.allocs, d.frees), (1, 1));
+    /// ```
+    pub fn check(self) -> Result<Delta, LeakReport> {
+        // Everything is read before the report allocates, and the window is closed
+        // before the report is built, so the report never counts itself.
+        let delta = self.delta();
+        let (serial, since) = (self.serial, self.since);
+        drop(self);
+        let sites =
+            current(|t| sites::collect(t, |s| s.thread == serial && s.seq >= since)).unwrap_or_default();
+        LeakReport::new(LeakScope::Thread, delta, sites)
+    }
+
+    /// Closes the window and panics with the [`LeakReport`] if anything leaked.
+    #[track_caller]
+    pub fn assert_no_leaks(self) {
+        if let Err(report) = self.check() {
+            panic!("{report}");
+        }
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        let saved_peak = self.saved_peak;
+        let _ = current(|t: &ThreadState| t.close_window(saved_peak));
+    }
+}
+
+impl fmt::Debug for Window {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Window").field("delta", &self.delta()).finish()
+    }
+}
+
+/// Runs `f` in a [`Window`] and panics with the leak report if it leaked; see
+/// [`Window`] for what counts.
+///
+/// ```
+/// use allocator_api2::vec::Vec;
+/// use cudalloc::{count::{assert_no_leaks, Counting}, ManagedAlloc};
+/// let managed = Counting::new(ManagedAlloc);
+/// assert_no_leaks(|| {
+///     let v: Vec<f32, _> = Vec::with_capacity_in(256, &managed);
+///     assert!(v.capacity() >= 256);
+/// });
+/// ```
+#[track_caller]
+pub fn assert_no_leaks(f: impl FnOnce()) {
+    let w = Window::open();
+    f();
+    w.assert_no_leaks();
+}
+
+/// Runs `f` in a [`Window`]: `Ok` with what happened, or the leak report.
+///
+/// ```
+/// use allocator_api2::boxed::Box;
+/// use cudalloc::count::{check_leaks, Counting};
+/// let counting = Counting::new(std::alloc::System);
+/// let mut kept = None;
+/// let report = check_leaks(|| kept = Some(Box::new_in(1u32, &counting))).unwrap_err();
+/// assert_eq!(report.leaked_bytes(), 4);
+/// ```
+pub fn check_leaks(f: impl FnOnce()) -> Result<Delta, LeakReport> {
+    let w = Window::open();
+    f();
+    w.check()
+}
+
+/// Counts what one [`Counting`] allocator allocates and frees on *every* thread while
+/// the window is open: for code that spreads its work over threads. Leaks are judged
+/// as in a [`Window`] (allocated minus freed, in blocks and bytes). Close it after
+/// joining the threads; anything else that uses the same allocator meanwhile (another
+/// test running at once) is counted too, so give each such test its own allocator.
+///
+/// The end of a `thread::scope` comes before its threads have quite exited; with
+/// `Counting` as the global allocator they may still free a few blocks of std's thread
+/// bookkeeping. So before reporting a leak, `check` waits up to 100 ms for the counts
+/// to balance. (`JoinHandle::join` waits for the exit itself.)
+///
+/// ```
+/// use allocator_api2::vec::Vec;
+/// use cudalloc::count::{Counting, ProcessWindow};
+/// use cudalloc::PinnedAlloc;
+///
+/// let pinned = Counting::new(PinnedAlloc);
+/// let w = ProcessWindow::open(&pinned);
+/// std::thread::scope(|s| {
+///     for _ in 0..4 {
+///         s.spawn(|| drop(Vec::<u8, _>::with_capacity_in(1000, &pinned)));
+///     }
+/// });
+/// assert_eq!(w.delta().allocs, 4);
+/// w.assert_no_leaks();
+/// ```
+#[must_use = "a window checks nothing unless asked: call `assert_no_leaks` or `check`"]
+pub struct ProcessWindow<'a, A> {
+    counting: &'a Counting<A>,
+    start: Snapshot,
+    since: u64,
+}
+
+impl<'a, A> ProcessWindow<'a, A> {
+    /// Opens a window on `counting`. Allocates nothing.
+    pub fn open(counting: &'a Counting<A>) -> Self {
+        counting.process_windows.fetch_add(1, Ordering::Relaxed);
+        Self {
+            counting,
+            start: counting.snapshot(),
+            since: sites::now(),
+        }
+    }
+
+    /// What happened through the allocator, on all threads, since the window opened.
+    pub fn delta(&self) -> Delta {
+        self.counting.snapshot().delta(&self.start)
+    }
+
+    /// Closes the window: `Ok` with what happened if nothing leaked, else the report.
+    ///
+    /// ```
+    /// use allocator_api2::boxed::Box;
+    /// use cudalloc::{count::{Counting, LeakScope, ProcessWindow}, ManagedAlloc};
+    /// let managed = Counting::new(ManagedAlloc);
+    /// let w = ProcessWindow::open(&managed);
+    /// let kept = std::thread::scope(|s| s.spawn(|| Box::new_in(1u32, &managed)).join().unwrap());
+    /// let report = w.check().unwrap_err();
+    /// assert_eq!((report.scope, report.leaked_count()), (LeakScope::Process, 1));
+    /// # drop(kept);
+    /// ```
+    pub fn check(self) -> Result<Delta, LeakReport> {
+        // Threads joined by the end of a `thread::scope` may still be on their way out,
+        // freeing their own bookkeeping (with `Counting` as the global allocator): give
+        // them a moment before calling anything a leak. Reading allocates nothing.
+        let mut delta = self.delta();
+        for _ in 0..SETTLE_ROUNDS {
+            if delta.is_balanced() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            delta = self.delta();
+        }
+        let (instance, since) = (self.counting.id(), self.since);
+        drop(self);
+        let sites =
+            current(|t| sites::collect(t, |s| s.instance == instance && s.seq >= since)).unwrap_or_default();
+        LeakReport::new(LeakScope::Process, delta, sites)
+    }
+
+    /// Closes the window and panics with the [`LeakReport`] if anything leaked.
+    #[track_caller]
+    pub fn assert_no_leaks(self) {
+        if let Err(report) = self.check() {
+            panic!("{report}");
+        }
+    }
+}
+
+impl<A> Drop for ProcessWindow<'_, A> {
+    fn drop(&mut self) {
+        self.counting.process_windows.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl<A> fmt::Debug for ProcessWindow<'_, A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessWindow")
+            .field("delta", &self.delta())
+            .finish()
+    }
+}
+
+/// How often, 2 ms apart, a process-wide window rereads unbalanced counts.
+const SETTLE_ROUNDS: u32 = 50;
+
+/// Which kind of window a [`LeakReport`] comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LeakScope {
+    /// A [`Window`]: one thread, every `Counting` allocator.
+    Thread,
+    /// A [`ProcessWindow`]: every thread, one allocator.
+    Process,
+}
+
+/// Where a block that is still live was allocated (feature `backtrace`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeakSite {
+    /// The block's address.
+    pub address: usize,
+    /// Its size in bytes.
+    pub size: usize,
+    /// The stack at its allocation (or last reallocation), allocator frames trimmed.
+    pub backtrace: String,
+}
+
+/// Why a leak check failed: what leaked, and with the `backtrace` feature where.
+///
+/// ```
+/// use allocator_api2::boxed::Box;
+/// use cudalloc::count::{Counting, LeakScope, Window};
+/// let counting = Counting::new(std::alloc::System);
+/// let w = Window::open();
+/// let b = Box::new_in([0u8; 100], &counting);
+/// let report = w.check().unwrap_err();
+/// assert_eq!(report.scope, LeakScope::Thread);
+/// assert!(report.to_string().contains("1 blocks, 100 bytes"));
+/// # drop(b);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeakReport {
+    /// The kind of window.
+    pub scope: LeakScope,
+    /// What happened in the window.
+    pub delta: Delta,
+    /// Blocks allocated in the window and still live, oldest first: empty without the
+    /// `backtrace` feature.
+    pub sites: Vec<LeakSite>,
+}
+
+impl LeakReport {
+    fn new(scope: LeakScope, delta: Delta, sites: Vec<LeakSite>) -> Result<Delta, LeakReport> {
+        if delta.is_balanced() && sites.is_empty() {
+            Ok(delta)
+        } else {
+            Err(LeakReport { scope, delta, sites })
+        }
+    }
+
+    /// Blocks allocated in the window and not freed (net).
+    pub fn leaked_count(&self) -> u64 {
+        self.delta.leaked_count()
+    }
+
+    /// Bytes allocated in the window and not freed (net).
+    pub fn leaked_bytes(&self) -> u64 {
+        self.delta.leaked_bytes()
+    }
+}
+
+/// At most this many allocation sites are printed.
+const SITES_SHOWN: usize = 16;
+
+impl fmt::Display for LeakReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let scope = match self.scope {
+            LeakScope::Thread => "thread window",
+            LeakScope::Process => "process-wide window",
+        };
+        writeln!(
+            f,
+            "memory leaked in a {scope}: {} blocks, {} bytes not freed",
+            self.leaked_count(),
+            self.leaked_bytes()
+        )?;
+        write!(f, "  window: {}", self.delta)?;
+        if !sites::ENABLED {
+            return write!(
+                f,
+                "\n  (enable cudalloc's `backtrace` feature to see allocation sites)"
+            );
+        }
+        if !self.sites.is_empty() {
+            write!(
+                f,
+                "\n  allocated in the window and still live: {} blocks",
+                self.sites.len()
+            )?;
+        }
+        for (i, site) in self.sites.iter().take(SITES_SHOWN).enumerate() {
+            write!(
+                f,
+                "\n  #{i}: {} bytes at {:#x}, allocated at:",
+                site.size, site.address
+            )?;
+            for line in site.backtrace.lines() {
+                write!(f, "\n    {line}")?;
+            }
+        }
+        if self.sites.len() > SITES_SHOWN {
+            write!(f, "\n  ... and {} more", self.sites.len() - SITES_SHOWN)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for LeakReport {}
