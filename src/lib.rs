@@ -53,5 +53,6 @@ pub mod workload;
 
 pub use direct::Direct;
 pub use error::{Error, Result};
+pub use arena::{Arena, ArenaConfig, ArenaStats, Checkpoint};
 pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
 pub use handle::{fallback_allocations, Managed, ManagedAlloc, Pinned, PinnedAlloc};
