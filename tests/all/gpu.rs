@@ -132,18 +132,25 @@ fn stream_host_function_and_events_order_work() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let stream = Stream::new(0).unwrap();
+    // The host function holds the stream until the test releases it (a sleep would race
+    // with other tests that keep the driver busy).
+    let release = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicBool::new(false));
-    let d = done.clone();
+    let (r, d) = (release.clone(), done.clone());
     stream
         .launch_host_fn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(50));
-            d.store(true, Ordering::SeqCst);
+            while !r.load(Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            d.store(true, Ordering::Release);
         })
         .unwrap();
     let event = stream.record_event().unwrap();
-    assert!(!event.is_complete().unwrap(), "event queued behind a 50 ms host function");
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert!(!event.is_complete().unwrap(), "event queued behind a held host function");
+    release.store(true, Ordering::Release);
     event.synchronize().unwrap();
-    assert!(done.load(Ordering::SeqCst));
+    assert!(done.load(Ordering::Acquire), "the host function ran before the event completed");
     assert!(event.is_complete().unwrap());
 }
 
