@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Global};
 use cudalloc::cuda::{self, DeviceMemory, HostAllocFlags, Stream};
+use cudalloc::source::HostSource;
 use cudalloc::source::{MemorySource, PinnedSource};
-use cudalloc::{workload, Direct, ManagedAlloc, PinnedAlloc};
+use cudalloc::{workload, Arena, Counting, Direct, ManagedAlloc, PinnedAlloc};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -66,7 +67,10 @@ struct Table {
 
 impl Table {
     fn new(header: &[&str]) -> Self {
-        Self { header: header.iter().map(|s| s.to_string()).collect(), rows: Vec::new() }
+        Self {
+            header: header.iter().map(|s| s.to_string()).collect(),
+            rows: Vec::new(),
+        }
     }
     fn row(&mut self, cells: Vec<String>) {
         self.rows.push(cells);
@@ -79,11 +83,18 @@ impl Table {
             }
         }
         let line = |cells: &[String]| {
-            let s: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{c:>width$}", width = w[i])).collect();
+            let s: Vec<String> = cells
+                .iter()
+                .enumerate()
+                .map(|(i, c)| format!("{c:>width$}", width = w[i]))
+                .collect();
             println!("| {} |", s.join(" | "));
         };
         line(&self.header);
-        println!("|{}|", w.iter().map(|n| "-".repeat(n + 2)).collect::<Vec<_>>().join("|"));
+        println!(
+            "|{}|",
+            w.iter().map(|n| "-".repeat(n + 2)).collect::<Vec<_>>().join("|")
+        );
         for r in &self.rows {
             line(r);
         }
@@ -98,17 +109,29 @@ struct Contender<'a> {
 }
 
 fn contender<'a, A: Allocator + 'a>(name: &'static str, a: A) -> Contender<'a> {
-    Contender { name, run: Box::new(move |size| workload::alloc_free(&a, size)) }
+    Contender {
+        name,
+        run: Box::new(move |size| workload::alloc_free(&a, size)),
+    }
 }
 
 fn latency(gpu: bool) {
     let sizes = [256, 64 * KIB, MIB, 16 * MIB];
     let bump = bumpalo::Bump::new();
-    let mut contenders = vec![contender("Global", Global), contender("bumpalo::Bump", &bump)];
+    let arena = Arena::<HostSource>::host();
+    let mut contenders = vec![
+        contender("Global", Global),
+        contender("Counting<Global>", Counting::new(Global)),
+        contender("bumpalo::Bump", &bump),
+        contender("Arena<HostSource>", &arena),
+    ];
     if gpu {
         contenders.push(contender("PinnedAlloc", PinnedAlloc));
         contenders.push(contender("ManagedAlloc", ManagedAlloc));
-        contenders.push(contender("raw cuMemHostAlloc", Direct::new(PinnedSource::new(HostAllocFlags::DEFAULT))));
+        contenders.push(contender(
+            "raw cuMemHostAlloc",
+            Direct::new(PinnedSource::new(HostAllocFlags::DEFAULT)),
+        ));
     }
     println!("## Allocation latency: allocate + touch first and last byte + free, median per pair\n");
     let mut header = vec!["size"];
@@ -126,7 +149,11 @@ fn latency(gpu: bool) {
                 black_box((c.run)(size));
             });
             let base = *base.get_or_insert(t);
-            cells.push(format!("{} ({:.2}x)", fmt_time(t), t.as_secs_f64() / base.as_secs_f64()));
+            cells.push(format!(
+                "{} ({:.2}x)",
+                fmt_time(t),
+                t.as_secs_f64() / base.as_secs_f64()
+            ));
         }
         table.row(cells);
     }
@@ -137,22 +164,111 @@ fn latency(gpu: bool) {
 fn vec_growth(gpu: bool) {
     println!("## Vec growth: push 10^6 u64 one at a time, median per run\n");
     let n = 1_000_000;
-    let bump = bumpalo::Bump::new();
+    let mut bump = bumpalo::Bump::new();
     let mut rows: Vec<(&str, Duration)> = Vec::new();
     let budget = Duration::from_millis(500);
-    rows.push(("Global", median_per_call(budget, || { black_box(workload::vec_push(Global, n)); })));
+    rows.push((
+        "Global",
+        median_per_call(budget, || {
+            black_box(workload::vec_push(Global, n));
+        }),
+    ));
     rows.push((
         "bumpalo::Bump",
-        median_per_call(budget, || { black_box(workload::vec_push(&bump, n)); }),
+        median_per_call(budget, || {
+            black_box(workload::vec_push(&bump, n));
+            bump.reset();
+        }),
+    ));
+    let mut arena = Arena::<HostSource>::host();
+    rows.push((
+        "Arena<HostSource>",
+        median_per_call(budget, || {
+            black_box(workload::vec_push(&arena, n));
+            arena.reset();
+        }),
     ));
     if gpu {
-        rows.push(("PinnedAlloc", median_per_call(budget, || { black_box(workload::vec_push(PinnedAlloc, n)); })));
-        rows.push(("ManagedAlloc", median_per_call(budget, || { black_box(workload::vec_push(ManagedAlloc, n)); })));
+        rows.push((
+            "PinnedAlloc",
+            median_per_call(budget, || {
+                black_box(workload::vec_push(PinnedAlloc, n));
+            }),
+        ));
+        rows.push((
+            "ManagedAlloc",
+            median_per_call(budget, || {
+                black_box(workload::vec_push(ManagedAlloc, n));
+            }),
+        ));
     }
     let base = rows[0].1;
     let mut table = Table::new(&["allocator", "time", "vs Global"]);
     for (name, t) in rows {
-        table.row(vec![name.into(), fmt_time(t), format!("{:.2}x", t.as_secs_f64() / base.as_secs_f64())]);
+        table.row(vec![
+            name.into(),
+            fmt_time(t),
+            format!("{:.2}x", t.as_secs_f64() / base.as_secs_f64()),
+        ]);
+    }
+    table.print();
+}
+
+fn small_objects(gpu: bool) {
+    println!(
+        "## Per-batch staging: 10^6 objects of 8..256 B, then free all (arenas: reset), median per batch\n"
+    );
+    let n = 1_000_000;
+    let budget = Duration::from_millis(1500);
+    let mut rows: Vec<(&str, Duration)> = Vec::new();
+    let mut bump = bumpalo::Bump::new();
+    rows.push((
+        "bumpalo::Bump",
+        median_per_call(budget, || {
+            black_box(workload::small_objects(&&bump, n));
+            bump.reset();
+        }),
+    ));
+    let mut arena = Arena::<HostSource>::host();
+    rows.push((
+        "Arena<HostSource>",
+        median_per_call(budget, || {
+            black_box(workload::small_objects(&&arena, n));
+            arena.reset();
+        }),
+    ));
+    if gpu {
+        let mut pinned = Arena::pinned();
+        rows.push((
+            "Arena<PinnedSource>",
+            median_per_call(budget, || {
+                black_box(workload::small_objects(&&pinned, n));
+                pinned.reset();
+            }),
+        ));
+    }
+    rows.push((
+        "Global",
+        median_per_call(budget, || {
+            black_box(workload::small_objects(&Global, n));
+        }),
+    ));
+    if gpu {
+        rows.push((
+            "PinnedAlloc",
+            median_per_call(budget, || {
+                black_box(workload::small_objects(&PinnedAlloc, n));
+            }),
+        ));
+    }
+    let base = rows[0].1;
+    let mut table = Table::new(&["allocator", "time", "vs bumpalo"]);
+    for (name, t) in rows {
+        table.row(vec![
+            name.into(),
+            fmt_time(t),
+            format!("{:.2}x", t.as_secs_f64() / base.as_secs_f64()),
+        ]);
     }
     table.print();
 }
@@ -206,7 +322,12 @@ impl Drop for HostBuf {
 }
 
 /// GB/s of `reps` copies of `buf` to (or from) `dev`, median of the synchronized reps.
-fn bandwidth(buf: &mut HostBuf, dev: &mut DeviceMemory, stream: &Stream, to_device: bool) -> cudalloc::Result<f64> {
+fn bandwidth(
+    buf: &mut HostBuf,
+    dev: &mut DeviceMemory,
+    stream: &Stream,
+    to_device: bool,
+) -> cudalloc::Result<f64> {
     let len = buf.bytes().len();
     let reps = if len >= 256 * MIB { 5 } else { 20 };
     let mut samples = Vec::new();
@@ -231,9 +352,17 @@ fn bandwidth(buf: &mut HostBuf, dev: &mut DeviceMemory, stream: &Stream, to_devi
 
 fn transfers() -> cudalloc::Result<()> {
     let stream = Stream::new(0)?;
-    let names = ["pageable Vec", "Vec<PinnedAlloc>", "Vec<ManagedAlloc>", "raw cuMemHostAlloc"];
+    let names = [
+        "pageable Vec",
+        "Vec<PinnedAlloc>",
+        "Vec<ManagedAlloc>",
+        "raw cuMemHostAlloc",
+    ];
     for to_device in [true, false] {
-        println!("## {} bandwidth, GB/s (cuMemcpyAsync, median)\n", if to_device { "H2D" } else { "D2H" });
+        println!(
+            "## {} bandwidth, GB/s (cuMemcpyAsync, median)\n",
+            if to_device { "H2D" } else { "D2H" }
+        );
         let mut header = vec!["size"];
         header.extend(names);
         header.extend(["pinned / raw", "pinned / pageable"]);
@@ -270,6 +399,7 @@ fn main() {
     }
     latency(gpu);
     vec_growth(gpu);
+    small_objects(gpu);
     if gpu {
         if let Err(e) = transfers() {
             println!("bandwidth rows failed: {e}");
