@@ -41,6 +41,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod arena;
+pub mod copy;
 pub mod count;
 pub mod cuda;
 mod direct;
@@ -56,3 +57,4 @@ pub use error::{Error, Result};
 pub use arena::{Arena, ArenaConfig, ArenaStats, Checkpoint};
 pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
 pub use handle::{fallback_allocations, Managed, ManagedAlloc, Pinned, PinnedAlloc};
+pub use pool::{record_use, Pool, PoolConfig, PoolStats};

@@ -7,14 +7,19 @@
 //! Set `CUDALLOC_NO_DRIVER=1` to make the crate behave as if no driver were present
 //! (useful to test fallback paths on a GPU machine).
 
+mod async_memory;
 mod driver;
+mod event_pool;
 mod memory;
 mod stream;
 
+pub use async_memory::AsyncDeviceMemory;
+pub(crate) use driver::record_drop_error;
 pub use driver::{device_count, device_name, driver_available, drop_errors, mem_info, CudaError};
-pub use memory::{
-    memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice,
-    MemoryType, PointerInfo,
-};
+pub(crate) use event_pool::PooledEvent;
 pub(crate) use memory::raw;
+pub use memory::{
+    memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice, MemoryType,
+    PointerInfo,
+};
 pub use stream::{Event, Stream};

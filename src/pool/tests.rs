@@ -1,0 +1,400 @@
+//! Unit tests of the pool on host memory: accounting, thread caches, the pending list,
+//! limits, trim-and-retry, slot recycling.
+
+use core::ptr::NonNull;
+
+use allocator_api2::alloc::{Allocator, Layout};
+
+use super::pending::fake::FlagFence;
+use super::*;
+use crate::source::{HostSource, MemoryKind};
+use crate::sync::global::{AtomicUsize as GlobalUsize, Ordering as GOrd};
+
+fn layout(size: usize, align: usize) -> Layout {
+    Layout::from_size_align(size, align).unwrap()
+}
+
+fn small_config() -> PoolConfig {
+    PoolConfig {
+        chunk_size: 256 << 10,
+        large_threshold: 16 << 10,
+        thread_cache_capacity: 8,
+        ..PoolConfig::default()
+    }
+}
+
+#[test]
+fn hit_returns_the_block_just_freed_and_accounting_holds() {
+    let pool = Pool::new(HostSource);
+    let l = layout(100, 8);
+    let a = pool.allocate(l).unwrap();
+    assert_eq!(a.len(), 112);
+    pool.shared.check_accounting();
+    // SAFETY: allocated above with `l`.
+    unsafe { pool.deallocate(a.cast(), l) };
+    let b = pool.allocate(l).unwrap();
+    assert_eq!(a.cast::<u8>(), b.cast::<u8>(), "a hit pops the block just freed");
+    let s = pool.stats();
+    assert_eq!((s.live_blocks, s.misses, s.hits), (1, 1, 1));
+    pool.shared.check_accounting();
+    // SAFETY: allocated above with `l`; freed with the returned length, also allowed.
+    unsafe { pool.deallocate(b.cast(), layout(b.len(), 8)) };
+    assert_eq!(pool.stats().live_bytes, 0);
+    assert!(pool.trim() >= 2 << 20);
+    let s = pool.stats();
+    assert_eq!((s.source_bytes, s.cached_bytes, s.live_bytes), (0, 0, 0), "{s:?}");
+}
+
+#[test]
+fn aligned_small_and_large_blocks() {
+    let pool = Pool::with_config(HostSource, small_config());
+    let mut live = Vec::new();
+    for align in [1, 16, 64, 512, 4096, 8192, 1 << 20] {
+        for size in [1, 24, align, 3 * align / 2 + 5, 20_000] {
+            let l = layout(size, align);
+            let p = pool.allocate(l).unwrap();
+            assert_eq!(p.cast::<u8>().as_ptr() as usize % align, 0, "{l:?}");
+            assert!(p.len() >= size);
+            // SAFETY: the block holds at least `size` bytes.
+            unsafe { p.cast::<u8>().as_ptr().write_bytes(0xAB, size) };
+            live.push((p, l));
+        }
+    }
+    pool.shared.check_accounting();
+    for (p, l) in live {
+        // SAFETY: allocated above with `l`.
+        unsafe { pool.deallocate(p.cast(), l) };
+    }
+    pool.shared.check_accounting();
+    pool.trim();
+    assert_eq!(pool.stats().source_bytes, 0);
+}
+
+#[test]
+fn large_blocks_are_reused_by_smallest_fit_within_twice_the_request() {
+    let pool = Pool::with_config(
+        HostSource,
+        PoolConfig {
+            thread_cache_capacity: 0,
+            ..PoolConfig::default()
+        },
+    );
+    let big = layout(3 << 20, 8);
+    let p = pool.allocate(big).unwrap();
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(p.cast(), big) };
+    // 2 MiB fits in the cached 3 MiB block (within 2x): reused.
+    let q = pool.allocate(layout(2 << 20, 8)).unwrap();
+    assert_eq!(q.cast::<u8>(), p.cast::<u8>());
+    assert_eq!(q.len(), 3 << 20, "the usable length is the block's");
+    // SAFETY: allocated above; any size up to the returned length may be passed.
+    unsafe { pool.deallocate(q.cast(), layout(q.len(), 8)) };
+    // 1 MiB: the 3 MiB block is more than twice as large: a fresh block.
+    let r = pool.allocate(layout(1 << 20, 8)).unwrap();
+    assert_ne!(r.cast::<u8>(), p.cast::<u8>());
+    assert_eq!(pool.stats().misses, 2);
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(r.cast(), layout(1 << 20, 8)) };
+    pool.shared.check_accounting();
+    assert_eq!(pool.trim(), 4 << 20);
+}
+
+#[test]
+fn thread_caches_flush_when_full_and_at_thread_exit() {
+    let pool = Pool::with_config(HostSource, small_config());
+    let l = layout(48, 16);
+    std::thread::scope(|s| {
+        // Joined explicitly: a scope may end before its threads' locals are destroyed,
+        // a join waits for that too.
+        s.spawn(|| {
+            let blocks: Vec<_> = (0..100).map(|_| pool.allocate(l).unwrap()).collect();
+            for b in blocks {
+                // SAFETY: allocated above.
+                unsafe { pool.deallocate(b.cast(), l) };
+            }
+            let st = pool.stats();
+            assert!(st.cached_blocks >= 100 && st.live_blocks == 0, "{st:?}");
+        })
+        .join()
+        .unwrap();
+    });
+    // The thread exited: its cache went to the shared lists, so trim can release all.
+    let st = pool.stats();
+    assert_eq!(st.live_bytes, 0);
+    pool.shared.check_accounting();
+    pool.trim();
+    assert_eq!(pool.stats().source_bytes, 0);
+}
+
+#[test]
+fn blocks_freed_with_unfinished_fences_wait_in_the_pending_list() {
+    let pool = Pool::with_config(HostSource, small_config());
+    let l = layout(64, 8);
+    let a = pool.allocate(l).unwrap();
+    let fence = FlagFence::default();
+    // An interior pointer finds its block.
+    pool.record_fence(a.cast::<u8>().as_ptr().wrapping_add(10), fence.clone())
+        .unwrap();
+    assert_eq!(pool.shared.uses.load(Ordering::Relaxed), 1);
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(a.cast(), l) };
+    let s = pool.stats();
+    assert_eq!(
+        (s.pending_blocks, s.pending_bytes, s.live_blocks),
+        (1, 64, 0),
+        "{s:?}"
+    );
+    pool.shared.check_accounting();
+    // Not reused while the fence is unfinished.
+    let mut taken = Vec::new();
+    for _ in 0..50 {
+        let b = pool.allocate(l).unwrap();
+        assert_ne!(b.cast::<u8>(), a.cast::<u8>(), "a pending block was handed out");
+        taken.push(b);
+    }
+    fence.complete();
+    let s = pool.stats(); // drains
+    assert_eq!(s.pending_blocks, 0);
+    pool.shared.check_accounting();
+    for b in taken {
+        // SAFETY: allocated above.
+        unsafe { pool.deallocate(b.cast(), l) };
+    }
+    // Trim flushes this thread's cache; the once-pending block is back in a free list.
+    pool.trim();
+    assert_eq!(pool.stats().source_bytes, 0);
+}
+
+#[test]
+fn the_pending_switch_off_reuses_at_once() {
+    let pool = Pool::with_config(HostSource, small_config());
+    pool.set_pending_list_enabled(false);
+    let l = layout(64, 8);
+    let a = pool.allocate(l).unwrap();
+    pool.record_fence(a.cast::<u8>().as_ptr(), FlagFence::default())
+        .unwrap();
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(a.cast(), l) };
+    assert_eq!(pool.stats().pending_blocks, 0);
+    let b = pool.allocate(l).unwrap();
+    assert_eq!(a.cast::<u8>(), b.cast::<u8>());
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(b.cast(), l) };
+}
+
+#[test]
+fn large_pending_blocks_and_stream_dedup() {
+    struct OnStream(FlagFence, usize);
+    impl Fence for OnStream {
+        fn is_complete(&self) -> Result<bool> {
+            self.0.is_complete()
+        }
+        fn stream_id(&self) -> Option<usize> {
+            Some(self.1)
+        }
+    }
+    let pool = Pool::new(HostSource);
+    let l = layout(4 << 20, 4096);
+    let a = pool.allocate(l).unwrap();
+    let first = FlagFence::default();
+    let second = FlagFence::default();
+    pool.record_fence(a.cast::<u8>().as_ptr(), OnStream(first.clone(), 7))
+        .unwrap();
+    // A later fence on the same stream replaces the earlier one.
+    pool.record_fence(
+        a.cast::<u8>().as_ptr().wrapping_add(4096),
+        OnStream(second.clone(), 7),
+    )
+    .unwrap();
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(a.cast(), l) };
+    assert_eq!(pool.stats().pending_bytes, 4 << 20);
+    second.complete();
+    assert_eq!(
+        pool.stats().pending_bytes,
+        0,
+        "only the latest fence of a stream counts"
+    );
+    pool.shared.check_accounting();
+    assert_eq!(pool.trim(), 4 << 20);
+}
+
+#[test]
+fn record_fence_outside_the_pool_is_an_error() {
+    let pool = Pool::new(HostSource);
+    let x = 5u64;
+    let e = pool
+        .record_fence(&x as *const u64 as *const u8, FlagFence::default())
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)));
+}
+
+#[test]
+fn limit_fails_cleanly_then_trim_and_retry_recovers() {
+    let pool = Pool::with_config(
+        HostSource,
+        PoolConfig {
+            limit: 4 << 20,
+            thread_cache_capacity: 0,
+            ..PoolConfig::default()
+        },
+    );
+    let big = layout(3 << 20, 8);
+    let a = pool.allocate(big).unwrap();
+    // 3 MiB more would pass the 4 MiB cap, even after trimming (a is live).
+    assert!(pool.allocate(big).is_err());
+    assert_eq!(pool.stats().failures, 1);
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(a.cast(), big) };
+    // Now a 2 MiB chunk is wanted: over the cap until the cached 3 MiB block is trimmed.
+    let small = layout(64, 8);
+    let b = pool.allocate(small).expect("trim and retry makes room");
+    assert_eq!(pool.stats().source_bytes, 2 << 20);
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(b.cast(), small) };
+    // Absurd sizes fail without panicking.
+    assert!(pool.allocate(layout(1 << 50, 8)).is_err());
+    assert!(pool.allocate(layout(isize::MAX as usize - 4095, 4096)).is_err());
+}
+
+/// A source that fails a set number of times, then delegates to HostSource.
+struct Flaky(GlobalUsize);
+
+// SAFETY: forwards to HostSource.
+unsafe impl crate::source::MemorySource for Flaky {
+    fn align(&self) -> usize {
+        HostSource.align()
+    }
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Pageable
+    }
+    fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
+        if self.0.load(GOrd::Relaxed) > 0 {
+            self.0.fetch_sub(1, GOrd::Relaxed);
+            return Err(Error::OutOfMemory { requested: size });
+        }
+        HostSource.allocate(size)
+    }
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize) {
+        // SAFETY: came from HostSource.allocate(size).
+        unsafe { HostSource.deallocate(ptr, size) }
+    }
+}
+// SAFETY: HostSource memory.
+unsafe impl crate::source::HostVisible for Flaky {}
+
+#[test]
+fn a_failing_source_is_retried_once_after_trimming() {
+    let pool = Pool::new(Flaky(GlobalUsize::new(1)));
+    let l = layout(64, 8);
+    let a = pool.allocate(l).expect("one failure, then the retry succeeds");
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(a.cast(), l) };
+    pool.source().0.store(2, GOrd::Relaxed);
+    assert!(
+        pool.allocate(layout(8 << 20, 8)).is_err(),
+        "two failures: AllocError"
+    );
+    assert!(pool.allocate(layout(8 << 20, 8)).is_ok_and(|p| {
+        // SAFETY: allocated just now.
+        unsafe { pool.deallocate(p.cast(), layout(8 << 20, 8)) };
+        true
+    }));
+}
+
+#[test]
+fn grow_and_shrink_in_place_within_a_class() {
+    let pool = Pool::new(HostSource);
+    let a = pool.allocate(layout(100, 8)).unwrap();
+    // SAFETY: a was allocated with (100, 8); 110 and 97 map to the same 112-byte class.
+    let b = unsafe { pool.grow(a.cast(), layout(100, 8), layout(110, 8)) }.unwrap();
+    assert_eq!(a.cast::<u8>(), b.cast::<u8>());
+    // SAFETY: b is live with (110, 8).
+    let c = unsafe { pool.shrink(b.cast(), layout(110, 8), layout(97, 8)) }.unwrap();
+    assert_eq!(a.cast::<u8>(), c.cast::<u8>());
+    // SAFETY: c is live with (97, 8); 5000 is another class: moved, contents kept.
+    unsafe { c.cast::<u8>().as_ptr().write_bytes(7, 97) };
+    // SAFETY: as above.
+    let d = unsafe { pool.grow_zeroed(c.cast(), layout(97, 8), layout(5000, 8)) }.unwrap();
+    // SAFETY: d holds 5000 bytes.
+    let bytes = unsafe { core::slice::from_raw_parts(d.cast::<u8>().as_ptr(), 5000) };
+    assert!(bytes[..97].iter().all(|&x| x == 7) && bytes[97..].iter().all(|&x| x == 0));
+    // SAFETY: d is live with (5000, 8).
+    unsafe { pool.deallocate(d.cast(), layout(5000, 8)) };
+    assert_eq!(pool.stats().live_blocks, 0);
+}
+
+#[test]
+fn slots_are_recycled_and_stale_caches_flushed_to_their_own_pool() {
+    let l = layout(32, 8);
+    let first = Pool::new(HostSource);
+    let slot = first.shared.slot;
+    let shared = first.shared.clone();
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (back_tx, back_rx) = std::sync::mpsc::channel::<()>();
+        let first_ref = &first;
+        let t = s.spawn(move || {
+            let p = first_ref.allocate(l).unwrap();
+            // SAFETY: allocated above.
+            unsafe { first_ref.deallocate(p.cast(), l) }; // parked in this thread's cache
+            back_tx.send(()).unwrap();
+            rx.recv().unwrap();
+        });
+        back_rx.recv().unwrap();
+        let st = shared.stats();
+        assert!(st.cached_blocks >= 1 && st.live_blocks == 0, "{st:?}");
+        tx.send(()).unwrap();
+        t.join().unwrap();
+    });
+    drop(first);
+    // The slot may now go to a new pool; the old state outlived its handle safely.
+    let second = Pool::new(HostSource);
+    if second.shared.slot == slot {
+        let p = second.allocate(l).unwrap();
+        // SAFETY: allocated above.
+        unsafe { second.deallocate(p.cast(), l) };
+    }
+    assert_eq!(shared.stats().live_blocks, 0);
+    shared.check_accounting();
+}
+
+#[test]
+fn many_pools_beyond_the_slots_use_shared_lists() {
+    let pools: Vec<_> = (0..70)
+        .map(|_| Pool::with_config(HostSource, small_config()))
+        .collect();
+    let l = layout(200, 8);
+    for pool in &pools {
+        let p = pool.allocate(l).unwrap();
+        // SAFETY: allocated above.
+        unsafe { pool.deallocate(p.cast(), l) };
+        pool.shared.check_accounting();
+    }
+    assert!(pools.iter().any(|p| p.shared.slot.is_none()));
+}
+
+#[test]
+fn completed_uses_of_live_blocks_are_forgotten() {
+    let pool = Pool::with_config(HostSource, small_config());
+    let l = layout(64, 8);
+    let a = pool.allocate(l).unwrap();
+    let fence = FlagFence::default();
+    pool.record_fence(a.cast::<u8>().as_ptr(), fence.clone()).unwrap();
+    pool.stats();
+    assert_eq!(
+        pool.shared.uses.load(Ordering::Relaxed),
+        1,
+        "an unfinished use is kept"
+    );
+    fence.complete();
+    pool.stats();
+    assert_eq!(
+        pool.shared.uses.load(Ordering::Relaxed),
+        0,
+        "frees are back on the fast path"
+    );
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(a.cast(), l) };
+    assert_eq!(pool.stats().pending_blocks, 0);
+}
