@@ -64,13 +64,14 @@ impl<S: HostVisible> Direct<S> {
         // Over-aligned: the block is `size + align` bytes; the aligned pointer is at most
         // `align` past the base (the base is >= 16-aligned and the alignment larger), and
         // at least HEADER past it, leaving room to store the base.
-        let total = layout
-            .size()
-            .checked_add(layout.align())
-            .ok_or(Error::TooLarge { requested: layout.size(), limit: usize::MAX - layout.align() })?;
+        let total = layout.size().checked_add(layout.align()).ok_or(Error::TooLarge {
+            requested: layout.size(),
+            limit: usize::MAX - layout.align(),
+        })?;
         let base = self.source.allocate(total)?;
         let addr = base.as_ptr() as usize;
-        let aligned = align_up(addr + HEADER, layout.align()).ok_or(Error::InvalidArgument("address overflow"))?;
+        let aligned =
+            align_up(addr + HEADER, layout.align()).ok_or(Error::InvalidArgument("address overflow"))?;
         let offset = aligned - addr;
         debug_assert!(
             (HEADER..=layout.align()).contains(&offset),
@@ -82,7 +83,10 @@ impl<S: HostVisible> Direct<S> {
         unsafe {
             let p = base.as_ptr().add(offset);
             p.sub(HEADER).cast::<usize>().write_unaligned(addr);
-            Ok(NonNull::slice_from_raw_parts(NonNull::new_unchecked(p), layout.size()))
+            Ok(NonNull::slice_from_raw_parts(
+                NonNull::new_unchecked(p),
+                layout.size(),
+            ))
         }
     }
 }

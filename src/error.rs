@@ -43,12 +43,21 @@ pub enum Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::NoDriver => f.write_str("no CUDA driver: libcuda could not be loaded, cuInit failed, or no device is present"),
+            Error::NoDriver => f.write_str(
+                "no CUDA driver: libcuda could not be loaded, cuInit failed, or no device is present",
+            ),
             Error::Cuda(e) => write!(f, "CUDA driver call failed: {e}"),
             Error::TooLarge { requested, limit } => {
-                write!(f, "request of {requested} bytes exceeds the limit of {limit} bytes")
+                write!(
+                    f,
+                    "request of {requested} bytes exceeds the limit of {limit} bytes"
+                )
             }
-            Error::LimitExceeded { requested, held, limit } => write!(
+            Error::LimitExceeded {
+                requested,
+                held,
+                limit,
+            } => write!(
                 f,
                 "request of {requested} bytes with {held} bytes held exceeds the limit of {limit} bytes"
             ),

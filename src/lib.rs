@@ -52,9 +52,9 @@ pub mod source;
 mod sync;
 pub mod workload;
 
-pub use direct::Direct;
-pub use error::{Error, Result};
 pub use arena::{Arena, ArenaConfig, ArenaStats, Checkpoint};
 pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
+pub use direct::Direct;
+pub use error::{Error, Result};
 pub use handle::{fallback_allocations, Managed, ManagedAlloc, Pinned, PinnedAlloc};
 pub use pool::{record_use, Pool, PoolConfig, PoolStats};

@@ -22,7 +22,9 @@ use allocator_api2::vec::Vec;
 /// ```
 #[inline]
 pub fn alloc_free<A: Allocator>(a: &A, size: usize) -> bool {
-    let Ok(layout) = Layout::from_size_align(size.max(1), 8) else { return false };
+    let Ok(layout) = Layout::from_size_align(size.max(1), 8) else {
+        return false;
+    };
     match a.allocate(layout) {
         Ok(p) => {
             let p = p.cast::<u8>();
@@ -60,7 +62,9 @@ pub fn small_objects<A: Allocator>(a: &A, n: usize) -> usize {
         x ^= x >> 17;
         x ^= x << 5;
         let size = 8 + (x as usize % 249);
-        let Ok(layout) = Layout::from_size_align(size, 8) else { continue };
+        let Ok(layout) = Layout::from_size_align(size, 8) else {
+            continue;
+        };
         let Ok(p) = a.allocate(layout) else { break };
         // SAFETY: the block has `size` >= 8 writable bytes.
         unsafe { p.cast::<u8>().as_ptr().write_volatile(size as u8) };

@@ -31,9 +31,8 @@ impl HostAllocFlags {
     /// Write-combined: fast host writes and PCIe transfers, very slow host reads
     /// (`CU_MEMHOSTALLOC_WRITECOMBINED`).
     pub const WRITE_COMBINED: Self = Self(sys::CU_MEMHOSTALLOC_WRITECOMBINED);
-    const ALL: u32 = sys::CU_MEMHOSTALLOC_PORTABLE
-        | sys::CU_MEMHOSTALLOC_DEVICEMAP
-        | sys::CU_MEMHOSTALLOC_WRITECOMBINED;
+    const ALL: u32 =
+        sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_WRITECOMBINED;
 
     /// The raw flag bits.
     pub const fn bits(self) -> u32 {
@@ -202,8 +201,7 @@ pub fn pointer_info(ptr: *const u8) -> Result<PointerInfo> {
         // was registered rather than allocated by cuMemHostAlloc.
         let rc = unsafe { sys::cuMemHostGetFlags(&mut flags, ptr as *mut c_void) };
         // The driver reports extra internal bits; keep the three documented flags.
-        (rc == sys::CUresult::CUDA_SUCCESS)
-            .then_some(HostAllocFlags(flags & HostAllocFlags::ALL))
+        (rc == sys::CUresult::CUDA_SUCCESS).then_some(HostAllocFlags(flags & HostAllocFlags::ALL))
     } else {
         None
     };
@@ -345,7 +343,12 @@ pub(crate) mod raw {
     /// # Safety
     /// 1. `src..src+len` stays valid and unwritten until the copy completes on `stream`.
     /// 2. `dst..dst+len` is device memory the caller may write.
-    pub(crate) unsafe fn copy_htod_async(dst: u64, src: *const u8, len: usize, stream: &Stream) -> Result<()> {
+    pub(crate) unsafe fn copy_htod_async(
+        dst: u64,
+        src: *const u8,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<()> {
         bind(stream.device())?;
         // SAFETY: obligations 1 and 2.
         check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.raw()) })?;

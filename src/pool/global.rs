@@ -20,13 +20,19 @@ use crate::sync::Arc;
 ///
 /// ```
 /// use cudalloc::pool::PinnedGrowth;
-/// assert_eq!(PinnedGrowth::default(), PinnedGrowth::HostAlloc);
+/// assert_eq!(PinnedGrowth::default(), PinnedGrowth::Auto);
 /// assert_eq!(PinnedGrowth::parse("register"), Some(PinnedGrowth::Register));
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PinnedGrowth {
-    /// `cuMemHostAlloc` ([`PinnedSource`]): the default until measurements say otherwise.
+    /// Whichever was faster on the H200 machine for the size (the default): register
+    /// blocks below [`REGISTER_BELOW`] (64 MiB), `cuMemHostAlloc` the rest. Measured
+    /// there (allocate + free, `bench pool/pinned_growth`, 2026-11-29): register 0.37 ms
+    /// vs 1.28 ms at 2 MiB, 0.98 vs 4.18 ms at 8 MiB, 21.3 vs 22.6 ms at 32 MiB, but
+    /// 88.9 vs 64.8 ms at 128 MiB and 176 vs 154 ms at 256 MiB.
     #[default]
+    Auto,
+    /// `cuMemHostAlloc` ([`PinnedSource`]) for every block.
     HostAlloc,
     /// Page-aligned memory from the system allocator, touched, then `cuMemHostRegister`
     /// ([`RegisteredSource`]). Not possible with `WRITE_COMBINED` (which only
@@ -35,9 +41,10 @@ pub enum PinnedGrowth {
 }
 
 impl PinnedGrowth {
-    /// `"hostalloc"` or `"register"` (any case).
+    /// `"auto"`, `"hostalloc"` or `"register"` (any case).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(Self::Auto),
             "hostalloc" | "host_alloc" | "cumemhostalloc" => Some(Self::HostAlloc),
             "register" | "registered" | "cumemhostregister" => Some(Self::Register),
             _ => None,
@@ -45,7 +52,7 @@ impl PinnedGrowth {
     }
 
     /// The choice for the process-wide pinned pools: `CUDALLOC_PINNED_GROWTH`
-    /// (`hostalloc` or `register`) if set and valid, else the default.
+    /// (`auto`, `hostalloc` or `register`) if set and valid, else the default.
     pub fn from_env() -> Self {
         match std::env::var("CUDALLOC_PINNED_GROWTH") {
             Ok(v) => Self::parse(&v).unwrap_or_else(|| {
@@ -56,6 +63,10 @@ impl PinnedGrowth {
         }
     }
 }
+
+/// Blocks below this size are registered by [`PinnedGrowth::Auto`]; larger ones come from
+/// `cuMemHostAlloc`.
+pub const REGISTER_BELOW: usize = 64 << 20;
 
 /// Pinned memory with the given flags, from `cuMemHostAlloc` or by registering host
 /// memory, as [`PinnedGrowth`] says: the source of the process-wide pinned pools.
@@ -95,35 +106,48 @@ impl PinnedPoolSource {
     fn registered(&self) -> RegisteredSource {
         RegisteredSource::new(self.flags.contains(HostAllocFlags::DEVICE_MAP))
     }
+
+    /// Whether a block of `size` bytes is registered rather than `cuMemHostAlloc`ed: a
+    /// pure function of the size, so `deallocate` takes the path `allocate` took.
+    fn registers(&self, size: usize) -> bool {
+        match self.growth {
+            PinnedGrowth::Auto => size < REGISTER_BELOW,
+            PinnedGrowth::HostAlloc => false,
+            PinnedGrowth::Register => true,
+        }
+    }
 }
 
-// SAFETY: forwards to PinnedSource or RegisteredSource (chosen once, in `new`), whose
-// promises it inherits; `align` is that source's and never changes.
+// SAFETY: forwards each block to PinnedSource or RegisteredSource, chosen by `registers`,
+// a pure function of the block size, so a block is freed by the source that allocated it;
+// `align` is the smaller of the two sources' alignments (both are fixed).
 unsafe impl MemorySource for PinnedPoolSource {
     fn align(&self) -> usize {
-        match self.growth {
-            PinnedGrowth::HostAlloc => PinnedSource::new(self.flags).align(),
-            PinnedGrowth::Register => self.registered().align(),
-        }
+        PinnedSource::new(self.flags)
+            .align()
+            .min(self.registered().align())
     }
     fn kind(&self) -> MemoryKind {
         match self.growth {
-            PinnedGrowth::HostAlloc => MemoryKind::Pinned,
             PinnedGrowth::Register => MemoryKind::Registered,
+            PinnedGrowth::HostAlloc | PinnedGrowth::Auto => MemoryKind::Pinned,
         }
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
-        match self.growth {
-            PinnedGrowth::HostAlloc => PinnedSource::new(self.flags).allocate(size),
-            PinnedGrowth::Register => self.registered().allocate(size),
+        if self.registers(size) {
+            self.registered().allocate(size)
+        } else {
+            PinnedSource::new(self.flags).allocate(size)
         }
     }
     unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize) {
-        // SAFETY: the caller's obligations; the same inner source allocated the block.
+        // SAFETY: the caller's obligations; `registers(size)` picks the source that
+        // allocated the block, as in `allocate`.
         unsafe {
-            match self.growth {
-                PinnedGrowth::HostAlloc => PinnedSource::new(self.flags).deallocate(ptr, size),
-                PinnedGrowth::Register => self.registered().deallocate(ptr, size),
+            if self.registers(size) {
+                self.registered().deallocate(ptr, size)
+            } else {
+                PinnedSource::new(self.flags).deallocate(ptr, size)
             }
         }
     }

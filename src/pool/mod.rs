@@ -72,7 +72,7 @@ use allocator_api2::alloc::{AllocError, Allocator, Layout};
 pub(crate) use global::{
     managed_pool, managed_pools, pinned_limit, pinned_pool, pinned_pools, set_pinned_limit,
 };
-pub use global::{pinned_default_limit, record_use, PinnedGrowth, PinnedPoolSource};
+pub use global::{pinned_default_limit, record_use, PinnedGrowth, PinnedPoolSource, REGISTER_BELOW};
 pub use pending::Fence;
 pub use stats::PoolStats;
 

@@ -41,7 +41,10 @@ unsafe impl MemorySource for HostSource {
         // allocator hands out address space that faults when touched.
         if let Some(phys) = super::physical_memory() {
             if size > phys {
-                return Err(Error::TooLarge { requested: size, limit: phys });
+                return Err(Error::TooLarge {
+                    requested: size,
+                    limit: phys,
+                });
             }
         }
         let layout = Self::layout(size)?;

@@ -55,12 +55,19 @@ fn reserve(size: usize) -> Result<()> {
     let (free, total) = mem_info(0)?;
     let limit = total / 10 * 9;
     if size > free {
-        return Err(Error::TooLarge { requested: size, limit: free });
+        return Err(Error::TooLarge {
+            requested: size,
+            limit: free,
+        });
     }
     let held = MANAGED_HELD.fetch_add(size, Ordering::Relaxed);
     if held.checked_add(size).is_none_or(|after| after > limit) {
         MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
-        return Err(Error::LimitExceeded { requested: size, held, limit });
+        return Err(Error::LimitExceeded {
+            requested: size,
+            held,
+            limit,
+        });
     }
     Ok(())
 }
@@ -92,7 +99,9 @@ unsafe impl MemorySource for ManagedSource {
             // SAFETY: p came from managed_alloc and was never handed out.
             unsafe { raw::mem_free(p as u64) };
             MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
-            return Err(Error::InvalidArgument("cuMemAllocManaged returned a misaligned block"));
+            return Err(Error::InvalidArgument(
+                "cuMemAllocManaged returned a misaligned block",
+            ));
         }
         NonNull::new(p).ok_or(Error::OutOfMemory { requested: size })
     }

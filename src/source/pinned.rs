@@ -53,14 +53,19 @@ unsafe impl MemorySource for PinnedSource {
         debug_assert!(size > 0, "zero-size requests never reach CUDA");
         if let Some(phys) = super::physical_memory() {
             if size > phys {
-                return Err(Error::TooLarge { requested: size, limit: phys });
+                return Err(Error::TooLarge {
+                    requested: size,
+                    limit: phys,
+                });
             }
         }
         let p = raw::host_alloc(size, self.flags)?;
         if p as usize % PINNED_ALIGN != 0 {
             // SAFETY: p came from host_alloc and was never handed out.
             unsafe { raw::host_free(p) };
-            return Err(Error::InvalidArgument("cuMemHostAlloc returned a misaligned block"));
+            return Err(Error::InvalidArgument(
+                "cuMemHostAlloc returned a misaligned block",
+            ));
         }
         NonNull::new(p).ok_or(Error::OutOfMemory { requested: size })
     }

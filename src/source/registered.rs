@@ -32,7 +32,10 @@ impl RegisteredSource {
 }
 
 fn pages(size: usize) -> Result<usize> {
-    align_up(size, PAGE_SIZE).ok_or(Error::TooLarge { requested: size, limit: usize::MAX - PAGE_SIZE })
+    align_up(size, PAGE_SIZE).ok_or(Error::TooLarge {
+        requested: size,
+        limit: usize::MAX - PAGE_SIZE,
+    })
 }
 
 // SAFETY: blocks come from HostSource (exclusive, page-aligned) and are registered whole.
@@ -45,11 +48,16 @@ unsafe impl MemorySource for RegisteredSource {
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0);
-        crate::cuda::driver_available().then_some(()).ok_or(Error::NoDriver)?;
+        crate::cuda::driver_available()
+            .then_some(())
+            .ok_or(Error::NoDriver)?;
         let len = pages(size)?;
         if let Some(phys) = super::physical_memory() {
             if len > phys {
-                return Err(Error::TooLarge { requested: len, limit: phys });
+                return Err(Error::TooLarge {
+                    requested: len,
+                    limit: phys,
+                });
             }
         }
         let p = HostSource.allocate(len)?;

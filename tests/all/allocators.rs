@@ -10,12 +10,18 @@ use crate::conformance::{suite, threads, Options};
 
 /// Uncached CUDA allocators cost ~0.7 ms a call: fewer random operations.
 fn slow() -> Options {
-    Options { random_ops: 400, ..Options::default() }
+    Options {
+        random_ops: 400,
+        ..Options::default()
+    }
 }
 
 #[test]
 fn global_reference() {
-    let opts = Options { huge_must_fail: false, ..Options::default() };
+    let opts = Options {
+        huge_must_fail: false,
+        ..Options::default()
+    };
     suite(&Global, opts);
     threads(&Global, 4, opts);
 }
@@ -51,7 +57,13 @@ fn pinned_every_flag_combination() {
     gpu!();
     for bits in 0..8 {
         let flags = HostAllocFlags::from_bits(bits).unwrap();
-        suite(&PinnedAlloc::with_flags(flags).strict(), Options { random_ops: 100, ..slow() });
+        suite(
+            &PinnedAlloc::with_flags(flags).strict(),
+            Options {
+                random_ops: 100,
+                ..slow()
+            },
+        );
     }
 }
 
@@ -110,12 +122,20 @@ fn without_driver_defaults_fall_back_and_strict_handles_fail() {
     drop(v);
 
     let mut strict: Vec<u8, _> = Vec::new_in(PinnedAlloc::strict());
-    assert!(strict.try_reserve(1).is_err(), "strict pinned handle must fail without a driver");
+    assert!(
+        strict.try_reserve(1).is_err(),
+        "strict pinned handle must fail without a driver"
+    );
     let mut strict: Vec<u8, _> = Vec::new_in(ManagedAlloc::strict());
-    assert!(strict.try_reserve(1).is_err(), "strict managed handle must fail without a driver");
+    assert!(
+        strict.try_reserve(1).is_err(),
+        "strict managed handle must fail without a driver"
+    );
     // Zero-size requests succeed everywhere: they never reach CUDA.
     let empty: Vec<u8, _> = Vec::new_in(PinnedAlloc::strict());
     assert!(empty.is_empty());
-    assert!(Direct::new(PinnedSource::default()).try_allocate(core::alloc::Layout::new::<u64>()).is_err());
+    assert!(Direct::new(PinnedSource::default())
+        .try_allocate(core::alloc::Layout::new::<u64>())
+        .is_err());
     assert!(cudalloc::cuda::Stream::new(0).is_err());
 }

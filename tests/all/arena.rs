@@ -851,26 +851,39 @@ fn freeing_a_block_the_gpu_reads_does_not_hand_it_out_again() {
 #[test]
 fn drop_waits_for_recorded_uses() {
     gpu!();
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
     let stream = Stream::new(0).unwrap();
     let arena = Arena::pinned();
     let mut dev = DeviceMemory::new(MIB, 0).unwrap();
+    // The copy waits behind a host function that runs until another thread releases it
+    // (a sleep would race with other tests keeping the driver busy).
+    let released = Arc::new(AtomicBool::new(false));
     {
         let v: Vec<u8, _> = collect_in(core::iter::repeat_n(1u8, MIB), &arena);
+        let r = released.clone();
         stream
-            .launch_host_fn(|| std::thread::sleep(Duration::from_millis(50)))
+            .launch_host_fn(move || {
+                while !r.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
             .unwrap();
         // SAFETY: the arena's drop waits for the copy before freeing the memory.
         unsafe { dev.copy_from_host_async(0, &v, &stream) }.unwrap();
         arena.record_use(&stream).unwrap();
         assert_eq!(arena.stats().pending_uses, 1);
     }
-    let t = Instant::now();
+    let r = released.clone();
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        r.store(true, Ordering::Release);
+    });
     drop(arena);
-    let waited = t.elapsed();
-    println!("drop waited {waited:?}");
     assert!(
-        waited >= Duration::from_millis(30),
-        "drop returned after {waited:?}, before the copy could run"
+        released.load(Ordering::Acquire),
+        "drop returned before the copy it had to wait for could run"
     );
+    releaser.join().unwrap();
     assert_eq!(cudalloc::cuda::drop_errors(), 0);
 }

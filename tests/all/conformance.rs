@@ -38,7 +38,12 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Self { max_align: 1 << 20, random_ops: 3000, max_size: 64 << 10, huge_must_fail: true }
+        Self {
+            max_align: 1 << 20,
+            random_ops: 3000,
+            max_size: 64 << 10,
+            huge_must_fail: true,
+        }
     }
 }
 
@@ -54,13 +59,25 @@ fn check(p: NonNull<u8>, len: usize, tag: u8, what: &str) {
     for i in 0..len {
         // SAFETY: the block has at least `len` bytes.
         let got = unsafe { p.as_ptr().add(i).read() };
-        assert_eq!(got, tag.wrapping_add(i as u8).wrapping_mul(31), "{what}: byte {i} of {len} corrupted");
+        assert_eq!(
+            got,
+            tag.wrapping_add(i as u8).wrapping_mul(31),
+            "{what}: byte {i} of {len} corrupted"
+        );
     }
 }
 
 fn assert_fits(p: NonNull<[u8]>, layout: Layout, what: &str) {
-    assert!(p.len() >= layout.size(), "{what}: block of {} bytes for {layout:?}", p.len());
-    assert_eq!(p.cast::<u8>().as_ptr() as usize % layout.align(), 0, "{what}: misaligned for {layout:?}");
+    assert!(
+        p.len() >= layout.size(),
+        "{what}: block of {} bytes for {layout:?}",
+        p.len()
+    );
+    assert_eq!(
+        p.cast::<u8>().as_ptr() as usize % layout.align(),
+        0,
+        "{what}: misaligned for {layout:?}"
+    );
 }
 
 /// Every power-of-two alignment up to `max_align`, with several sizes each.
@@ -70,7 +87,9 @@ pub fn alignment_sweep<A: Allocator>(a: &A, opts: Options) {
         for size in [1, 7, align, align + 1, 3 * align / 2 + 5] {
             let size = size.min(opts.max_size.max(align + 1));
             let layout = Layout::from_size_align(size, align).unwrap();
-            let p = a.allocate(layout).unwrap_or_else(|_| panic!("allocate {layout:?}"));
+            let p = a
+                .allocate(layout)
+                .unwrap_or_else(|_| panic!("allocate {layout:?}"));
             assert_fits(p, layout, "alignment sweep");
             fill(p, size, align as u8);
             check(p.cast(), size, align as u8, "alignment sweep");
@@ -133,7 +152,12 @@ fn assert_disjoint(live: &[Live], what: &str) {
         .collect();
     ranges.sort_unstable();
     for w in ranges.windows(2) {
-        assert!(w[0].1 <= w[1].0, "{what}: live blocks overlap: {:x?} and {:x?}", w[0], w[1]);
+        assert!(
+            w[0].1 <= w[1].0,
+            "{what}: live blocks overlap: {:x?} and {:x?}",
+            w[0],
+            w[1]
+        );
     }
 }
 
@@ -145,14 +169,24 @@ pub fn random_ops<A: Allocator>(a: &A, seed: u64, opts: Options) {
         let what = format!("random op {step} (seed {seed})");
         match rng.below(10) {
             0..=3 => {
-                let size = if rng.below(8) == 0 { rng.below(opts.max_size) } else { rng.below(512) };
+                let size = if rng.below(8) == 0 {
+                    rng.below(opts.max_size)
+                } else {
+                    rng.below(512)
+                };
                 let align = 1 << rng.below(8);
                 let layout = Layout::from_size_align(size, align).unwrap();
-                let p = a.allocate(layout).unwrap_or_else(|_| panic!("{what}: allocate {layout:?}"));
+                let p = a
+                    .allocate(layout)
+                    .unwrap_or_else(|_| panic!("{what}: allocate {layout:?}"));
                 assert_fits(p, layout, &what);
                 let tag = rng.next() as u8;
                 fill(p, size, tag);
-                live.push(Live { ptr: p.cast(), layout, tag });
+                live.push(Live {
+                    ptr: p.cast(),
+                    layout,
+                    tag,
+                });
             }
             4..=5 if !live.is_empty() => {
                 let b = live.swap_remove(rng.below(live.len()));
@@ -164,7 +198,9 @@ pub fn random_ops<A: Allocator>(a: &A, seed: u64, opts: Options) {
                 let i = rng.below(live.len());
                 let b = &mut live[i];
                 let step = if rng.below(4) == 0 { opts.max_size } else { 256 };
-                let new_size = (b.layout.size() + 1 + rng.below(step)).min(4 * opts.max_size).max(b.layout.size());
+                let new_size = (b.layout.size() + 1 + rng.below(step))
+                    .min(4 * opts.max_size)
+                    .max(b.layout.size());
                 let new = Layout::from_size_align(new_size, b.layout.align()).unwrap();
                 // SAFETY: b is live, allocated by `a` with b.layout; new is not smaller.
                 let p = unsafe { a.grow(b.ptr, b.layout, new) }.unwrap_or_else(|_| panic!("{what}: grow"));
@@ -180,7 +216,8 @@ pub fn random_ops<A: Allocator>(a: &A, seed: u64, opts: Options) {
                 let new_size = rng.below(b.layout.size() + 1);
                 let new = Layout::from_size_align(new_size, b.layout.align()).unwrap();
                 // SAFETY: b is live; new is not larger.
-                let p = unsafe { a.shrink(b.ptr, b.layout, new) }.unwrap_or_else(|_| panic!("{what}: shrink"));
+                let p =
+                    unsafe { a.shrink(b.ptr, b.layout, new) }.unwrap_or_else(|_| panic!("{what}: shrink"));
                 assert_fits(p, new, &what);
                 check(p.cast(), new_size, b.tag, &what);
                 b.ptr = p.cast();
@@ -210,7 +247,11 @@ pub fn distinct_blocks<A: Allocator>(a: &A) {
         let layout = Layout::from_size_align(1 + (i * 37) % 3000, 1 << (i % 7)).unwrap();
         let p = a.allocate(layout).expect("allocate");
         fill(p, layout.size(), i as u8);
-        live.push(Live { ptr: p.cast(), layout, tag: i as u8 });
+        live.push(Live {
+            ptr: p.cast(),
+            layout,
+            tag: i as u8,
+        });
     }
     assert_disjoint(&live, "distinct blocks");
     for b in live {

@@ -47,20 +47,40 @@ fn driver_reports_pinned_blocks_with_the_flags_asked_for() {
         for len in [16usize, 100_000, 8 << 20] {
             let v: Vec<u8, _> = filled(core::iter::repeat_n(1u8, len), PinnedAlloc::with_flags(flags));
             let info = pointer_info(v.as_ptr()).unwrap();
-            assert_eq!(info.memory_type, MemoryType::PinnedHost, "flags {flags:?}, {len} bytes");
-            let got = info.host_alloc_flags.expect("cuMemHostAlloc memory reports its flags");
-            assert!(info.device_pointer.is_some(), "pinned memory is mapped under unified addressing");
+            assert_eq!(
+                info.memory_type,
+                MemoryType::PinnedHost,
+                "flags {flags:?}, {len} bytes"
+            );
+            let got = info
+                .host_alloc_flags
+                .expect("cuMemHostAlloc memory reports its flags");
+            assert!(
+                info.device_pointer.is_some(),
+                "pinned memory is mapped under unified addressing"
+            );
             // With unified addressing (every 64-bit system) the driver maps all pinned
             // memory and reports DEVICE_MAP whether or not it was asked for.
-            println!("asked {:#x}, {len} B: driver reports {:#x}", flags.bits(), got.bits());
+            println!(
+                "asked {:#x}, {len} B: driver reports {:#x}",
+                flags.bits(),
+                got.bits()
+            );
             if !got.contains(flags) {
                 report.push(format!("asked {flags:?}, {len} B: driver reports {got:?}"));
             }
         }
     }
-    assert!(report.is_empty(), "flags asked for are missing:\n{}", report.join("\n"));
+    assert!(
+        report.is_empty(),
+        "flags asked for are missing:\n{}",
+        report.join("\n")
+    );
     let pageable = std::vec![0u8; 64];
-    assert_eq!(pointer_info(pageable.as_ptr()).unwrap().memory_type, MemoryType::Pageable);
+    assert_eq!(
+        pointer_info(pageable.as_ptr()).unwrap().memory_type,
+        MemoryType::Pageable
+    );
 }
 
 #[test]
@@ -85,13 +105,19 @@ fn registered_memory_is_reported_pinned() {
     let info = pointer_info(p.as_ptr()).unwrap();
     assert_eq!(info.memory_type, MemoryType::PinnedHost);
     // Registered portable: the driver reports it like portable (mapped) pinned memory.
-    let flags = info.host_alloc_flags.expect("registered memory reports its flags");
+    let flags = info
+        .host_alloc_flags
+        .expect("registered memory reports its flags");
     assert!(flags.contains(HostAllocFlags::PORTABLE), "{flags:?}");
     assert!(!flags.contains(HostAllocFlags::WRITE_COMBINED), "{flags:?}");
     // SAFETY: allocated above with this size and unused since.
     unsafe { src.deallocate(p, 3 << 20) };
     let after = pointer_info(p.as_ptr()).unwrap();
-    assert_eq!(after.memory_type, MemoryType::Pageable, "unregistered before it is freed");
+    assert_eq!(
+        after.memory_type,
+        MemoryType::Pageable,
+        "unregistered before it is freed"
+    );
 }
 
 #[test]
@@ -109,7 +135,10 @@ fn managed_vec_prefetched_changed_on_device_and_read_back() {
     unsafe { memset_d8_async(v.as_ptr() as u64, 0xAB, len / 2, &stream) }.unwrap();
     prefetch(&v, Location::Host, &stream).unwrap();
     stream.synchronize().unwrap();
-    assert!(v[..len / 2].iter().all(|&b| b == 0xAB), "device writes visible on the host");
+    assert!(
+        v[..len / 2].iter().all(|&b| b == 0xAB),
+        "device writes visible on the host"
+    );
     assert!(v[len / 2..].iter().all(|&b| b == 1), "the rest untouched");
     v.push(9);
     assert_eq!(v[len], 9);
@@ -120,9 +149,20 @@ fn managed_request_beyond_device_memory_is_refused_before_cuda() {
     gpu!();
     let (_free, total) = cudalloc::cuda::mem_info(0).unwrap();
     let mut v: Vec<u8, _> = Vec::new_in(ManagedAlloc);
-    assert!(v.try_reserve_exact(total).is_err(), "more managed memory than the device holds");
-    let err = cudalloc::source::ManagedSource::default().allocate(total).unwrap_err();
-    assert!(matches!(err, cudalloc::Error::TooLarge { .. } | cudalloc::Error::LimitExceeded { .. }), "{err}");
+    assert!(
+        v.try_reserve_exact(total).is_err(),
+        "more managed memory than the device holds"
+    );
+    let err = cudalloc::source::ManagedSource::default()
+        .allocate(total)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            cudalloc::Error::TooLarge { .. } | cudalloc::Error::LimitExceeded { .. }
+        ),
+        "{err}"
+    );
     v.push(1);
 }
 
@@ -147,10 +187,16 @@ fn stream_host_function_and_events_order_work() {
         .unwrap();
     let event = stream.record_event().unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
-    assert!(!event.is_complete().unwrap(), "event queued behind a held host function");
+    assert!(
+        !event.is_complete().unwrap(),
+        "event queued behind a held host function"
+    );
     release.store(true, Ordering::Release);
     event.synchronize().unwrap();
-    assert!(done.load(Ordering::Acquire), "the host function ran before the event completed");
+    assert!(
+        done.load(Ordering::Acquire),
+        "the host function ran before the event completed"
+    );
     assert!(event.is_complete().unwrap());
 }
 
@@ -158,7 +204,9 @@ fn stream_host_function_and_events_order_work() {
 fn errors_carry_the_driver_code_name_and_message() {
     gpu!();
     let err = DeviceMemory::new(1 << 50, 0).unwrap_err();
-    let cudalloc::Error::Cuda(e) = err else { panic!("expected a CUDA error, got {err}") };
+    let cudalloc::Error::Cuda(e) = err else {
+        panic!("expected a CUDA error, got {err}")
+    };
     assert!(e.is_out_of_memory());
     assert_eq!(e.name(), "CUDA_ERROR_OUT_OF_MEMORY");
     assert!(!e.message().is_empty());
@@ -182,6 +230,10 @@ fn fallback_when_driver_hidden() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "child failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "child failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("1 passed"), "the child ran the test:\n{stdout}");
 }

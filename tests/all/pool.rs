@@ -133,6 +133,12 @@ fn conformance_on_cuda_sources() {
         opts,
         3,
     );
+    conformance_on(
+        PinnedPoolSource::new(HostAllocFlags::DEFAULT, PinnedGrowth::Auto),
+        PoolConfig::default(),
+        opts,
+        3,
+    );
     conformance_on(ManagedSource::default(), PoolConfig::default(), opts, 3);
 }
 
@@ -652,4 +658,27 @@ fn pinned_growth_sources_report_their_kind() {
     assert_eq!(s.kind(), cudalloc::source::MemoryKind::Registered);
     let s = PinnedPoolSource::new(HostAllocFlags::PORTABLE, PinnedGrowth::HostAlloc);
     assert_eq!(s.kind(), cudalloc::source::MemoryKind::Pinned);
+    let s = PinnedPoolSource::new(HostAllocFlags::PORTABLE, PinnedGrowth::Auto);
+    assert_eq!(s.kind(), cudalloc::source::MemoryKind::Pinned);
+}
+
+#[test]
+fn auto_growth_registers_small_chunks_and_host_allocs_large_ones() {
+    gpu!();
+    use cudalloc::cuda::{pointer_info, MemoryType};
+    use cudalloc::source::MemorySource;
+    let s = PinnedPoolSource::new(HostAllocFlags::DEFAULT, PinnedGrowth::Auto);
+    for size in [
+        2 << 20,
+        cudalloc::pool::REGISTER_BELOW,
+        cudalloc::pool::REGISTER_BELOW + 4096,
+    ] {
+        let p = s.allocate(size).unwrap();
+        let info = pointer_info(p.as_ptr()).unwrap();
+        assert_eq!(info.memory_type, MemoryType::PinnedHost, "{size} bytes");
+        // SAFETY: allocated just above with `size`, unused. Freed by the path that
+        // allocated it, or the driver reports an error (counted in drop_errors).
+        unsafe { s.deallocate(p, size) };
+    }
+    assert_eq!(cudalloc::cuda::drop_errors(), 0);
 }
