@@ -593,8 +593,16 @@ fn copy_helpers_record_uses_and_round_trip() {
     let mut src: AVec<u32, _> = AVec::new_in(&pool);
     src.extend(0..1 << 20);
     let mut dev = DeviceMemory::new(4 << 20, 0).unwrap();
+    // The copy waits behind a host function held until the test releases it (a sleep
+    // would race with other tests keeping the driver busy).
+    let release = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r = release.clone();
     stream
-        .launch_host_fn(|| std::thread::sleep(std::time::Duration::from_millis(50)))
+        .launch_host_fn(move || {
+            while !r.load(std::sync::atomic::Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        })
         .unwrap();
     // SAFETY: `src` is not written; dropping it early is what the pool protects.
     unsafe { copy::host_to_device_async(&src[1..], &mut dev, 4, &stream) }.unwrap();
@@ -604,6 +612,7 @@ fn copy_helpers_record_uses_and_round_trip() {
         1,
         "the freed block waits for the copy"
     );
+    release.store(true, std::sync::atomic::Ordering::Release);
     let mut back: AVec<u32, _> = AVec::new_in(&pool);
     back.resize(1 << 20, 0);
     // SAFETY: `back` is not touched until the synchronize below.
