@@ -103,6 +103,46 @@ fn btree_of_strings() -> usize {
     len
 }
 
+/// The same workload split over `threads` threads, each building its own map: shared
+/// counters (stats_alloc's atomics) contend here, per-thread ones (ours) do not.
+fn btree_of_strings_threads(threads: u64) -> usize {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    let mut map = BTreeMap::new();
+                    for i in (t..ENTRIES).step_by(threads as usize) {
+                        let key = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) % 1_000_000_007;
+                        map.insert(format!("key-{key:010}"), i);
+                    }
+                    let len = map.len();
+                    drop(black_box(map));
+                    len
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    })
+}
+
+fn overhead_threads(c: &mut Criterion) {
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(8)) as u64;
+    let mut group = c.benchmark_group(format!("btreemap_1e5_strings_{threads}_threads"));
+    group.throughput(Throughput::Elements(ENTRIES));
+    for (name, mode) in [
+        ("System", SYSTEM),
+        ("Counting<System>", COUNTING),
+        ("StatsAlloc<System>", STATS),
+    ] {
+        group.bench_function(BenchmarkId::from_parameter(name), |b| {
+            MODE.store(mode, Relaxed);
+            b.iter(|| btree_of_strings_threads(threads));
+            MODE.store(SYSTEM, Relaxed);
+        });
+    }
+    group.finish();
+}
+
 fn overhead(c: &mut Criterion) {
     // Grow the heap first, so the first row does not pay for page faults the others skip.
     for _ in 0..3 {
@@ -117,17 +157,20 @@ fn overhead(c: &mut Criterion) {
     ] {
         group.bench_function(BenchmarkId::from_parameter(name), |b| {
             MODE.store(mode, Relaxed);
+            let before = COUNTED.snapshot().allocs;
             b.iter(btree_of_strings);
             MODE.store(SYSTEM, Relaxed);
+            // Proof that the counting row counted: its allocations went through `COUNTED`.
+            if mode == COUNTING {
+                assert!(
+                    COUNTED.snapshot().allocs - before >= ENTRIES,
+                    "Counting<System> counted nothing"
+                );
+            }
         });
     }
     group.finish();
-    // Proof that the counting row counted: its allocations went through `COUNTED`.
-    assert!(
-        COUNTED.snapshot().allocs >= ENTRIES,
-        "Counting<System> counted nothing"
-    );
 }
 
-criterion_group!(benches, overhead);
+criterion_group!(benches, overhead, overhead_threads);
 criterion_main!(benches);
