@@ -172,8 +172,9 @@ fn stream_host_function_and_events_order_work() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let stream = Stream::new(0).unwrap();
-    // The host function holds the stream until the test releases it (a sleep would race
-    // with other tests that keep the driver busy).
+    // The host function holds the stream until a timer thread releases it. The release
+    // must not depend on this thread's own CUDA calls: a synchronizing call elsewhere
+    // (cuMemFreeHost waits for the device) could otherwise deadlock with the gate.
     let release = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicBool::new(false));
     let (r, d) = (release.clone(), done.clone());
@@ -185,18 +186,19 @@ fn stream_host_function_and_events_order_work() {
             d.store(true, Ordering::Release);
         })
         .unwrap();
+    let timer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        release.store(true, Ordering::Release);
+    });
     let event = stream.record_event().unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(20));
-    assert!(
-        !event.is_complete().unwrap(),
-        "event queued behind a held host function"
-    );
-    release.store(true, Ordering::Release);
+    let early = event.is_complete().unwrap();
     event.synchronize().unwrap();
+    timer.join().unwrap();
     assert!(
         done.load(Ordering::Acquire),
         "the host function ran before the event completed"
     );
+    assert!(!early, "event queued behind a held host function completed early");
     assert!(event.is_complete().unwrap());
 }
 

@@ -593,8 +593,9 @@ fn copy_helpers_record_uses_and_round_trip() {
     let mut src: AVec<u32, _> = AVec::new_in(&pool);
     src.extend(0..1 << 20);
     let mut dev = DeviceMemory::new(4 << 20, 0).unwrap();
-    // The copy waits behind a host function held until the test releases it (a sleep
-    // would race with other tests keeping the driver busy).
+    // The copy waits behind a host function held until a timer thread releases it; the
+    // release must not depend on this thread's CUDA calls (a synchronizing call elsewhere,
+    // such as cuMemFreeHost, could otherwise deadlock with the gate).
     let release = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let r = release.clone();
     stream
@@ -604,15 +605,16 @@ fn copy_helpers_record_uses_and_round_trip() {
             }
         })
         .unwrap();
+    let timer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        release.store(true, std::sync::atomic::Ordering::Release);
+    });
     // SAFETY: `src` is not written; dropping it early is what the pool protects.
     unsafe { copy::host_to_device_async(&src[1..], &mut dev, 4, &stream) }.unwrap();
     drop(src);
-    assert_eq!(
-        pool.stats().pending_blocks,
-        1,
-        "the freed block waits for the copy"
-    );
-    release.store(true, std::sync::atomic::Ordering::Release);
+    let pending = pool.stats().pending_blocks;
+    timer.join().unwrap();
+    assert_eq!(pending, 1, "the freed block waits for the copy");
     let mut back: AVec<u32, _> = AVec::new_in(&pool);
     back.resize(1 << 20, 0);
     // SAFETY: `back` is not touched until the synchronize below.
