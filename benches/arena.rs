@@ -35,13 +35,8 @@ fn pinned_available() -> bool {
 /// Allocates `n` blocks of 8..=256 bytes (the sizes of `workload::small_objects`) and
 /// writes the first word of each; frees nothing.
 fn bump_n<A: Allocator>(a: &A, n: usize) -> usize {
-    let mut x: u32 = 0x9E37_79B9;
     let mut bytes = 0;
-    for _ in 0..n {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        let size = 8 + (x as usize % 249);
+    for size in workload::object_sizes(n) {
         let Ok(layout) = Layout::from_size_align(size, 8) else {
             continue;
         };

@@ -50,18 +50,31 @@ pub fn vec_push<A: Allocator>(a: A, n: usize) -> u64 {
     v.iter().sum()
 }
 
-/// Allocates `n` small objects of 8..=256 bytes (sizes from a fixed sequence), writes
-/// each, keeps them all live, then frees them in allocation order. Returns the bytes
-/// allocated. This is the per-batch staging pattern arenas are made for.
-pub fn small_objects<A: Allocator>(a: &A, n: usize) -> usize {
-    let mut live: std::vec::Vec<(core::ptr::NonNull<u8>, Layout)> = std::vec::Vec::with_capacity(n);
+/// The sizes [`small_objects`] allocates: a fixed pseudo-random sequence of `n` sizes in
+/// 8..=256 bytes (xorshift32), the same on every run and for every allocator.
+///
+/// ```
+/// let sizes: Vec<usize> = cudalloc::workload::object_sizes(1000).collect();
+/// assert!(sizes.iter().all(|s| (8..=256).contains(s)));
+/// assert_eq!(sizes, cudalloc::workload::object_sizes(1000).collect::<Vec<_>>());
+/// ```
+pub fn object_sizes(n: usize) -> impl Iterator<Item = usize> {
     let mut x: u32 = 0x9E37_79B9;
-    let mut bytes = 0;
-    for _ in 0..n {
+    (0..n).map(move |_| {
         x ^= x << 13;
         x ^= x >> 17;
         x ^= x << 5;
-        let size = 8 + (x as usize % 249);
+        8 + (x as usize % 249)
+    })
+}
+
+/// Allocates `n` small objects of 8..=256 bytes ([`object_sizes`]), writes each, keeps
+/// them all live, then frees them in allocation order. Returns the bytes allocated. This
+/// is the per-batch staging pattern arenas are made for.
+pub fn small_objects<A: Allocator>(a: &A, n: usize) -> usize {
+    let mut live: std::vec::Vec<(core::ptr::NonNull<u8>, Layout)> = std::vec::Vec::with_capacity(n);
+    let mut bytes = 0;
+    for size in object_sizes(n) {
         let Ok(layout) = Layout::from_size_align(size, 8) else {
             continue;
         };
