@@ -23,9 +23,9 @@ use allocator_api2::alloc::{AllocError, Allocator, Layout};
 use crate::cuda::{driver_available, HostAllocFlags};
 use crate::direct::dangling;
 use crate::pool::{
-    managed_pool, managed_pools, pinned_limit, pinned_pool, pinned_pools, set_pinned_limit, PoolStats,
+    managed_pool, managed_pools, pinned_limit, pinned_pool, pinned_pools, set_pinned_limit, Pool, PoolStats,
 };
-use crate::source::ManagedAttach;
+use crate::source::{HostVisible, ManagedAttach};
 use crate::sync::global::{AtomicBool, AtomicU64, Ordering};
 
 static FALLBACKS: AtomicU64 = AtomicU64::new(0);
@@ -91,6 +91,68 @@ unsafe fn resize_by_copy<A: Allocator>(
         a.deallocate(ptr, old);
     }
     Ok(block)
+}
+
+/// Allocates through `pool` when a driver is present; otherwise fails for a strict handle
+/// or falls back to pageable memory. The one routing decision every handle shares.
+#[inline]
+fn route_allocate<S: HostVisible + 'static>(
+    pool: impl FnOnce() -> &'static Pool<S>,
+    strict: bool,
+    kind: &str,
+    layout: Layout,
+) -> Result<NonNull<[u8]>, AllocError> {
+    if driver_available() {
+        pool().allocate(layout)
+    } else if strict {
+        Err(AllocError)
+    } else {
+        fallback_allocate(kind, layout)
+    }
+}
+
+/// # Safety
+/// 1. `ptr` came from `route_allocate(pool, _, _, layout)` with the same pool.
+#[inline]
+unsafe fn route_deallocate<S: HostVisible + 'static>(
+    pool: impl FnOnce() -> &'static Pool<S>,
+    ptr: NonNull<u8>,
+    layout: Layout,
+) {
+    if driver_available() {
+        // SAFETY: obligation 1; with a driver the block came from this pool.
+        unsafe { pool().deallocate(ptr, layout) }
+    } else {
+        // SAFETY: obligation 1; without a driver it came from the fallback.
+        unsafe { fallback_deallocate(ptr, layout) }
+    }
+}
+
+/// # Safety
+/// 1. `ptr` came from `handle`'s allocation for `old` (routed to `pool`) and is not used
+///    after this call except through the returned block.
+#[inline]
+unsafe fn route_resize<S: HostVisible + 'static, A: Allocator>(
+    pool: impl FnOnce() -> &'static Pool<S>,
+    handle: &A,
+    ptr: NonNull<u8>,
+    old: Layout,
+    new: Layout,
+) -> Result<NonNull<[u8]>, AllocError> {
+    if driver_available() {
+        let pool = pool();
+        // SAFETY: obligation 1; the pool picks grow or shrink by the sizes.
+        unsafe {
+            if new.size() >= old.size() {
+                pool.grow(ptr, old, new)
+            } else {
+                pool.shrink(ptr, old, new)
+            }
+        }
+    } else {
+        // SAFETY: obligation 1.
+        unsafe { resize_by_copy(handle, ptr, old, new) }
+    }
 }
 
 /// Adds the no-driver fallback count to a snapshot of pool statistics.
@@ -243,26 +305,15 @@ impl Pinned {
 
     #[inline]
     fn allocate(self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        if driver_available() {
-            pinned_pool(self.flags).allocate(layout)
-        } else if self.strict {
-            Err(AllocError)
-        } else {
-            fallback_allocate("pinned", layout)
-        }
+        route_allocate(|| pinned_pool(self.flags), self.strict, "pinned", layout)
     }
 
     /// # Safety
-    /// 1. `ptr` came from `self.allocate(layout)` (or a handle with the same flags).
+    /// 1. `ptr` came from `self.allocate(layout)` (or a handle with the same configuration).
     #[inline]
     unsafe fn deallocate(self, ptr: NonNull<u8>, layout: Layout) {
-        if driver_available() {
-            // SAFETY: obligation 1; with a driver the block came from this pool.
-            unsafe { pinned_pool(self.flags).deallocate(ptr, layout) }
-        } else {
-            // SAFETY: obligation 1; without a driver it came from the fallback.
-            unsafe { fallback_deallocate(ptr, layout) }
-        }
+        // SAFETY: obligation 1.
+        unsafe { route_deallocate(|| pinned_pool(self.flags), ptr, layout) }
     }
 
     /// # Safety
@@ -270,20 +321,8 @@ impl Pinned {
     ///    through the returned block.
     #[inline]
     unsafe fn resize(self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        if driver_available() {
-            let pool = pinned_pool(self.flags);
-            // SAFETY: obligation 1; the pool picks grow or shrink by the sizes.
-            unsafe {
-                if new.size() >= old.size() {
-                    pool.grow(ptr, old, new)
-                } else {
-                    pool.shrink(ptr, old, new)
-                }
-            }
-        } else {
-            // SAFETY: obligation 1.
-            unsafe { resize_by_copy(&self, ptr, old, new) }
-        }
+        // SAFETY: obligation 1.
+        unsafe { route_resize(|| pinned_pool(self.flags), &self, ptr, old, new) }
     }
 }
 
@@ -386,26 +425,15 @@ impl Managed {
 
     #[inline]
     fn allocate(self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        if driver_available() {
-            managed_pool(self.attach).allocate(layout)
-        } else if self.strict {
-            Err(AllocError)
-        } else {
-            fallback_allocate("managed", layout)
-        }
+        route_allocate(|| managed_pool(self.attach), self.strict, "managed", layout)
     }
 
     /// # Safety
-    /// 1. `ptr` came from `self.allocate(layout)`.
+    /// 1. `ptr` came from `self.allocate(layout)` (or a handle with the same configuration).
     #[inline]
     unsafe fn deallocate(self, ptr: NonNull<u8>, layout: Layout) {
-        if driver_available() {
-            // SAFETY: obligation 1; with a driver the block came from this pool.
-            unsafe { managed_pool(self.attach).deallocate(ptr, layout) }
-        } else {
-            // SAFETY: obligation 1; without a driver it came from the fallback.
-            unsafe { fallback_deallocate(ptr, layout) }
-        }
+        // SAFETY: obligation 1.
+        unsafe { route_deallocate(|| managed_pool(self.attach), ptr, layout) }
     }
 
     /// # Safety
@@ -413,20 +441,8 @@ impl Managed {
     ///    through the returned block.
     #[inline]
     unsafe fn resize(self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        if driver_available() {
-            let pool = managed_pool(self.attach);
-            // SAFETY: obligation 1; the pool picks grow or shrink by the sizes.
-            unsafe {
-                if new.size() >= old.size() {
-                    pool.grow(ptr, old, new)
-                } else {
-                    pool.shrink(ptr, old, new)
-                }
-            }
-        } else {
-            // SAFETY: obligation 1.
-            unsafe { resize_by_copy(&self, ptr, old, new) }
-        }
+        // SAFETY: obligation 1.
+        unsafe { route_resize(|| managed_pool(self.attach), &self, ptr, old, new) }
     }
 }
 
