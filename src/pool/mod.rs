@@ -21,9 +21,14 @@
 //!   most 12.5% of the request (15 bytes below 128 B). Small blocks are carved from
 //!   **chunks** of 2 MiB (configurable) taken from the source, cut into page-aligned runs
 //!   of one class each (`chunks.rs`).
-//! - **Large blocks** (above the threshold, or aligned beyond a page) are allocated at
-//!   their page-rounded size and cached whole by exact size; a request takes the smallest
-//!   cached block that fits, if it is at most twice the request (`large.rs`).
+//! - **Large blocks** (above the threshold, or aligned beyond a page) are extents of
+//!   **segments** taken from the source at the request's page-rounded size (no
+//!   power-of-two rounding). A request takes the smallest free extent that fits and
+//!   splits off the rest; freed extents merge with free neighbours; a segment goes back
+//!   to the source when it is wholly free. A block that grows (`Allocator::grow`, as a
+//!   `Vec` does) extends in place into the free extent after it; when it must move, it
+//!   goes to the largest free extent, or to a fresh segment with room to double, so a
+//!   `Vec` of pinned memory growing again and again stops copying (`large.rs`).
 //! - **Thread caches** (`thread_cache.rs`): each thread keeps, per pool, a bounded bin of
 //!   free blocks per class (and a few large blocks). Allocating pops from the bin, freeing
 //!   pushes to it: no lock, no atomic read-modify-write. A full bin moves half its blocks
@@ -494,7 +499,7 @@ impl<S: MemorySource + 'static> Pool<S> {
                 Some(p) => Ok(NonNull::slice_from_raw_parts(p.as_non_null(), class_size(class))),
                 None => self.alloc_small_slow(class),
             },
-            None => self.alloc_large(layout),
+            None => self.alloc_large(layout, false),
         }
     }
 
@@ -540,8 +545,10 @@ impl<S: MemorySource + 'static> Pool<S> {
         Ok(NonNull::slice_from_raw_parts(p.as_non_null(), size))
     }
 
+    /// A large block; `growing` when it replaces a smaller block being grown (it then
+    /// goes where it has room to keep growing in place).
     #[inline(never)]
-    fn alloc_large(&self, layout: Layout) -> Result<NonNull<[u8]>> {
+    fn alloc_large(&self, layout: Layout, growing: bool) -> Result<NonNull<[u8]>> {
         let sh = &*self.shared;
         let need = match align_up(layout.size(), PAGE_SIZE) {
             Some(n) if n <= isize::MAX as usize => n,
@@ -554,11 +561,18 @@ impl<S: MemorySource + 'static> Pool<S> {
         };
         let align = layout.align();
         let epoch = sh.large_epoch.load(Ordering::Relaxed);
-        if let Some((p, size)) = self.with_cache(|c| c.take_large(need, align, epoch)).flatten() {
+        if growing {
+            // A growing block looks at every free extent: this thread's cached large
+            // blocks go back to the registry first (where they merge with their
+            // neighbours), as they would on a flush.
+            for (p, _) in self.with_cache(|c| c.take_large_blocks()).unwrap_or_default() {
+                sh.give_large(p.addr(), true);
+            }
+        } else if let Some((p, size)) = self.with_cache(|c| c.take_large(need, align, epoch)).flatten() {
             return Ok(NonNull::slice_from_raw_parts(p.as_non_null(), size));
         }
         sh.drain();
-        let (user, usable, base) = sh.take_large(need, align).map_err(|e| self.failed(e))?;
+        let (user, usable, base) = sh.take_large(need, align, growing).map_err(|e| self.failed(e))?;
         sh.count_shared_alloc();
         if user.addr() == base && self.ensure_cache() {
             // The epoch read before the block was taken: if it moved since, the entry is
@@ -732,24 +746,40 @@ unsafe impl<S: HostVisible + 'static> Allocator for Pool<S> {
 }
 
 impl<S: HostVisible + 'static> Pool<S> {
-    /// Grow or shrink: in place when both layouts map to the same size class, else
-    /// allocate, copy and free.
+    /// Grow or shrink: in place when both layouts map to the same size class, or when a
+    /// large block grows into the free extent after it; else allocate, copy and free
+    /// (a large block grown by copying goes where it has room to grow in place next
+    /// time).
     ///
     /// # Safety
     /// 1. `ptr` was allocated by this pool for `old` and is not used after this call
     ///    except through the returned block.
     unsafe fn resize(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        let mut growing = false;
         if old.size() != 0 && new.size() != 0 {
-            if let (Some(a), Some(b)) = (
-                self.classify(old.size(), old.align()),
-                self.classify(new.size(), new.align()),
-            ) {
-                if a == b {
-                    return Ok(NonNull::slice_from_raw_parts(ptr, class_size(a)));
+            let from = self.classify(old.size(), old.align());
+            let to = self.classify(new.size(), new.align());
+            match (from, to) {
+                (Some(a), Some(b)) if a == b => return Ok(NonNull::slice_from_raw_parts(ptr, class_size(a))),
+                (None, None) if new.size() > old.size() && ptr.as_ptr() as usize % new.align() == 0 => {
+                    let need = align_up(new.size(), PAGE_SIZE).ok_or(AllocError)?;
+                    if let Some(usable) = self.shared.grow_large_in_place(ptr.as_ptr() as usize, need) {
+                        return Ok(NonNull::slice_from_raw_parts(ptr, usable));
+                    }
+                    growing = true;
                 }
+                (_, None) => growing = new.size() > old.size(),
+                _ => {}
             }
         }
-        let block = self.allocate(new)?;
+        let block = if growing {
+            self.alloc_large(new, true).map_err(|e| {
+                log::debug!("cudalloc: pool allocation of {new:?} failed: {e}");
+                AllocError
+            })?
+        } else {
+            self.allocate(new)?
+        };
         // SAFETY: both blocks hold at least min(old, new) bytes and are distinct (the old
         // one is live until freed below).
         unsafe {

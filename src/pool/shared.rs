@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 
 use super::chunks::Chunks;
-use super::large::Large;
+use super::large::{Large, Taken};
 use super::pending::{BlockKind, Fence, Pending, PendingBlock};
 use super::size_class::{class_size, NUM_CLASSES};
 use super::stats::PoolStats;
@@ -171,7 +171,11 @@ impl<S: MemorySource> Shared<S> {
                 .map(|_| Mutex::new(Vec::new()))
                 .collect(),
             chunks: Mutex::new(chunks),
-            large: Mutex::new(Large::default()),
+            large: Mutex::new(Large::new(
+                align_up(settings.large_threshold, PAGE_SIZE)
+                    .unwrap_or(PAGE_SIZE)
+                    .max(PAGE_SIZE),
+            )),
             pending: Mutex::new(Pending::default()),
             uses: AtomicUsize::new(0),
             pending_count: AtomicUsize::new(0),
@@ -313,31 +317,51 @@ impl<S: MemorySource> Shared<S> {
 
     // ---- large blocks -----------------------------------------------------------------
 
-    /// A large block of `need` bytes (a page multiple) aligned to `align`: the smallest
-    /// cached one that fits, else a fresh one (trimming and retrying once if the source
-    /// fails). Returns (pointer, usable bytes from it, block base).
-    pub(crate) fn take_large(&self, need: usize, align: usize) -> Result<(BlockPtr, usize, usize)> {
+    /// A large block of `need` bytes (a page multiple) aligned to `align`: from a cached
+    /// extent (the smallest that fits; the largest for a `growing` block), else from a
+    /// fresh segment (trimming and retrying once if the source fails). Returns (pointer,
+    /// usable bytes from it, block base).
+    pub(crate) fn take_large(
+        &self,
+        need: usize,
+        align: usize,
+        growing: bool,
+    ) -> Result<(BlockPtr, usize, usize)> {
         let take = |this: &Self| {
-            lock(&this.large).take(need, align).map(|(base, size, user)| {
-                this.count_out(1, size);
-                (user, size - (user.addr() - base.addr()), base.addr())
-            })
+            let mut large = lock(&this.large);
+            let taken = if growing {
+                large.take_for_growth(need, align)
+            } else {
+                large.take(need, align)
+            }?;
+            this.taken_large(&taken);
+            Some(taken)
         };
+        let usable = |t: Taken| (t.user, t.size - (t.user.addr() - t.base.addr()), t.base.addr());
         if let Some(hit) = take(self) {
-            return Ok(hit);
+            return Ok(usable(hit));
+        }
+        // A growing block gets a segment with room to double in place; if that much
+        // memory is not to be had, one of its own size.
+        if growing {
+            if let Some(room) = need.checked_mul(2) {
+                if let Ok(t) = self.alloc_large_fresh(need, align, room) {
+                    self.misses.fetch_add(1, Ordering::Relaxed);
+                    return Ok(usable(t));
+                }
+            }
         }
         for attempt in 0..2 {
-            match self.alloc_large_fresh(need, align) {
-                Ok((user, size, base)) => {
+            match self.alloc_large_fresh(need, align, need) {
+                Ok(t) => {
                     self.misses.fetch_add(1, Ordering::Relaxed);
-                    self.count_out(1, size);
-                    return Ok((user, size - (user.addr() - base), base));
+                    return Ok(usable(t));
                 }
                 Err(e) if attempt == 0 && worth_trimming(&e, need, self.budget.limit()) => {
                     log::debug!("cudalloc: pool source failed ({e}); trimming and retrying once");
                     self.trim();
                     if let Some(hit) = take(self) {
-                        return Ok(hit);
+                        return Ok(usable(hit));
                     }
                 }
                 Err(e) => return Err(e),
@@ -346,18 +370,28 @@ impl<S: MemorySource> Shared<S> {
         unreachable!("the second attempt returns")
     }
 
-    fn alloc_large_fresh(&self, need: usize, align: usize) -> Result<(BlockPtr, usize, usize)> {
+    /// Accounts for a block just taken from the large registry (under its lock).
+    fn taken_large(&self, t: &Taken) {
+        if t.reshaped {
+            self.large_epoch.fetch_add(1, Ordering::Relaxed);
+        }
+        self.count_out(1, t.size);
+    }
+
+    /// A fresh segment of `room` bytes (at least `need`) with a block of `need` bytes
+    /// aligned to `align` taken from its start.
+    fn alloc_large_fresh(&self, need: usize, align: usize, room: usize) -> Result<Taken> {
         let too_large = Error::TooLarge {
-            requested: need,
+            requested: room,
             limit: isize::MAX as usize,
         };
         // Sources that promise less than a page return pages in practice (cuMemHostAlloc,
-        // cuMemAllocManaged): ask for `need` and over-allocate only if the block is not
+        // cuMemAllocManaged): ask for `room` and over-allocate only if the block is not
         // aligned enough. Beyond a page, over-allocate at once.
         let mut total = if align <= self.source.align().max(PAGE_SIZE) {
-            need
+            room
         } else {
-            need.checked_add(align).ok_or(too_large)?
+            room.checked_add(align).ok_or(too_large)?
         };
         let mut base = self.source_alloc(total)?;
         let fits = |base: BlockPtr, total: usize| {
@@ -366,7 +400,7 @@ impl<S: MemorySource> Shared<S> {
         if !fits(base, total) {
             // SAFETY: allocated just above and never handed out.
             unsafe { self.source_free(base, total) };
-            total = need.checked_add(align).ok_or(too_large)?;
+            total = room.checked_add(align).ok_or(too_large)?;
             base = self.source_alloc(total)?;
             if !fits(base, total) {
                 // SAFETY: as above.
@@ -376,17 +410,39 @@ impl<S: MemorySource> Shared<S> {
                 ));
             }
         }
-        lock(&self.large).insert_live(base, total);
-        let offset = align_up(base.addr(), align).expect("checked by fits") - base.addr();
-        Ok((base.add(offset), total, base.addr()))
+        let mut large = lock(&self.large);
+        let taken = large
+            .insert_segment(base, total, need, align)
+            .expect("checked by fits");
+        self.taken_large(&taken);
+        Ok(taken)
+    }
+
+    /// Grows the live large block holding `addr` in place so that `need` bytes from
+    /// `addr` are usable; returns the usable bytes from `addr`, or `None` if it cannot.
+    pub(crate) fn grow_large_in_place(&self, addr: usize, need: usize) -> Option<usize> {
+        let mut large = lock(&self.large);
+        let (usable, grown) = large.grow_in_place(addr, need)?;
+        if grown > 0 {
+            self.large_epoch.fetch_add(1, Ordering::Relaxed);
+            self.count_out(0, grown);
+        }
+        Some(usable)
     }
 
     /// Returns the large block holding `addr` to the large cache; `from_out` when it was
     /// handed out (by a user or a thread cache) rather than pending.
     pub(crate) fn give_large(&self, addr: usize, from_out: bool) {
-        let given = lock(&self.large).give_back(addr);
+        let given = {
+            let mut large = lock(&self.large);
+            let given = large.give_back(addr);
+            if given.is_some_and(|(_, _, merged)| merged) {
+                self.large_epoch.fetch_add(1, Ordering::Relaxed);
+            }
+            given
+        };
         match given {
-            Some((_, size)) if from_out => self.uncount_out(1, size),
+            Some((_, size, _)) if from_out => self.uncount_out(1, size),
             Some(_) => {}
             None => {
                 log::error!("cudalloc: freeing {addr:#x}, which is no live block of this pool (double free?)")

@@ -71,7 +71,7 @@ fn aligned_small_and_large_blocks() {
 }
 
 #[test]
-fn large_blocks_are_reused_by_smallest_fit_within_twice_the_request() {
+fn large_blocks_reuse_the_smallest_free_extent_and_split_it() {
     let pool = Pool::with_config(
         HostSource,
         PoolConfig {
@@ -83,20 +83,132 @@ fn large_blocks_are_reused_by_smallest_fit_within_twice_the_request() {
     let p = pool.allocate(big).unwrap();
     // SAFETY: allocated above.
     unsafe { pool.deallocate(p.cast(), big) };
-    // 2 MiB fits in the cached 3 MiB block (within 2x): reused.
+    // 2 MiB from the cached 3 MiB segment: its start, split; the rest stays cached.
     let q = pool.allocate(layout(2 << 20, 8)).unwrap();
     assert_eq!(q.cast::<u8>(), p.cast::<u8>());
-    assert_eq!(q.len(), 3 << 20, "the usable length is the block's");
+    assert_eq!(q.len(), 2 << 20, "split at the request");
+    // 1 MiB: the rest of the segment, no new memory from the source.
+    let r = pool.allocate(layout(1 << 20, 8)).unwrap();
+    // SAFETY: both in the 3 MiB block allocated above.
+    assert_eq!(r.cast::<u8>().as_ptr(), unsafe {
+        p.cast::<u8>().as_ptr().add(2 << 20)
+    });
+    let s = pool.stats();
+    assert_eq!(
+        (s.misses, s.source_bytes, s.cached_bytes),
+        (1, 3 << 20, 0),
+        "{s:?}"
+    );
+    pool.shared.check_accounting();
+    // A segment with a live block is not returned by trim; its free extents stay cached.
     // SAFETY: allocated above; any size up to the returned length may be passed.
     unsafe { pool.deallocate(q.cast(), layout(q.len(), 8)) };
-    // 1 MiB: the 3 MiB block is more than twice as large: a fresh block.
-    let r = pool.allocate(layout(1 << 20, 8)).unwrap();
-    assert_ne!(r.cast::<u8>(), p.cast::<u8>());
-    assert_eq!(pool.stats().misses, 2);
+    assert_eq!(pool.trim(), 0);
+    assert_eq!(pool.stats().cached_bytes, 2 << 20);
     // SAFETY: allocated above.
     unsafe { pool.deallocate(r.cast(), layout(1 << 20, 8)) };
     pool.shared.check_accounting();
-    assert_eq!(pool.trim(), 4 << 20);
+    assert_eq!(
+        pool.trim(),
+        3 << 20,
+        "the extents merged back into one free segment"
+    );
+    assert_eq!(pool.stats().source_bytes, 0);
+}
+
+/// Grows a `Vec<u8>` in `pool` to 16 MiB; returns how often its data moved once it was
+/// larger than the large threshold, and checks the contents after every move.
+fn grow_vec(pool: &Pool<HostSource>) -> usize {
+    let mut v: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::new_in(pool);
+    let mut moves = 0;
+    let mut at = v.as_ptr();
+    for i in 0..(16usize << 20) {
+        v.push(i as u8);
+        if v.as_ptr() != at {
+            if v.capacity() > (1 << 20) {
+                moves += 1;
+            }
+            assert!(v.iter().enumerate().all(|(j, &b)| b == j as u8), "contents kept");
+            at = v.as_ptr();
+        }
+    }
+    moves
+}
+
+#[test]
+fn growing_large_blocks_grow_in_place() {
+    for cache in [0, 8] {
+        let pool = Pool::with_config(
+            HostSource,
+            PoolConfig {
+                thread_cache_capacity: cache,
+                ..PoolConfig::default()
+            },
+        );
+        // The first round takes segments with room to double; its blocks move when a
+        // segment is full.
+        let first = grow_vec(&pool);
+        assert!(first <= 3, "{first} moves");
+        pool.shared.check_accounting();
+        let held = pool.stats().source_bytes;
+        // Later rounds grow in place in the largest free extent: no move, no new memory.
+        for _ in 0..3 {
+            assert_eq!(grow_vec(&pool), 0, "cache {cache}");
+            pool.shared.check_accounting();
+            assert_eq!(pool.stats().source_bytes, held);
+        }
+        let s = pool.stats();
+        assert_eq!(s.live_bytes, 0, "{s:?}");
+        pool.trim();
+        assert_eq!(pool.stats().source_bytes, 0);
+    }
+}
+
+#[test]
+fn a_large_block_grows_in_place_only_into_free_memory() {
+    let pool = Pool::with_config(
+        HostSource,
+        PoolConfig {
+            thread_cache_capacity: 0,
+            ..PoolConfig::default()
+        },
+    );
+    let l4 = layout(4 << 20, 64);
+    let seg = pool.allocate(l4).unwrap();
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(seg.cast(), l4) };
+    // Two 1 MiB blocks at the start of the cached 4 MiB segment.
+    let l1 = layout(1 << 20, 64);
+    let a = pool.allocate(l1).unwrap();
+    let b = pool.allocate(l1).unwrap();
+    // `b` grows in place into the free rest of the segment.
+    // SAFETY: b was allocated with l1.
+    let b2 = unsafe { pool.grow(b.cast(), l1, layout(2 << 20, 64)) }.unwrap();
+    assert_eq!(b2.cast::<u8>(), b.cast::<u8>());
+    assert_eq!(b2.len(), 2 << 20);
+    // SAFETY: a is a live block of 1 MiB, filled before growing.
+    unsafe { a.cast::<u8>().as_ptr().write_bytes(7, 1 << 20) };
+    // `a` cannot (b follows it): it moves, contents kept.
+    // SAFETY: a was allocated with l1; 2 MiB >= 1 MiB.
+    let a2 = unsafe { pool.grow(a.cast(), l1, layout(2 << 20, 64)) }.unwrap();
+    assert_ne!(a2.cast::<u8>(), a.cast::<u8>());
+    // SAFETY: a2 holds 2 MiB, the first of which was copied.
+    let copied = unsafe { core::slice::from_raw_parts(a2.cast::<u8>().as_ptr(), 1 << 20) };
+    assert!(copied.iter().all(|&x| x == 7));
+    assert_eq!(
+        pool.stats().source_bytes,
+        8 << 20,
+        "a fresh segment with room to double"
+    );
+    pool.shared.check_accounting();
+    // SAFETY: allocated above with these sizes.
+    unsafe {
+        pool.deallocate(a2.cast(), layout(2 << 20, 64));
+        pool.deallocate(b2.cast(), layout(2 << 20, 64));
+    }
+    pool.shared.check_accounting();
+    pool.trim();
+    assert_eq!(pool.stats().source_bytes, 0);
 }
 
 #[test]

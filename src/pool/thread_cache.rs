@@ -18,6 +18,9 @@ use crate::sync::{Arc, AtomicU64, AtomicUsize, Ordering};
 
 /// Large blocks a thread keeps for one pool.
 const LARGE_ENTRIES: usize = 4;
+/// A thread reuses a cached large block (whole: a thread cache does not split) only if
+/// it is at most this many times the request.
+pub(crate) const REUSE_FACTOR: usize = 2;
 /// Large blocks a thread remembers having handed out (so their size is known on free
 /// without a lookup under the pool's lock).
 const LENT_ENTRIES: usize = 8;
@@ -179,6 +182,17 @@ impl CacheCore {
         taken
     }
 
+    /// Takes every cached large block, with its size.
+    pub(crate) fn take_large_blocks(&mut self) -> Vec<(BlockPtr, usize)> {
+        let large = core::mem::take(&mut self.large);
+        for (_, size) in &large {
+            self.bytes -= size;
+        }
+        self.blocks -= large.len();
+        self.publish();
+        large
+    }
+
     /// Takes every block of every class (and every large block), leaving the cache empty.
     pub(crate) fn take_all(&mut self) -> Flushed {
         let small = self
@@ -200,7 +214,7 @@ impl CacheCore {
     /// twice that) whose base is `align`-aligned.
     #[inline]
     pub(crate) fn take_large(&mut self, need: usize, align: usize, epoch: u64) -> Option<(BlockPtr, usize)> {
-        let bound = need.saturating_mul(super::large::REUSE_FACTOR);
+        let bound = need.saturating_mul(REUSE_FACTOR);
         let (i, _) = self
             .large
             .iter()

@@ -856,9 +856,23 @@ fn drop_waits_for_recorded_uses() {
     let stream = Stream::new(0).unwrap();
     let arena = Arena::pinned();
     let mut dev = DeviceMemory::new(MIB, 0).unwrap();
-    // The copy waits behind a host function that runs until another thread releases it
-    // (a sleep would race with other tests keeping the driver busy).
+    // The copy waits behind a host function that runs until another thread releases it:
+    // 50 ms after this thread starts dropping the arena, or after 10 s at the latest (the
+    // release must not depend on this thread's CUDA calls: a synchronizing call
+    // elsewhere, such as cuMemFreeHost, could otherwise deadlock with the gate).
     let released = Arc::new(AtomicBool::new(false));
+    let dropping = Arc::new(AtomicBool::new(false));
+    let releaser = {
+        let (r, dropping) = (released.clone(), dropping.clone());
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            while !dropping.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            r.store(true, Ordering::Release);
+        })
+    };
     {
         let v: Vec<u8, _> = collect_in(core::iter::repeat_n(1u8, MIB), &arena);
         let r = released.clone();
@@ -874,16 +888,17 @@ fn drop_waits_for_recorded_uses() {
         arena.record_use(&stream).unwrap();
         assert_eq!(arena.stats().pending_uses, 1);
     }
-    let r = released.clone();
-    let releaser = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(50));
-        r.store(true, Ordering::Release);
-    });
+    let gate_was_closed = !released.load(Ordering::Acquire);
+    dropping.store(true, Ordering::Release);
     drop(arena);
     assert!(
         released.load(Ordering::Acquire),
         "drop returned before the copy it had to wait for could run"
     );
     releaser.join().unwrap();
+    assert!(
+        gate_was_closed,
+        "queuing took 10 s: the gate opened before the drop"
+    );
     assert_eq!(cudalloc::cuda::drop_errors(), 0);
 }

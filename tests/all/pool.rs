@@ -605,15 +605,31 @@ fn copy_helpers_record_uses_and_round_trip() {
             }
         })
         .unwrap();
-    let timer = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(500));
-        release.store(true, std::sync::atomic::Ordering::Release);
-    });
+    // Released once the check below is done, or after 10 s at the latest.
+    let checked = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let timer = {
+        let (release, checked) = (release.clone(), checked.clone());
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            while !checked.load(std::sync::atomic::Ordering::Acquire)
+                && start.elapsed() < std::time::Duration::from_secs(10)
+            {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            release.store(true, std::sync::atomic::Ordering::Release);
+        })
+    };
     // SAFETY: `src` is not written; dropping it early is what the pool protects.
     unsafe { copy::host_to_device_async(&src[1..], &mut dev, 4, &stream) }.unwrap();
     drop(src);
     let pending = pool.stats().pending_blocks;
+    let gate_was_closed = !release.load(std::sync::atomic::Ordering::Acquire);
+    checked.store(true, std::sync::atomic::Ordering::Release);
     timer.join().unwrap();
+    assert!(
+        gate_was_closed,
+        "the checks took 10 s: the gate opened before them"
+    );
     assert_eq!(pending, 1, "the freed block waits for the copy");
     let mut back: AVec<u32, _> = AVec::new_in(&pool);
     back.resize(1 << 20, 0);
