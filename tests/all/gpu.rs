@@ -167,61 +167,6 @@ fn managed_request_beyond_device_memory_is_refused_before_cuda() {
 }
 
 #[test]
-fn stream_host_function_and_events_order_work() {
-    gpu!();
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
-    let stream = Stream::new(0).unwrap();
-    // The host function holds the stream until a timer thread releases it: when this
-    // thread has checked the event, or after 10 s at the latest. The release must not
-    // depend on this thread's own CUDA calls: a synchronizing call elsewhere
-    // (cuMemFreeHost waits for the device) could otherwise deadlock with the gate.
-    let release = Arc::new(AtomicBool::new(false));
-    let checked = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicBool::new(false));
-    let (r, d) = (release.clone(), done.clone());
-    stream
-        .launch_host_fn(move || {
-            while !r.load(Ordering::Acquire) {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            d.store(true, Ordering::Release);
-        })
-        .unwrap();
-    let timer = {
-        let (release, checked) = (release.clone(), checked.clone());
-        std::thread::spawn(move || {
-            let start = std::time::Instant::now();
-            while !checked.load(Ordering::Acquire) && start.elapsed() < std::time::Duration::from_secs(10) {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            release.store(true, Ordering::Release);
-        })
-    };
-    let event = stream.record_event().unwrap();
-    let early = event.is_complete().unwrap();
-    // Read after the query: if the gate was still closed then, the event must not have
-    // completed (it is queued behind the host function the gate holds).
-    let gate_was_closed = !release.load(Ordering::Acquire);
-    checked.store(true, Ordering::Release);
-    event.synchronize().unwrap();
-    timer.join().unwrap();
-    assert!(
-        done.load(Ordering::Acquire),
-        "the host function ran before the event completed"
-    );
-    assert!(
-        !(early && gate_was_closed),
-        "event queued behind a held host function completed early"
-    );
-    assert!(
-        gate_was_closed,
-        "the checks took 10 s: the gate opened before them"
-    );
-    assert!(event.is_complete().unwrap());
-}
-
-#[test]
 fn errors_carry_the_driver_code_name_and_message() {
     gpu!();
     let err = DeviceMemory::new(1 << 50, 0).unwrap_err();

@@ -1,0 +1,179 @@
+//! GPU tests that hold a stream with a host function (a gate) while they queue work
+//! behind it and check what the crate does meanwhile. They run in their own test binary,
+//! one at a time (`GATED`): a synchronizing CUDA call elsewhere in the process
+//! (`cuMemFreeHost` waits for the whole device) would wait for the gate while the test's
+//! own CUDA calls wait for that call. Each gate is also released by a timer thread after
+//! 10 s at the latest, so a test can fail but never hang.
+
+#[macro_use]
+#[path = "all/support.rs"]
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use allocator_api2::vec::Vec;
+use cudalloc::arena::Arena;
+use cudalloc::cuda::{DeviceMemory, Stream};
+use cudalloc::pool::{Pool, PoolStats};
+use cudalloc::source::PinnedSource;
+use cudalloc::{copy, PinnedAlloc};
+
+const MIB: usize = 1 << 20;
+
+static GATED: Mutex<()> = Mutex::new(());
+
+/// Runs one gated test at a time (a failed one does not poison the others).
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    GATED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A flag set by a timer thread once `signal` is set, or after 10 s at the latest.
+fn gate_released_after(
+    signal: &Arc<AtomicBool>,
+    delay: Duration,
+) -> (Arc<AtomicBool>, std::thread::JoinHandle<()>) {
+    let release = Arc::new(AtomicBool::new(false));
+    let (r, signal) = (release.clone(), signal.clone());
+    let timer = std::thread::spawn(move || {
+        let start = Instant::now();
+        while !signal.load(Ordering::Acquire) && start.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(delay);
+        r.store(true, Ordering::Release);
+    });
+    (release, timer)
+}
+
+/// Holds `stream` with a host function until `release` is set.
+fn hold(stream: &Stream, release: &Arc<AtomicBool>, done: Option<Arc<AtomicBool>>) {
+    let r = release.clone();
+    stream
+        .launch_host_fn(move || {
+            while !r.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if let Some(d) = done {
+                d.store(true, Ordering::Release);
+            }
+        })
+        .unwrap();
+}
+
+fn assert_balanced(s: &PoolStats) {
+    assert_eq!(
+        s.live_bytes + s.cached_bytes + s.pending_bytes,
+        s.source_bytes,
+        "live + cached + pending == source: {s:?}"
+    );
+}
+
+#[test]
+fn stream_host_function_and_events_order_work() {
+    gpu!();
+    let _one = one_at_a_time();
+    let stream = Stream::new(0).unwrap();
+    let checked = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicBool::new(false));
+    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
+    hold(&stream, &release, Some(done.clone()));
+    let event = stream.record_event().unwrap();
+    let early = event.is_complete().unwrap();
+    // Read after the query: the gate was closed all through it.
+    let gate_was_closed = !release.load(Ordering::Acquire);
+    checked.store(true, Ordering::Release);
+    event.synchronize().unwrap();
+    timer.join().unwrap();
+    assert!(
+        gate_was_closed,
+        "the checks took 10 s: the gate opened before them"
+    );
+    assert!(!early, "event queued behind a held host function completed early");
+    assert!(
+        done.load(Ordering::Acquire),
+        "the host function ran before the event completed"
+    );
+    assert!(event.is_complete().unwrap());
+}
+
+#[test]
+fn copy_helpers_record_uses_and_round_trip() {
+    gpu!();
+    let _one = one_at_a_time();
+    let stream = Stream::new(0).unwrap();
+    let pool = Pool::new(PinnedSource::default());
+    let mut src: Vec<u32, _> = Vec::new_in(&pool);
+    src.extend(0..1 << 20);
+    let mut dev = DeviceMemory::new(4 << 20, 0).unwrap();
+    // The copy waits behind the gate until the check below is done.
+    let checked = Arc::new(AtomicBool::new(false));
+    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
+    hold(&stream, &release, None);
+    // SAFETY: `src` is not written; dropping it early is what the pool protects.
+    unsafe { copy::host_to_device_async(&src[1..], &mut dev, 4, &stream) }.unwrap();
+    drop(src);
+    let pending = pool.stats().pending_blocks;
+    let gate_was_closed = !release.load(Ordering::Acquire);
+    checked.store(true, Ordering::Release);
+    timer.join().unwrap();
+    assert!(
+        gate_was_closed,
+        "the checks took 10 s: the gate opened before them"
+    );
+    assert_eq!(pending, 1, "the freed block waits for the copy");
+    let mut back: Vec<u32, _> = Vec::new_in(&pool);
+    back.resize(1 << 20, 0);
+    // SAFETY: `back` is not touched until the synchronize below.
+    unsafe { copy::device_to_host_async(&dev, 0, &mut back, &stream) }.unwrap();
+    stream.synchronize().unwrap();
+    assert!(back[1..].iter().enumerate().all(|(i, &x)| x == i as u32 + 1));
+    assert_eq!(pool.stats().pending_blocks, 0);
+    drop(back);
+    pool.trim();
+    assert_balanced(&pool.stats());
+    assert_eq!(pool.stats().source_bytes, 0);
+    // Memory from no pool needs no record.
+    let plain = std::vec::Vec::from([0u8; 16]); // pageable heap memory
+    assert!(!cudalloc::record_use(plain.as_ptr(), &stream).unwrap());
+    // Memory of the process-wide pools is found.
+    let pinned: Vec<u8, _> = Vec::with_capacity_in(64, PinnedAlloc);
+    assert!(cudalloc::record_use(pinned.as_ptr(), &stream).unwrap());
+    stream.synchronize().unwrap();
+}
+
+#[test]
+fn arena_drop_waits_for_recorded_uses() {
+    gpu!();
+    let _one = one_at_a_time();
+    let stream = Stream::new(0).unwrap();
+    let arena = Arena::pinned();
+    let mut dev = DeviceMemory::new(MIB, 0).unwrap();
+    // The copy waits behind the gate until 50 ms after this thread starts dropping the
+    // arena.
+    let dropping = Arc::new(AtomicBool::new(false));
+    let (release, timer) = gate_released_after(&dropping, Duration::from_millis(50));
+    {
+        let mut v: Vec<u8, _> = Vec::with_capacity_in(MIB, &arena);
+        v.resize(MIB, 1);
+        hold(&stream, &release, None);
+        // SAFETY: the arena's drop waits for the copy before freeing the memory.
+        unsafe { dev.copy_from_host_async(0, &v, &stream) }.unwrap();
+        arena.record_use(&stream).unwrap();
+        assert_eq!(arena.stats().pending_uses, 1);
+    }
+    let gate_was_closed = !release.load(Ordering::Acquire);
+    dropping.store(true, Ordering::Release);
+    drop(arena);
+    assert!(
+        release.load(Ordering::Acquire),
+        "drop returned before the copy it had to wait for could run"
+    );
+    timer.join().unwrap();
+    assert!(
+        gate_was_closed,
+        "queuing took 10 s: the gate opened before the drop"
+    );
+    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+}
