@@ -572,14 +572,14 @@ impl<S: MemorySource + 'static> Pool<S> {
             return Ok(NonNull::slice_from_raw_parts(p.as_non_null(), size));
         }
         sh.drain();
-        let (user, usable, base) = sh.take_large(need, align, growing).map_err(|e| self.failed(e))?;
+        let t = sh.take_large(need, align, growing).map_err(|e| self.failed(e))?;
         sh.count_shared_alloc();
-        if user.addr() == base && self.ensure_cache() {
-            // The epoch read before the block was taken: if it moved since, the entry is
-            // merely distrusted later.
-            self.with_cache(|c| c.lend(base, usable, epoch));
+        if t.ptr.addr() == t.base && self.ensure_cache() {
+            // The epoch the block was handed out in: if it moves before the free, the
+            // entry is merely distrusted then.
+            self.with_cache(|c| c.lend(t.base, t.usable, t.epoch));
         }
-        Ok(NonNull::slice_from_raw_parts(user.as_non_null(), usable))
+        Ok(NonNull::slice_from_raw_parts(t.ptr.as_non_null(), t.usable))
     }
 
     #[cold]

@@ -17,6 +17,15 @@ use std::collections::HashMap;
 
 use super::chunks::Chunks;
 use super::large::{Large, Taken};
+
+/// A large block handed out: pointer, usable bytes from it, base of its extent, and the
+/// large epoch it was handed out in.
+pub(crate) struct LargeTaken {
+    pub(crate) ptr: BlockPtr,
+    pub(crate) usable: usize,
+    pub(crate) base: usize,
+    pub(crate) epoch: u64,
+}
 use super::pending::{BlockKind, Fence, Pending, PendingBlock};
 use super::size_class::{class_size, NUM_CLASSES};
 use super::stats::PoolStats;
@@ -319,14 +328,10 @@ impl<S: MemorySource> Shared<S> {
 
     /// A large block of `need` bytes (a page multiple) aligned to `align`: from a cached
     /// extent (the smallest that fits; the largest for a `growing` block), else from a
-    /// fresh segment (trimming and retrying once if the source fails). Returns (pointer,
-    /// usable bytes from it, block base).
-    pub(crate) fn take_large(
-        &self,
-        need: usize,
-        align: usize,
-        growing: bool,
-    ) -> Result<(BlockPtr, usize, usize)> {
+    /// fresh segment (trimming and retrying once if the source fails). Returns the
+    /// block, its usable bytes from the pointer, and the large epoch just after it was
+    /// taken (a thread cache's record of the block is good while the epoch stays).
+    pub(crate) fn take_large(&self, need: usize, align: usize, growing: bool) -> Result<LargeTaken> {
         let take = |this: &Self| {
             let mut large = lock(&this.large);
             let taken = if growing {
@@ -334,12 +339,10 @@ impl<S: MemorySource> Shared<S> {
             } else {
                 large.take(need, align)
             }?;
-            this.taken_large(&taken);
-            Some(taken)
+            Some(this.taken_large(taken))
         };
-        let usable = |t: Taken| (t.user, t.size - (t.user.addr() - t.base.addr()), t.base.addr());
         if let Some(hit) = take(self) {
-            return Ok(usable(hit));
+            return Ok(hit);
         }
         // A growing block gets a segment with room to double in place; if that much
         // memory is not to be had, one of its own size.
@@ -347,7 +350,7 @@ impl<S: MemorySource> Shared<S> {
             if let Some(room) = need.checked_mul(2) {
                 if let Ok(t) = self.alloc_large_fresh(need, align, room) {
                     self.misses.fetch_add(1, Ordering::Relaxed);
-                    return Ok(usable(t));
+                    return Ok(t);
                 }
             }
         }
@@ -355,13 +358,13 @@ impl<S: MemorySource> Shared<S> {
             match self.alloc_large_fresh(need, align, need) {
                 Ok(t) => {
                     self.misses.fetch_add(1, Ordering::Relaxed);
-                    return Ok(usable(t));
+                    return Ok(t);
                 }
                 Err(e) if attempt == 0 && worth_trimming(&e, need, self.budget.limit()) => {
                     log::debug!("cudalloc: pool source failed ({e}); trimming and retrying once");
                     self.trim();
                     if let Some(hit) = take(self) {
-                        return Ok(usable(hit));
+                        return Ok(hit);
                     }
                 }
                 Err(e) => return Err(e),
@@ -370,17 +373,26 @@ impl<S: MemorySource> Shared<S> {
         unreachable!("the second attempt returns")
     }
 
-    /// Accounts for a block just taken from the large registry (under its lock).
-    fn taken_large(&self, t: &Taken) {
-        if t.reshaped {
-            self.large_epoch.fetch_add(1, Ordering::Relaxed);
-        }
+    /// Accounts for a block just taken from the large registry; called under its lock,
+    /// so the epoch read is the one the block was handed out in.
+    fn taken_large(&self, t: Taken) -> LargeTaken {
+        let epoch = if t.reshaped {
+            self.large_epoch.fetch_add(1, Ordering::Relaxed) + 1
+        } else {
+            self.large_epoch.load(Ordering::Relaxed)
+        };
         self.count_out(1, t.size);
+        LargeTaken {
+            ptr: t.user,
+            usable: t.size - (t.user.addr() - t.base.addr()),
+            base: t.base.addr(),
+            epoch,
+        }
     }
 
     /// A fresh segment of `room` bytes (at least `need`) with a block of `need` bytes
     /// aligned to `align` taken from its start.
-    fn alloc_large_fresh(&self, need: usize, align: usize, room: usize) -> Result<Taken> {
+    fn alloc_large_fresh(&self, need: usize, align: usize, room: usize) -> Result<LargeTaken> {
         let too_large = Error::TooLarge {
             requested: room,
             limit: isize::MAX as usize,
@@ -414,8 +426,7 @@ impl<S: MemorySource> Shared<S> {
         let taken = large
             .insert_segment(base, total, need, align)
             .expect("checked by fits");
-        self.taken_large(&taken);
-        Ok(taken)
+        Ok(self.taken_large(taken))
     }
 
     /// Grows the live large block holding `addr` in place so that `need` bytes from

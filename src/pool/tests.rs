@@ -510,3 +510,32 @@ fn completed_uses_of_live_blocks_are_forgotten() {
     unsafe { pool.deallocate(a.cast(), l) };
     assert_eq!(pool.stats().pending_blocks, 0);
 }
+
+#[test]
+fn a_large_block_split_from_a_cached_extent_is_thread_cached_when_freed() {
+    let pool = Pool::new(HostSource);
+    let l8 = layout(8 << 20, 16);
+    let big = pool.allocate(l8).unwrap();
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(big.cast(), l8) };
+    // Into the shared registry, as a flush at thread exit would.
+    pool.with_cache(|c| pool.shared.flush_cache(c));
+    let l1 = layout(1 << 20, 16);
+    let a = pool.allocate(l1).unwrap();
+    assert_eq!(a.cast::<u8>(), big.cast::<u8>(), "split from the cached extent");
+    // SAFETY: allocated above.
+    unsafe { pool.deallocate(a.cast(), l1) };
+    // The split moved the epoch before the block was lent: its record is still good, so
+    // the free went to this thread's cache, and the next pair is a lock-free hit.
+    let cached = pool.with_cache(|c| c.take_large_blocks()).unwrap();
+    assert_eq!(cached.len(), 1);
+    assert_eq!(
+        (cached[0].0.addr(), cached[0].1),
+        (a.cast::<u8>().as_ptr() as usize, 1 << 20)
+    );
+    for (p, _) in cached {
+        pool.shared.give_large(p.addr(), true);
+    }
+    pool.shared.check_accounting();
+    assert_eq!(pool.trim(), 8 << 20, "merged back into one free segment");
+}
