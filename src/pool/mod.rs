@@ -499,8 +499,22 @@ impl<S: MemorySource + 'static> Pool<S> {
                 Some(p) => Ok(NonNull::slice_from_raw_parts(p.as_non_null(), class_size(class))),
                 None => self.alloc_small_slow(class),
             },
-            None => self.alloc_large(layout, false),
+            None => match self.try_alloc_large_fast(layout) {
+                Some(block) => Ok(block),
+                None => self.alloc_large(layout, false),
+            },
         }
+    }
+
+    /// The large-block hot path: a cached block from this thread's cache, if one fits.
+    #[inline(always)]
+    fn try_alloc_large_fast(&self, layout: Layout) -> Option<NonNull<[u8]>> {
+        let need = align_up(layout.size(), PAGE_SIZE)?;
+        let epoch = self.shared.large_epoch.load(Ordering::Relaxed);
+        let (p, size) = self
+            .with_cache(|c| c.take_large(need, layout.align(), epoch))
+            .flatten()?;
+        Some(NonNull::slice_from_raw_parts(p.as_non_null(), size))
     }
 
     /// The hot path: a pop from this thread's bin.
@@ -545,8 +559,10 @@ impl<S: MemorySource + 'static> Pool<S> {
         Ok(NonNull::slice_from_raw_parts(p.as_non_null(), size))
     }
 
-    /// A large block; `growing` when it replaces a smaller block being grown (it then
-    /// goes where it has room to keep growing in place).
+    /// A large block from the shared registry or the source (after this thread's cache
+    /// missed); `growing` when it replaces a smaller block being grown (it then goes where
+    /// it has room to keep growing in place, and skips this thread's cache).
+    #[cold]
     #[inline(never)]
     fn alloc_large(&self, layout: Layout, growing: bool) -> Result<NonNull<[u8]>> {
         let sh = &*self.shared;
@@ -560,7 +576,6 @@ impl<S: MemorySource + 'static> Pool<S> {
             }
         };
         let align = layout.align();
-        let epoch = sh.large_epoch.load(Ordering::Relaxed);
         if growing {
             // A growing block looks at every free extent: this thread's cached large
             // blocks go back to the registry first (where they merge with their
@@ -568,8 +583,6 @@ impl<S: MemorySource + 'static> Pool<S> {
             for (p, _) in self.with_cache(|c| c.take_large_blocks()).unwrap_or_default() {
                 sh.give_large(p.addr(), true);
             }
-        } else if let Some((p, size)) = self.with_cache(|c| c.take_large(need, align, epoch)).flatten() {
-            return Ok(NonNull::slice_from_raw_parts(p.as_non_null(), size));
         }
         sh.drain();
         let t = sh.take_large(need, align, growing).map_err(|e| self.failed(e))?;
@@ -670,12 +683,20 @@ impl<S: MemorySource + 'static> Pool<S> {
         }
     }
 
-    #[inline(never)]
+    /// The large-block free: to this thread's cache if it handed the block out and has
+    /// room, else to the shared registry (the cold part).
+    #[inline(always)]
     fn free_large(&self, p: BlockPtr) {
         let epoch = self.shared.large_epoch.load(Ordering::Relaxed);
         if self.with_cache(|c| c.push_large(p, epoch)) != Some(true) {
-            self.shared.give_large(p.addr(), true);
+            self.free_large_shared(p);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn free_large_shared(&self, p: BlockPtr) {
+        self.shared.give_large(p.addr(), true);
     }
 }
 
