@@ -23,6 +23,17 @@ fn small_config() -> PoolConfig {
     }
 }
 
+/// A host pool whose frees all go to the shared lists and registry.
+fn without_thread_caches() -> Pool<HostSource> {
+    Pool::with_config(
+        HostSource,
+        PoolConfig {
+            thread_cache_capacity: 0,
+            ..PoolConfig::default()
+        },
+    )
+}
+
 #[test]
 fn hit_returns_the_block_just_freed_and_accounting_holds() {
     let pool = Pool::new(HostSource);
@@ -72,13 +83,7 @@ fn aligned_small_and_large_blocks() {
 
 #[test]
 fn large_blocks_reuse_the_smallest_free_extent_and_split_it() {
-    let pool = Pool::with_config(
-        HostSource,
-        PoolConfig {
-            thread_cache_capacity: 0,
-            ..PoolConfig::default()
-        },
-    );
+    let pool = without_thread_caches();
     let big = layout(3 << 20, 8);
     let p = pool.allocate(big).unwrap();
     // SAFETY: allocated above.
@@ -166,13 +171,7 @@ fn growing_large_blocks_grow_in_place() {
 
 #[test]
 fn a_large_block_grows_in_place_only_into_free_memory() {
-    let pool = Pool::with_config(
-        HostSource,
-        PoolConfig {
-            thread_cache_capacity: 0,
-            ..PoolConfig::default()
-        },
-    );
+    let pool = without_thread_caches();
     let l4 = layout(4 << 20, 64);
     let seg = pool.allocate(l4).unwrap();
     // SAFETY: allocated above.
