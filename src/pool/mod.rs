@@ -183,9 +183,10 @@ pub struct PoolConfig {
     /// Bytes of each chunk taken from the source and carved into small blocks (default
     /// 2 MiB; rounded up to a page, at least 256 KiB).
     pub chunk_size: usize,
-    /// Requests larger than this are large blocks, cached whole by exact page-rounded
-    /// size (default 512 KiB; at most a quarter of a chunk and 1 MiB; rounded down to a
-    /// size class).
+    /// Requests larger than this are large blocks, extents of segments at their
+    /// page-rounded size (default 512 KiB; at most a quarter of a chunk and 1 MiB;
+    /// rounded down to a size class). A free rest of at least this size is split off an
+    /// extent; a smaller one stays with the block.
     pub large_threshold: usize,
     /// The most free blocks of one size class a thread keeps for this pool (default 64;
     /// fewer for large classes; 0 turns thread caches off).

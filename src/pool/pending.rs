@@ -90,8 +90,8 @@ pub(crate) type Fences = Vec<SharedFence>;
 pub(crate) enum BlockKind {
     /// A block of a size class, carved from a chunk.
     Small(usize),
-    /// A large block, cached whole; `ptr` is the pointer handed out (it may lie above
-    /// the block's base when the request was over-aligned).
+    /// A large block (an extent of a segment); `ptr` is the pointer handed out (it may
+    /// lie above the extent's base when the request was over-aligned).
     Large,
 }
 
