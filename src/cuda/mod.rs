@@ -3,7 +3,8 @@
 //! streams, events, copies and pointer queries. The rest of the crate sees our own types.
 //!
 //! cudarc panics when libcuda is missing; every entry point here first goes through
-//! [`driver`], which checks once (without panicking) and returns [`Error::NoDriver`].
+//! one check ([`driver_available`]: once per process, without panicking); without a
+//! driver they return [`Error::NoDriver`](crate::Error::NoDriver).
 //! Set `CUDALLOC_NO_DRIVER=1` to make the crate behave as if no driver were present
 //! (useful to test fallback paths on a GPU machine).
 
