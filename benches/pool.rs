@@ -4,8 +4,10 @@
 //!   cached (256 B .. 16 MiB, one thread)? Rows: `pool_host` (`Pool<HostSource>`),
 //!   `system` (glibc malloc through `std::alloc::System`), and with a driver
 //!   `pinned_alloc` (the process-wide pinned pool), `direct_pinned` (`Direct<PinnedSource>`:
-//!   cuMemHostAlloc + cuMemFreeHost) and `cu_mem_alloc_async` (stream-ordered device
-//!   memory from the default pool, release threshold raised). Target: pool <= 25 ns.
+//!   cuMemHostAlloc + cuMemFreeHost), `device_buffer` (a `DeviceBuffer<u8>` from the
+//!   process-wide `DevicePool`, allocated and freed on one stream) and
+//!   `cu_mem_alloc_async` (stream-ordered device memory from the default pool, release
+//!   threshold raised). Target: pool <= 25 ns.
 //! - `alloc_free_threads`: throughput of alloc + free pairs (64 B .. 4 KiB mixed) from
 //!   1, 2, 4, 8, 16 threads at once. Target: 16 threads >= 12x one thread.
 //! - `vec_growth`: pushing 10^3 .. 10^6 `u64`s one at a time (growth through `grow`).
@@ -26,6 +28,7 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::{Allocator, Global, Layout, System};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput};
 use cudalloc::cuda::{AsyncDeviceMemory, Stream};
+use cudalloc::device::DevicePool;
 use cudalloc::pool::Pool;
 use cudalloc::source::{HostSource, MemorySource, PinnedSource, RegisteredSource};
 use cudalloc::{workload, Direct, PinnedAlloc};
@@ -61,7 +64,11 @@ fn alloc_free_hit(c: &mut Criterion) {
     let sizes = [256, 4 << 10, 64 << 10, 1 << 20, 16 << 20];
     let pool = Pool::new(HostSource);
     let with_gpu = gpu("alloc_free_hit");
-    let stream = if with_gpu { Stream::new(0).ok() } else { None };
+    let stream = if with_gpu {
+        Stream::new(0).ok().map(Arc::new)
+    } else {
+        None
+    };
     for size in sizes {
         let layout = Layout::from_size_align(size, 16).unwrap();
         let id = size_label(size);
@@ -79,6 +86,11 @@ fn alloc_free_hit(c: &mut Criterion) {
             g.bench_function(BenchmarkId::new("direct_pinned", &id), |b| {
                 b.iter(|| pair(&direct, layout))
             });
+            if let (Some(stream), Ok(device)) = (&stream, DevicePool::get(0)) {
+                g.bench_function(BenchmarkId::new("device_buffer", &id), |b| {
+                    b.iter(|| drop(black_box(device.alloc::<u8>(size, stream).expect("DeviceBuffer"))))
+                });
+            }
             if let Some(stream) = &stream {
                 g.bench_function(BenchmarkId::new("cu_mem_alloc_async", &id), |b| {
                     b.iter(|| {

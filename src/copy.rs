@@ -22,7 +22,7 @@ fn device_range(mem: &DeviceMemory, offset: usize, len: usize) -> Result<u64> {
 
 /// Called after a copy was queued: records its use of the host memory. If that fails
 /// (no event could be had), waits for the stream instead, which is just as safe.
-fn protect(host: *const u8, stream: &Stream) -> Result<()> {
+pub(crate) fn protect(host: *const u8, stream: &Stream) -> Result<()> {
     match crate::record_use(host, stream) {
         Ok(_) => Ok(()),
         Err(e) => {

@@ -31,6 +31,9 @@
 //! ## Layers
 //!
 //! - handles: [`PinnedAlloc`], [`ManagedAlloc`], [`Pinned`], [`Managed`], [`Direct`];
+//! - device memory ([`device`]): [`device::DevicePool`] hands out typed, stream-ordered
+//!   [`device::DeviceBuffer`]s (device memory is not behind `Allocator`: the host cannot
+//!   touch it);
 //! - sources ([`source`]): where raw memory comes from, one type per memory kind;
 //! - [`cuda`]: the only module that calls the driver (through cudarc).
 //!
@@ -44,6 +47,7 @@ pub mod arena;
 pub mod copy;
 pub mod count;
 pub mod cuda;
+pub mod device;
 mod direct;
 pub mod error;
 mod handle;

@@ -177,3 +177,34 @@ fn arena_drop_waits_for_recorded_uses() {
     );
     assert_eq!(cudalloc::cuda::drop_errors(), 0);
 }
+
+#[test]
+fn device_buffer_async_copies_keep_a_pooled_source_from_reuse() {
+    gpu!();
+    let _one = one_at_a_time();
+    let stream = Arc::new(Stream::new(0).unwrap());
+    let pool = Pool::new(PinnedSource::default());
+    let device = cudalloc::device::DevicePool::get(0).unwrap();
+    let mut buf = device.alloc::<u32>(1 << 20, &stream).unwrap();
+    let mut src: Vec<u32, _> = Vec::with_capacity_in(1 << 20, &pool);
+    src.extend(0..1 << 20);
+    // The copy waits behind the gate until the check below is done.
+    let checked = Arc::new(AtomicBool::new(false));
+    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
+    hold(&stream, &release, None);
+    // SAFETY: `src` is not written; dropping it early is what the pool protects.
+    unsafe { buf.copy_from_host_async(&src) }.unwrap();
+    drop(src);
+    let pending = pool.stats().pending_blocks;
+    let gate_was_closed = !release.load(Ordering::Acquire);
+    checked.store(true, Ordering::Release);
+    timer.join().unwrap();
+    assert!(
+        gate_was_closed,
+        "the checks took 10 s: the gate opened before them"
+    );
+    assert_eq!(pending, 1, "the freed source waits for the copy");
+    let back = buf.to_vec().unwrap();
+    assert!(back.iter().enumerate().all(|(i, &x)| x == i as u32));
+    assert_eq!(pool.stats().pending_blocks, 0);
+}

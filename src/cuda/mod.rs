@@ -11,6 +11,7 @@
 mod async_memory;
 mod driver;
 mod event_pool;
+pub(crate) mod mem_pool;
 mod memory;
 mod stream;
 

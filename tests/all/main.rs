@@ -8,5 +8,6 @@ mod allocators;
 mod arena;
 mod conformance;
 mod counting;
+mod device;
 mod gpu;
 mod pool;

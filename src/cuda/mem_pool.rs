@@ -1,0 +1,146 @@
+//! A CUDA memory pool (`cuMemPoolCreate`) of one device, owned and destroyed in `Drop`,
+//! with the stream-ordered allocations (`cuMemAllocFromPoolAsync`, `cuMemFreeAsync`) and
+//! the attributes [`crate::device::DevicePool`] is built on. Crate-internal: the typed,
+//! safe API is in [`crate::device`].
+
+use cudarc::driver::sys;
+
+use super::driver::{bind, check, driver, record_drop_error};
+use super::stream::Stream;
+use crate::error::{Error, Result};
+
+/// An owned `CUmemoryPool` of device memory on one device.
+#[derive(Debug)]
+pub(crate) struct MemPool {
+    raw: sys::CUmemoryPool,
+    device: usize,
+}
+
+// SAFETY: memory pools are thread-safe driver handles; every method passes the handle to
+// the driver, which serializes use.
+unsafe impl Send for MemPool {}
+// SAFETY: as above; no method mutates Rust-side state.
+unsafe impl Sync for MemPool {}
+
+/// The pool's memory counters, in bytes (`CU_MEMPOOL_ATTR_*`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct MemPoolUsage {
+    pub(crate) reserved: u64,
+    pub(crate) reserved_high: u64,
+    pub(crate) used: u64,
+    pub(crate) used_high: u64,
+}
+
+impl MemPool {
+    /// Creates a pool of device memory on `device` holding at most `max_size` bytes (0:
+    /// the driver's default, the device's memory) and keeping up to `release_threshold`
+    /// freed bytes across synchronizations.
+    pub(crate) fn new(device: usize, max_size: usize, release_threshold: u64) -> Result<Self> {
+        driver()?;
+        bind(device)?;
+        let ordinal =
+            i32::try_from(device).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?;
+        // SAFETY: an all-zero CUmemPoolProps is the documented "no options" value
+        // (handle type none, no security attributes, reserved bytes zero).
+        let mut props: sys::CUmemPoolProps = unsafe { core::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = ordinal;
+        props.maxSize = max_size;
+        let mut raw: sys::CUmemoryPool = core::ptr::null_mut();
+        // SAFETY: cuMemPoolCreate reads `props` and writes the new handle into `raw`.
+        check(unsafe { sys::cuMemPoolCreate(&mut raw, &props) })?;
+        let pool = Self { raw, device };
+        pool.set_release_threshold(release_threshold)?;
+        Ok(pool)
+    }
+
+    pub(crate) fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Sets how many freed bytes the pool keeps across synchronizations.
+    pub(crate) fn set_release_threshold(&self, bytes: u64) -> Result<()> {
+        let mut value = bytes;
+        // SAFETY: RELEASE_THRESHOLD takes a pointer to one cuuint64_t; the pool is live.
+        check(unsafe {
+            sys::cuMemPoolSetAttribute(
+                self.raw,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut value as *mut u64).cast(),
+            )
+        })?;
+        Ok(())
+    }
+
+    fn attribute(&self, attr: sys::CUmemPool_attribute) -> Result<u64> {
+        let mut value = 0u64;
+        // SAFETY: the memory attributes queried here are cuuint64_t values; the pool is live.
+        check(unsafe { sys::cuMemPoolGetAttribute(self.raw, attr, (&mut value as *mut u64).cast()) })?;
+        Ok(value)
+    }
+
+    /// Reserved and used bytes, now and at their highs.
+    pub(crate) fn usage(&self) -> Result<MemPoolUsage> {
+        use sys::CUmemPool_attribute as A;
+        bind(self.device)?;
+        Ok(MemPoolUsage {
+            reserved: self.attribute(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            reserved_high: self.attribute(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+            used: self.attribute(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            used_high: self.attribute(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        })
+    }
+
+    /// Releases reserved memory beyond `keep` bytes that no allocation uses.
+    pub(crate) fn trim_to(&self, keep: usize) -> Result<()> {
+        bind(self.device)?;
+        // SAFETY: the pool is live.
+        check(unsafe { sys::cuMemPoolTrimTo(self.raw, keep) })?;
+        Ok(())
+    }
+
+    /// Allocates `bytes` (nonzero) in stream order on `stream`.
+    pub(crate) fn alloc_async(&self, bytes: usize, stream: &Stream) -> Result<u64> {
+        debug_assert!(bytes > 0);
+        bind(self.device)?;
+        let mut ptr: u64 = 0;
+        // SAFETY: cuMemAllocFromPoolAsync writes the new address into `ptr`; the pool and
+        // the stream are live.
+        check(unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.raw, stream.raw()) })?;
+        if ptr == 0 {
+            return Err(Error::OutOfMemory { requested: bytes });
+        }
+        Ok(ptr)
+    }
+
+    /// Frees `ptr` in stream order on `stream`; errors are counted, never raised.
+    ///
+    /// # Safety
+    /// 1. `ptr` came from [`MemPool::alloc_async`] of this pool and is not used by work
+    ///    queued after this call on any stream.
+    pub(crate) unsafe fn free_async(&self, ptr: u64, stream: &Stream) {
+        if let Err(e) = bind(self.device) {
+            return record_drop_error("binding a context for cuMemFreeAsync", e);
+        }
+        // SAFETY: obligation 1; the stream is live.
+        if let Err(e) = check(unsafe { sys::cuMemFreeAsync(ptr, stream.raw()) }) {
+            record_drop_error("cuMemFreeAsync", e);
+        }
+    }
+}
+
+impl Drop for MemPool {
+    fn drop(&mut self) {
+        if let Err(e) = bind(self.device) {
+            return record_drop_error("binding a context for cuMemPoolDestroy", e);
+        }
+        // SAFETY: the handle came from cuMemPoolCreate and is destroyed once. Allocations
+        // whose stream-ordered frees have not completed yet are released by the driver
+        // when they complete (documented behaviour of cuMemPoolDestroy).
+        if let Err(e) = check(unsafe { sys::cuMemPoolDestroy(self.raw) }) {
+            record_drop_error("cuMemPoolDestroy", e);
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! Typed device buffers from stream-ordered device pools.
+
+use std::sync::Arc;
+
+use cudalloc::cuda::Stream;
+use cudalloc::device::{DeviceBuffer, DevicePool, DevicePoolConfig};
+use cudalloc::Error;
+
+const MIB: usize = 1 << 20;
+
+fn stream() -> Arc<Stream> {
+    Arc::new(Stream::new(0).unwrap())
+}
+
+#[test]
+fn without_a_driver_device_pools_say_so() {
+    if cudalloc::cuda::driver_available() {
+        assert!(DevicePool::get(0).is_ok());
+        assert!(matches!(
+            DevicePool::get(cudalloc::cuda::device_count()),
+            Err(Error::InvalidArgument(_))
+        ));
+    } else {
+        assert!(matches!(DevicePool::get(0), Err(Error::NoDriver)));
+        assert!(matches!(
+            DevicePool::new(0, DevicePoolConfig::default()),
+            Err(Error::NoDriver)
+        ));
+    }
+}
+
+#[test]
+fn buffers_round_trip_bit_exact() {
+    gpu!();
+    let pool = DevicePool::get(0).unwrap();
+    let s = stream();
+    let one = pool.from_host(&[0xDEAD_BEEF_u32], &s).unwrap();
+    assert_eq!(one.to_vec().unwrap(), [0xDEAD_BEEF]);
+    let odd: Vec<u8> = (0..4097u32).map(|i| (i * 7 + 3) as u8).collect();
+    let b = pool.from_host(&odd, &s).unwrap();
+    assert_eq!((b.len(), b.byte_len()), (4097, 4097));
+    assert_eq!(b.to_vec().unwrap(), odd);
+    let big: Vec<u64> = (0..(64 * MIB / 8) as u64)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .collect();
+    let b = pool.from_host(&big, &s).unwrap();
+    assert_eq!(b.byte_len(), 64 * MIB);
+    assert!(b.to_vec().unwrap() == big, "64 MiB round trip");
+    let pairs: Vec<[f32; 2]> = (0..1000).map(|i| [i as f32, -(i as f32)]).collect();
+    assert_eq!(pool.from_host(&pairs, &s).unwrap().to_vec().unwrap(), pairs);
+}
+
+#[test]
+fn zeroed_buffers_read_zero_even_over_reused_memory() {
+    gpu!();
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
+    let s = stream();
+    drop(pool.from_host(&vec![0xFFu8; 8 * MIB], &s).unwrap());
+    let z = pool.alloc_zeroed::<u8>(8 * MIB, &s).unwrap();
+    assert!(z.to_vec().unwrap().iter().all(|&b| b == 0));
+}
+
+#[test]
+fn freed_memory_is_reused_in_stream_order_without_new_reservations() {
+    gpu!();
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
+    let s = stream();
+    let a = pool.alloc::<u8>(16 * MIB, &s).unwrap();
+    let reserved = pool.stats().unwrap().reserved_bytes;
+    assert!(reserved >= 16 * MIB as u64);
+    drop(a);
+    // No synchronization: the next allocation on the same stream reuses the freed block.
+    for _ in 0..100 {
+        let b = pool.alloc::<u8>(16 * MIB, &s).unwrap();
+        drop(b);
+    }
+    s.synchronize().unwrap();
+    let st = pool.stats().unwrap();
+    assert_eq!(st.reserved_bytes, reserved, "{st:?}");
+    assert_eq!(
+        (st.allocations, st.live_buffers, st.used_bytes),
+        (101, 0, 0),
+        "{st:?}"
+    );
+    assert!(st.peak_used_bytes >= 16 * MIB as u64);
+    // The default release threshold keeps it across synchronizations; trim returns it.
+    assert_eq!(pool.stats().unwrap().reserved_bytes, reserved);
+    pool.trim().unwrap();
+    assert_eq!(pool.stats().unwrap().reserved_bytes, 0);
+}
+
+#[test]
+fn release_threshold_zero_returns_memory_at_synchronization() {
+    gpu!();
+    let pool = DevicePool::new(
+        0,
+        DevicePoolConfig {
+            release_threshold: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let s = stream();
+    drop(pool.alloc::<u8>(32 * MIB, &s).unwrap());
+    s.synchronize().unwrap();
+    assert_eq!(pool.stats().unwrap().reserved_bytes, 0);
+    pool.set_release_threshold(u64::MAX).unwrap();
+    drop(pool.alloc::<u8>(32 * MIB, &s).unwrap());
+    s.synchronize().unwrap();
+    assert!(pool.stats().unwrap().reserved_bytes >= 32 * MIB as u64);
+}
+
+#[test]
+fn bad_requests_fail_cleanly_and_the_pool_goes_on() {
+    gpu!();
+    let pool = DevicePool::new(
+        0,
+        DevicePoolConfig {
+            limit: 64 * MIB,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let s = stream();
+    // Past the pool's limit, past the device, past the address space.
+    assert!(pool.alloc::<u8>(128 * MIB, &s).is_err());
+    let (_, total) = cudalloc::cuda::mem_info(0).unwrap();
+    assert!(DevicePool::get(0).unwrap().alloc::<u8>(2 * total, &s).is_err());
+    assert!(matches!(
+        pool.alloc::<u64>(usize::MAX / 4, &s),
+        Err(Error::TooLarge { .. })
+    ));
+    assert_eq!(pool.stats().unwrap().failures, 1);
+    // Lengths must match; nothing is copied.
+    let mut b = pool.alloc_zeroed::<u32>(4, &s).unwrap();
+    assert!(matches!(
+        b.copy_from_host(&[1, 2, 3]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        b.copy_to_host(&mut [0; 5]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(b.to_vec().unwrap(), [0; 4]);
+    // Empty buffers take nothing from the device.
+    let before = pool.stats().unwrap().allocations;
+    let e: DeviceBuffer<f64> = pool.alloc(0, &s).unwrap();
+    assert!(e.is_empty() && e.device_ptr() == 0);
+    assert!(e.to_vec().unwrap().is_empty());
+    assert_eq!(pool.stats().unwrap().allocations, before);
+    // Still usable up to its limit.
+    let ok = pool.alloc::<u8>(48 * MIB, &s).unwrap();
+    assert_eq!(ok.len(), 48 * MIB);
+}
+
+#[test]
+fn threads_with_their_own_streams_share_a_pool() {
+    gpu!();
+    let pool = DevicePool::get(0).unwrap();
+    std::thread::scope(|sc| {
+        for t in 0..8u32 {
+            let pool = pool.clone();
+            sc.spawn(move || {
+                let s = stream();
+                for round in 0..50u32 {
+                    let data: Vec<u32> = (0..(1000 + t * 100 + round))
+                        .map(|i| i ^ (t << 24) ^ round)
+                        .collect();
+                    let buf = pool.from_host(&data, &s).unwrap();
+                    assert_eq!(buf.to_vec().unwrap(), data);
+                }
+            });
+        }
+    });
+    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+}
