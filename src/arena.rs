@@ -36,7 +36,7 @@ use core::ptr::{self, NonNull};
 
 use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
-use crate::cuda::{Event, Stream};
+use crate::cuda::{PooledEvent, Stream};
 use crate::error::{Error, Result};
 use crate::source::{align_up, HostSource, HostVisible, MemoryKind, PinnedSource, PAGE_SIZE};
 
@@ -270,7 +270,8 @@ pub struct Arena<S: HostVisible = HostSource> {
     config: ArenaConfig,
     /// Events recorded after GPU work that may read the arena's memory; all of them
     /// complete before memory is reused (reset, rewind) or freed (drop, limits).
-    events: RefCell<Vec<Event>>,
+    /// They come from the per-device event pool.
+    events: RefCell<Vec<PooledEvent>>,
     /// Test-only switch: reset and rewind skip waiting for `events` (freeing never does).
     wait_for_gpu: bool,
     gpu_wait_errors: Cell<u64>,
@@ -835,7 +836,7 @@ impl<S: HostVisible> Arena<S> {
     /// }
     /// ```
     pub fn record_use(&self, stream: &Stream) -> Result<()> {
-        let event = stream.record_event()?;
+        let event = PooledEvent::record(stream)?;
         let mut events = self.events.borrow_mut();
         let n = events.len();
         if n >= PRUNE_EVENTS_AT && n.is_power_of_two() {
@@ -866,7 +867,7 @@ impl<S: HostVisible> Arena<S> {
             Ok(()) => false,
             Err(err) => {
                 self.gpu_wait_errors.set(self.gpu_wait_errors.get() + 1);
-                log::error!("cudalloc: arena: waiting for a recorded GPU use failed: {err}");
+                crate::cuda::record_drop_error("arena: waiting for a recorded GPU use", err);
                 true
             }
         });

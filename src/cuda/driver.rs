@@ -222,8 +222,9 @@ pub(crate) fn record_drop_error(what: &str, e: impl fmt::Display) {
     log::error!("cudalloc: {what} failed: {e}");
 }
 
-/// Number of CUDA errors the crate met while freeing memory or destroying handles, where
-/// they could not be returned to a caller. Nonzero means something leaked or was misused.
+/// Number of CUDA errors the crate met while freeing memory, destroying handles or
+/// waiting for recorded GPU uses before reusing memory (an arena's reset), where they
+/// could not be returned to a caller. Nonzero means something leaked or was misused.
 ///
 /// ```
 /// let before = cudalloc::cuda::drop_errors();
