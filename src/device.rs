@@ -34,7 +34,7 @@ use std::sync::{Arc, OnceLock};
 use zerocopy::{FromBytes, Immutable, IntoBytes};
 
 use crate::cuda::mem_pool::MemPool;
-use crate::cuda::{device_count, memset_d8_async, raw, Stream};
+use crate::cuda::{device_count, mem_info, memset_d8_async, raw, Stream};
 use crate::error::{Error, Result};
 use crate::sync::global::{AtomicU64, Ordering};
 
@@ -98,13 +98,15 @@ pub struct DevicePoolStats {
     pub allocations: u64,
     /// Buffers of nonzero size alive now.
     pub live_buffers: u64,
-    /// Allocations that failed.
+    /// Allocations that failed (refused up front or by the driver).
     pub failures: u64,
 }
 
 #[derive(Debug)]
 struct Inner {
     pool: MemPool,
+    /// The device's memory, in bytes.
+    device_bytes: usize,
     allocations: AtomicU64,
     frees: AtomicU64,
     failures: AtomicU64,
@@ -137,9 +139,11 @@ impl DevicePool {
     /// A new pool on device `device`.
     pub fn new(device: usize, config: DevicePoolConfig) -> Result<Self> {
         let pool = MemPool::new(device, config.limit, config.release_threshold)?;
+        let (_, device_bytes) = mem_info(device)?;
         Ok(Self {
             inner: Arc::new(Inner {
                 pool,
+                device_bytes,
                 allocations: AtomicU64::new(0),
                 frees: AtomicU64::new(0),
                 failures: AtomicU64::new(0),
@@ -185,20 +189,15 @@ impl DevicePool {
         if stream.device() != self.device() {
             return Err(Error::InvalidArgument("the stream belongs to another device"));
         }
-        let bytes = len.checked_mul(size_of::<T>()).ok_or(Error::TooLarge {
-            requested: usize::MAX,
-            limit: isize::MAX as usize,
-        })?;
-        if bytes > isize::MAX as usize {
-            return Err(Error::TooLarge {
-                requested: bytes,
-                limit: isize::MAX as usize,
-            });
-        }
-        let ptr = if bytes == 0 {
-            0
-        } else {
-            self.alloc_bytes(bytes, stream)?
+        let ptr = match len.checked_mul(size_of::<T>()) {
+            Some(0) => 0,
+            Some(bytes) => self.alloc_bytes(bytes, stream)?,
+            None => {
+                return Err(self.failed(Error::TooLarge {
+                    requested: usize::MAX,
+                    limit: self.inner.device_bytes,
+                }))
+            }
         };
         Ok(DeviceBuffer {
             ptr,
@@ -209,7 +208,37 @@ impl DevicePool {
         })
     }
 
+    #[cold]
+    fn failed(&self, e: Error) -> Error {
+        self.inner.failures.fetch_add(1, Ordering::Relaxed);
+        e
+    }
+
+    /// Refuses, before any driver allocation, what cannot fit: more than the device
+    /// holds, or (for requests of an eighth of the device and more) more than is free on
+    /// it plus what this pool holds unused. A driver asked for more than is free may fill
+    /// the device while it tries, failing other threads' and processes' allocations.
+    fn check_fits(&self, bytes: usize) -> Result<()> {
+        let total = self.inner.device_bytes;
+        if bytes > total {
+            return Err(Error::TooLarge {
+                requested: bytes,
+                limit: total,
+            });
+        }
+        if bytes >= total / 8 {
+            let (free, _) = mem_info(self.device())?;
+            let u = self.inner.pool.usage()?;
+            let idle = usize::try_from(u.reserved.saturating_sub(u.used)).unwrap_or(usize::MAX);
+            if bytes > free.saturating_add(idle) {
+                return Err(Error::OutOfMemory { requested: bytes });
+            }
+        }
+        Ok(())
+    }
+
     fn alloc_bytes(&self, bytes: usize, stream: &Stream) -> Result<u64> {
+        self.check_fits(bytes).map_err(|e| self.failed(e))?;
         let pool = &self.inner.pool;
         let ptr = match pool.alloc_async(bytes, stream) {
             Err(Error::Cuda(e)) if e.is_out_of_memory() => {
@@ -228,10 +257,7 @@ impl DevicePool {
                 self.inner.allocations.fetch_add(1, Ordering::Relaxed);
                 Ok(p)
             }
-            Err(e) => {
-                self.inner.failures.fetch_add(1, Ordering::Relaxed);
-                Err(e)
-            }
+            Err(e) => Err(self.failed(e)),
         }
     }
 
