@@ -62,6 +62,29 @@ fn hold(stream: &Stream, release: &Arc<AtomicBool>, done: Option<Arc<AtomicBool>
         .unwrap();
 }
 
+/// Closes a gate on `stream`, runs `queue_copy_and_drop_source` (which queues a copy
+/// behind it and drops the copy's pooled source), and returns `pool`'s pending blocks
+/// counted while the gate was still closed.
+fn pending_while_gated(
+    stream: &Stream,
+    pool: &Pool<PinnedSource>,
+    queue_copy_and_drop_source: impl FnOnce(),
+) -> usize {
+    let checked = Arc::new(AtomicBool::new(false));
+    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
+    hold(stream, &release, None);
+    queue_copy_and_drop_source();
+    let pending = pool.stats().pending_blocks;
+    let gate_was_closed = !release.load(Ordering::Acquire);
+    checked.store(true, Ordering::Release);
+    timer.join().unwrap();
+    assert!(
+        gate_was_closed,
+        "the checks took 10 s: the gate opened before them"
+    );
+    pending
+}
+
 fn assert_balanced(s: &PoolStats) {
     assert_eq!(
         s.live_bytes + s.cached_bytes + s.pending_bytes,
@@ -107,21 +130,11 @@ fn copy_helpers_record_uses_and_round_trip() {
     let mut src: Vec<u32, _> = Vec::new_in(&pool);
     src.extend(0..1 << 20);
     let mut dev = DeviceMemory::new(4 << 20, 0).unwrap();
-    // The copy waits behind the gate until the check below is done.
-    let checked = Arc::new(AtomicBool::new(false));
-    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
-    hold(&stream, &release, None);
-    // SAFETY: `src` is not written; dropping it early is what the pool protects.
-    unsafe { copy::host_to_device_async(&src[1..], &mut dev, 4, &stream) }.unwrap();
-    drop(src);
-    let pending = pool.stats().pending_blocks;
-    let gate_was_closed = !release.load(Ordering::Acquire);
-    checked.store(true, Ordering::Release);
-    timer.join().unwrap();
-    assert!(
-        gate_was_closed,
-        "the checks took 10 s: the gate opened before them"
-    );
+    let pending = pending_while_gated(&stream, &pool, || {
+        // SAFETY: `src` is not written; dropping it early is what the pool protects.
+        unsafe { copy::host_to_device_async(&src[1..], &mut dev, 4, &stream) }.unwrap();
+        drop(src);
+    });
     assert_eq!(pending, 1, "the freed block waits for the copy");
     let mut back: Vec<u32, _> = Vec::new_in(&pool);
     back.resize(1 << 20, 0);
@@ -188,21 +201,11 @@ fn device_buffer_async_copies_keep_a_pooled_source_from_reuse() {
     let mut buf = device.alloc::<u32>(1 << 20, &stream).unwrap();
     let mut src: Vec<u32, _> = Vec::with_capacity_in(1 << 20, &pool);
     src.extend(0..1 << 20);
-    // The copy waits behind the gate until the check below is done.
-    let checked = Arc::new(AtomicBool::new(false));
-    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
-    hold(&stream, &release, None);
-    // SAFETY: `src` is not written; dropping it early is what the pool protects.
-    unsafe { buf.copy_from_host_async(&src) }.unwrap();
-    drop(src);
-    let pending = pool.stats().pending_blocks;
-    let gate_was_closed = !release.load(Ordering::Acquire);
-    checked.store(true, Ordering::Release);
-    timer.join().unwrap();
-    assert!(
-        gate_was_closed,
-        "the checks took 10 s: the gate opened before them"
-    );
+    let pending = pending_while_gated(&stream, &pool, || {
+        // SAFETY: `src` is not written; dropping it early is what the pool protects.
+        unsafe { buf.copy_from_host_async(&src) }.unwrap();
+        drop(src);
+    });
     assert_eq!(pending, 1, "the freed source waits for the copy");
     let back = buf.to_vec().unwrap();
     assert!(back.iter().enumerate().all(|(i, &x)| x == i as u32));
