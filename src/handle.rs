@@ -93,35 +93,26 @@ unsafe fn resize_by_copy<A: Allocator>(
     Ok(block)
 }
 
-/// Allocates through `pool` when a driver is present; otherwise fails for a strict handle
-/// or falls back to pageable memory. The one routing decision every handle shares.
+/// Allocates through `h`'s pool when a driver is present; otherwise fails for a strict
+/// handle or falls back to pageable memory. The one routing decision every handle shares.
 #[inline]
-fn route_allocate<S: HostVisible + 'static>(
-    pool: impl FnOnce() -> &'static Pool<S>,
-    strict: bool,
-    kind: &str,
-    layout: Layout,
-) -> Result<NonNull<[u8]>, AllocError> {
+fn route_allocate<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
     if driver_available() {
-        pool().allocate(layout)
-    } else if strict {
+        h.pool().allocate(layout)
+    } else if h.is_strict() {
         Err(AllocError)
     } else {
-        fallback_allocate(kind, layout)
+        fallback_allocate(R::KIND, layout)
     }
 }
 
 /// # Safety
-/// 1. `ptr` came from `route_allocate(pool, _, _, layout)` with the same pool.
+/// 1. `ptr` came from `route_allocate(h, layout)` with a handle of the same configuration.
 #[inline]
-unsafe fn route_deallocate<S: HostVisible + 'static>(
-    pool: impl FnOnce() -> &'static Pool<S>,
-    ptr: NonNull<u8>,
-    layout: Layout,
-) {
+unsafe fn route_deallocate<R: Route>(h: R, ptr: NonNull<u8>, layout: Layout) {
     if driver_available() {
         // SAFETY: obligation 1; with a driver the block came from this pool.
-        unsafe { pool().deallocate(ptr, layout) }
+        unsafe { h.pool().deallocate(ptr, layout) }
     } else {
         // SAFETY: obligation 1; without a driver it came from the fallback.
         unsafe { fallback_deallocate(ptr, layout) }
@@ -129,18 +120,18 @@ unsafe fn route_deallocate<S: HostVisible + 'static>(
 }
 
 /// # Safety
-/// 1. `ptr` came from `handle`'s allocation for `old` (routed to `pool`) and is not used
+/// 1. `ptr` came from `handle`'s allocation for `old` (routed as `h`) and is not used
 ///    after this call except through the returned block.
 #[inline]
-unsafe fn route_resize<S: HostVisible + 'static, A: Allocator>(
-    pool: impl FnOnce() -> &'static Pool<S>,
+unsafe fn route_resize<R: Route, A: Allocator>(
+    h: R,
     handle: &A,
     ptr: NonNull<u8>,
     old: Layout,
     new: Layout,
 ) -> Result<NonNull<[u8]>, AllocError> {
     if driver_available() {
-        let pool = pool();
+        let pool = h.pool();
         // SAFETY: obligation 1; the pool picks grow or shrink by the sizes.
         unsafe {
             if new.size() >= old.size() {
@@ -302,28 +293,6 @@ impl Pinned {
         );
         with_fallbacks(s)
     }
-
-    #[inline]
-    fn allocate(self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        route_allocate(|| pinned_pool(self.flags), self.strict, "pinned", layout)
-    }
-
-    /// # Safety
-    /// 1. `ptr` came from `self.allocate(layout)` (or a handle with the same configuration).
-    #[inline]
-    unsafe fn deallocate(self, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: obligation 1.
-        unsafe { route_deallocate(|| pinned_pool(self.flags), ptr, layout) }
-    }
-
-    /// # Safety
-    /// 1. `ptr` came from `self.allocate(old)` and is not used after this call except
-    ///    through the returned block.
-    #[inline]
-    unsafe fn resize(self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: obligation 1.
-        unsafe { route_resize(|| pinned_pool(self.flags), &self, ptr, old, new) }
-    }
 }
 
 const PINNED_DEFAULT: Pinned = Pinned {
@@ -422,28 +391,6 @@ impl Managed {
             );
         with_fallbacks(s)
     }
-
-    #[inline]
-    fn allocate(self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        route_allocate(|| managed_pool(self.attach), self.strict, "managed", layout)
-    }
-
-    /// # Safety
-    /// 1. `ptr` came from `self.allocate(layout)` (or a handle with the same configuration).
-    #[inline]
-    unsafe fn deallocate(self, ptr: NonNull<u8>, layout: Layout) {
-        // SAFETY: obligation 1.
-        unsafe { route_deallocate(|| managed_pool(self.attach), ptr, layout) }
-    }
-
-    /// # Safety
-    /// 1. `ptr` came from `self.allocate(old)` and is not used after this call except
-    ///    through the returned block.
-    #[inline]
-    unsafe fn resize(self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: obligation 1.
-        unsafe { route_resize(|| managed_pool(self.attach), &self, ptr, old, new) }
-    }
 }
 
 const MANAGED_DEFAULT: Managed = Managed {
@@ -451,24 +398,58 @@ const MANAGED_DEFAULT: Managed = Managed {
     strict: false,
 };
 
+/// What a configured handle routes to: its process-wide pool, whether it is strict, and
+/// the memory kind named in the no-driver warning.
+trait Route: Copy {
+    type Source: HostVisible + 'static;
+    const KIND: &'static str;
+    fn pool(self) -> &'static Pool<Self::Source>;
+    fn is_strict(self) -> bool;
+}
+
+impl Route for Pinned {
+    type Source = crate::pool::PinnedPoolSource;
+    const KIND: &'static str = "pinned";
+    #[inline]
+    fn pool(self) -> &'static Pool<Self::Source> {
+        pinned_pool(self.flags)
+    }
+    #[inline]
+    fn is_strict(self) -> bool {
+        self.strict
+    }
+}
+
+impl Route for Managed {
+    type Source = crate::source::ManagedSource;
+    const KIND: &'static str = "managed";
+    #[inline]
+    fn pool(self) -> &'static Pool<Self::Source> {
+        managed_pool(self.attach)
+    }
+    #[inline]
+    fn is_strict(self) -> bool {
+        self.strict
+    }
+}
+
 macro_rules! forward_allocator {
     ($handle:ty, $to:expr) => {
-        // SAFETY: forwards to the configured handle, whose blocks are exclusive,
-        // host-visible and of the requested layout; every copy of the handle frees
-        // blocks by the same path (chosen by the per-process driver check).
+        // SAFETY: routes to the configured handle's process-wide pool (blocks exclusive,
+        // host-visible, of the requested layout) or, without a driver, to the fallback;
+        // every copy of the handle frees blocks by the same path (chosen by the
+        // per-process driver check) and through the same pool (a pure function of the
+        // configuration).
         unsafe impl Allocator for $handle {
             #[inline]
             fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-                #[allow(clippy::redundant_closure_call)]
-                ($to)(self).allocate(layout)
+                route_allocate(($to)(self), layout)
             }
             #[inline]
             unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
-                // SAFETY: the caller passes a block this handle allocated.
-                #[allow(clippy::redundant_closure_call)]
-                unsafe {
-                    ($to)(self).deallocate(ptr, layout)
-                }
+                // SAFETY: the caller passes a block this handle allocated, so routed the
+                // same way.
+                unsafe { route_deallocate(($to)(self), ptr, layout) }
             }
             #[inline]
             unsafe fn grow(
@@ -478,10 +459,7 @@ macro_rules! forward_allocator {
                 new: Layout,
             ) -> Result<NonNull<[u8]>, AllocError> {
                 // SAFETY: the caller passes a block this handle allocated with `old`.
-                #[allow(clippy::redundant_closure_call)]
-                unsafe {
-                    ($to)(self).resize(ptr, old, new)
-                }
+                unsafe { route_resize(($to)(self), self, ptr, old, new) }
             }
             #[inline]
             unsafe fn shrink(
@@ -491,10 +469,7 @@ macro_rules! forward_allocator {
                 new: Layout,
             ) -> Result<NonNull<[u8]>, AllocError> {
                 // SAFETY: the caller passes a block this handle allocated with `old`.
-                #[allow(clippy::redundant_closure_call)]
-                unsafe {
-                    ($to)(self).resize(ptr, old, new)
-                }
+                unsafe { route_resize(($to)(self), self, ptr, old, new) }
             }
         }
     };
