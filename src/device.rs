@@ -11,12 +11,10 @@
 //! microsecond where `cuMemAlloc` costs 2-60 us.
 //!
 //! ```
-//! use std::sync::Arc;
 //! use cudalloc::cuda::Stream;
 //! use cudalloc::device::DevicePool;
 //!
 //! if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
-//!     let stream = Arc::new(stream);
 //!     let input: Vec<f32> = (0..1024).map(|i| i as f32).collect();
 //!     let buf = pool.from_host(&input, &stream).unwrap(); // DeviceBuffer<f32>
 //!     // ... launch kernels on `stream` with `buf.device_ptr()` ...
@@ -115,10 +113,8 @@ struct Inner {
 /// A stream-ordered pool of device memory on one device; a cheap, cloneable handle.
 ///
 /// ```
-/// use std::sync::Arc;
 /// use cudalloc::{cuda::Stream, device::{DevicePool, DevicePoolConfig}};
 /// if let Ok(stream) = Stream::new(0) {
-///     let stream = Arc::new(stream);
 ///     let pool = DevicePool::new(0, DevicePoolConfig { limit: 64 << 20, ..Default::default() }).unwrap();
 ///     let a = pool.alloc_zeroed::<u32>(1 << 20, &stream).unwrap();
 ///     assert_eq!(a.len(), 1 << 20);
@@ -185,7 +181,7 @@ impl DevicePool {
     /// A buffer of `len` elements on `stream` (which must belong to the pool's device),
     /// usable by work queued on `stream` from now on. Its contents are unspecified: fill
     /// it before reading (or use [`alloc_zeroed`](Self::alloc_zeroed)).
-    pub fn alloc<T: DeviceCopy>(&self, len: usize, stream: &Arc<Stream>) -> Result<DeviceBuffer<T>> {
+    pub fn alloc<T: DeviceCopy>(&self, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
         if stream.device() != self.device() {
             return Err(Error::InvalidArgument("the stream belongs to another device"));
         }
@@ -262,7 +258,7 @@ impl DevicePool {
     }
 
     /// A buffer of `len` zeroed elements on `stream` (zeroed in stream order).
-    pub fn alloc_zeroed<T: DeviceCopy>(&self, len: usize, stream: &Arc<Stream>) -> Result<DeviceBuffer<T>> {
+    pub fn alloc_zeroed<T: DeviceCopy>(&self, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
         let buf = self.alloc::<T>(len, stream)?;
         if buf.ptr != 0 {
             // SAFETY: the range is the buffer's own block, queued on its stream after the
@@ -273,7 +269,7 @@ impl DevicePool {
     }
 
     /// A buffer holding a copy of `src`, on `stream`; returns when the copy is done.
-    pub fn from_host<T: DeviceCopy>(&self, src: &[T], stream: &Arc<Stream>) -> Result<DeviceBuffer<T>> {
+    pub fn from_host<T: DeviceCopy>(&self, src: &[T], stream: &Stream) -> Result<DeviceBuffer<T>> {
         let mut buf = self.alloc::<T>(src.len(), stream)?;
         buf.copy_from_host(src)?;
         Ok(buf)
@@ -317,10 +313,8 @@ impl DevicePool {
 /// [`device_ptr`](Self::device_ptr) to a kernel launched on [`stream`](Self::stream).
 ///
 /// ```
-/// use std::sync::Arc;
 /// use cudalloc::{cuda::Stream, device::DevicePool};
 /// if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
-///     let stream = Arc::new(stream);
 ///     let mut buf = pool.alloc::<u16>(3, &stream).unwrap();
 ///     buf.copy_from_host(&[1, 2, 3]).unwrap();
 ///     let mut back = [0u16; 3];
@@ -334,7 +328,7 @@ pub struct DeviceBuffer<T: DeviceCopy> {
     ptr: u64,
     len: usize,
     pool: DevicePool,
-    stream: Arc<Stream>,
+    stream: Stream,
     _elements: PhantomData<T>,
 }
 
@@ -361,7 +355,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     }
 
     /// The stream the buffer was allocated on and is freed on.
-    pub fn stream(&self) -> &Arc<Stream> {
+    pub fn stream(&self) -> &Stream {
         &self.stream
     }
 
@@ -448,7 +442,7 @@ impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if self.ptr != 0 {
             // SAFETY: the block came from this pool's alloc_async and is freed once, on the
-            // stream it was allocated on (kept alive by the Arc): work queued on it before
+            // stream it was allocated on (kept alive by the handle): work queued on it before
             // this point still sees the memory.
             unsafe { self.pool.inner.pool.free_async(self.ptr, &self.stream) };
             self.pool.inner.frees.fetch_add(1, Ordering::Relaxed);

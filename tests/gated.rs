@@ -195,7 +195,7 @@ fn arena_drop_waits_for_recorded_uses() {
 fn device_buffer_async_copies_keep_a_pooled_source_from_reuse() {
     gpu!();
     let _one = one_at_a_time();
-    let stream = Arc::new(Stream::new(0).unwrap());
+    let stream = Stream::new(0).unwrap();
     let pool = Pool::new(PinnedSource::default());
     let device = cudalloc::device::DevicePool::get(0).unwrap();
     let mut buf = device.alloc::<u32>(1 << 20, &stream).unwrap();

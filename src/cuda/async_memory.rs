@@ -66,7 +66,7 @@ impl<'s> AsyncDeviceMemory<'s> {
         keep_freed_memory(stream.device())?;
         let mut ptr: u64 = 0;
         // SAFETY: cuMemAllocAsync writes the new address into `ptr`; the stream is live.
-        check(unsafe { sys::cuMemAllocAsync(&mut ptr, len.max(1), stream.raw()) })?;
+        check(unsafe { sys::cuMemAllocAsync(&mut ptr, len.max(1), stream.cu()) })?;
         if ptr == 0 {
             return Err(Error::OutOfMemory { requested: len });
         }
@@ -96,7 +96,7 @@ impl Drop for AsyncDeviceMemory<'_> {
         }
         // SAFETY: `ptr` came from cuMemAllocAsync and is freed once, in the order of the
         // stream it was allocated on (which the borrow keeps alive).
-        if let Err(e) = check(unsafe { sys::cuMemFreeAsync(self.ptr, self.stream.raw()) }) {
+        if let Err(e) = check(unsafe { sys::cuMemFreeAsync(self.ptr, self.stream.cu()) }) {
             record_drop_error("cuMemFreeAsync", e);
         }
     }

@@ -3,7 +3,7 @@
 //! are taken and returned under a short lock; no driver call runs under it.
 
 use super::driver::{device_count, driver};
-use super::stream::{Event, Stream};
+use super::stream::{Event, Stream, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::global::OnceLock;
 use crate::sync::{lock, Mutex};
@@ -21,7 +21,7 @@ fn pools() -> &'static [Mutex<Vec<Event>>] {
 #[derive(Debug)]
 pub(crate) struct PooledEvent {
     event: Option<Event>,
-    stream: usize,
+    stream: StreamId,
 }
 
 impl PooledEvent {
@@ -40,7 +40,7 @@ impl PooledEvent {
         // If recording fails the event still goes back to the pool through Drop.
         let pooled = Self {
             event: Some(event),
-            stream: stream.raw() as usize,
+            stream: stream.id(),
         };
         pooled.event().record(stream)?;
         Ok(pooled)
@@ -62,8 +62,8 @@ impl PooledEvent {
         self.event().synchronize()
     }
 
-    /// The raw stream handle it was recorded on, as an identifier.
-    pub(crate) fn stream_id(&self) -> usize {
+    /// The stream it was recorded on.
+    pub(crate) fn stream_id(&self) -> StreamId {
         self.stream
     }
 }

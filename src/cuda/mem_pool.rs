@@ -108,7 +108,7 @@ impl MemPool {
         let mut ptr: u64 = 0;
         // SAFETY: cuMemAllocFromPoolAsync writes the new address into `ptr`; the pool and
         // the stream are live.
-        check(unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.raw, stream.raw()) })?;
+        check(unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.raw, stream.cu()) })?;
         if ptr == 0 {
             return Err(Error::OutOfMemory { requested: bytes });
         }
@@ -125,7 +125,7 @@ impl MemPool {
             return record_drop_error("binding a context for cuMemFreeAsync", e);
         }
         // SAFETY: obligation 1; the stream is live.
-        if let Err(e) = check(unsafe { sys::cuMemFreeAsync(ptr, stream.raw()) }) {
+        if let Err(e) = check(unsafe { sys::cuMemFreeAsync(ptr, stream.cu()) }) {
             record_drop_error("cuMemFreeAsync", e);
         }
     }

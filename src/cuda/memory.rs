@@ -314,7 +314,7 @@ pub(crate) mod raw {
         bind(stream.device())?;
         // SAFETY: the driver validates that the range is managed memory and returns an
         // error otherwise; prefetching moves pages without changing their contents.
-        check(unsafe { sys::cuMemPrefetchAsync_v2(p as u64, len, location.raw(), 0, stream.raw()) })?;
+        check(unsafe { sys::cuMemPrefetchAsync_v2(p as u64, len, location.raw(), 0, stream.cu()) })?;
         Ok(())
     }
 
@@ -351,7 +351,7 @@ pub(crate) mod raw {
     ) -> Result<()> {
         bind(stream.device())?;
         // SAFETY: obligations 1 and 2.
-        check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.raw()) })?;
+        check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.cu()) })?;
         Ok(())
     }
 
@@ -363,7 +363,7 @@ pub(crate) mod raw {
     pub(crate) unsafe fn copy_dtoh_async(dst: *mut u8, src: u64, len: usize, stream: &Stream) -> Result<()> {
         bind(stream.device())?;
         // SAFETY: obligations 1 and 2.
-        check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream.raw()) })?;
+        check(unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream.cu()) })?;
         Ok(())
     }
 }
@@ -378,7 +378,7 @@ pub unsafe fn memset_d8_async(dst: u64, value: u8, len: usize, stream: &Stream) 
     driver()?;
     bind(stream.device())?;
     // SAFETY: obligation 1 of this function.
-    check(unsafe { sys::cuMemsetD8Async(dst, value, len, stream.raw()) })?;
+    check(unsafe { sys::cuMemsetD8Async(dst, value, len, stream.cu()) })?;
     Ok(())
 }
 

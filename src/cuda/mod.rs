@@ -24,4 +24,4 @@ pub use memory::{
     memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice, MemoryType,
     PointerInfo,
 };
-pub use stream::{Event, Stream};
+pub use stream::{Event, Stream, StreamId};

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use super::BlockPtr;
-use crate::cuda::Event;
+use crate::cuda::{Event, StreamId};
 use crate::error::Result;
 use crate::sync::Arc;
 
@@ -55,7 +55,7 @@ pub trait Fence: Send + Sync + 'static {
     /// An identifier of the stream the fence was recorded on, if it is a point in one
     /// stream's order. A later fence of the same stream completes after an earlier one,
     /// so the pool keeps only the latest per stream and block.
-    fn stream_id(&self) -> Option<usize> {
+    fn stream_id(&self) -> Option<StreamId> {
         None
     }
 }
@@ -76,7 +76,7 @@ impl Fence for crate::cuda::PooledEvent {
     fn wait(&self) -> Result<()> {
         self.synchronize()
     }
-    fn stream_id(&self) -> Option<usize> {
+    fn stream_id(&self) -> Option<StreamId> {
         Some(self.stream_id())
     }
 }

@@ -295,12 +295,12 @@ fn the_pending_switch_off_reuses_at_once() {
 
 #[test]
 fn large_pending_blocks_and_stream_dedup() {
-    struct OnStream(FlagFence, usize);
+    struct OnStream(FlagFence, crate::cuda::StreamId);
     impl Fence for OnStream {
         fn is_complete(&self) -> Result<bool> {
             self.0.is_complete()
         }
-        fn stream_id(&self) -> Option<usize> {
+        fn stream_id(&self) -> Option<crate::cuda::StreamId> {
             Some(self.1)
         }
     }
@@ -309,12 +309,13 @@ fn large_pending_blocks_and_stream_dedup() {
     let a = pool.allocate(l).unwrap();
     let first = FlagFence::default();
     let second = FlagFence::default();
-    pool.record_fence(a.cast::<u8>().as_ptr(), OnStream(first.clone(), 7))
+    let stream = crate::cuda::StreamId::fresh();
+    pool.record_fence(a.cast::<u8>().as_ptr(), OnStream(first.clone(), stream))
         .unwrap();
     // A later fence on the same stream replaces the earlier one.
     pool.record_fence(
         a.cast::<u8>().as_ptr().wrapping_add(4096),
-        OnStream(second.clone(), 7),
+        OnStream(second.clone(), stream),
     )
     .unwrap();
     // SAFETY: allocated above.

@@ -1,15 +1,13 @@
 //! Typed device buffers from stream-ordered device pools.
 
-use std::sync::Arc;
-
 use cudalloc::cuda::Stream;
 use cudalloc::device::{DeviceBuffer, DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
 const MIB: usize = 1 << 20;
 
-fn stream() -> Arc<Stream> {
-    Arc::new(Stream::new(0).unwrap())
+fn stream() -> Stream {
+    Stream::new(0).unwrap()
 }
 
 #[test]
