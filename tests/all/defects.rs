@@ -48,8 +48,12 @@ fn defect_02_a_too_large_request_never_fails_valid_ones_on_other_threads() {
         let mut rounds = 0;
         while rounds < 20_000 || refused.load(Ordering::Relaxed) < 2_000 {
             match pool.allocate(layout(8 << 20, 64)) {
-                // SAFETY: allocated just above with this layout.
-                Ok(p) => unsafe { pool.deallocate(p.cast(), layout(8 << 20, 64)) },
+                Ok(p) => {
+                    // SAFETY: allocated just above with this layout.
+                    unsafe { pool.deallocate(p.cast(), layout(8 << 20, 64)) };
+                    // Back to the source, so that every round asks the budget again.
+                    pool.trim();
+                }
                 Err(_) => failures += 1,
             }
             rounds += 1;
