@@ -6,10 +6,10 @@
 //! process: the crate keys recorded GPU uses by it, never by the raw `CUstream`, whose
 //! value the driver may give to a new stream once the old one is destroyed.
 
+use crate::sync::global::Arc;
 use core::ffi::c_void;
 use core::fmt;
 use core::num::NonZeroU64;
-use std::sync::Arc;
 
 use cudarc::driver::sys;
 
@@ -69,7 +69,7 @@ struct StreamInner {
     owner: Owner,
     /// The cudarc view of this stream, made on first use (see the `cudarc` feature).
     #[cfg(feature = "cudarc")]
-    cudarc: std::sync::OnceLock<Arc<cudarc::driver::CudaStream>>,
+    cudarc: crate::sync::global::OnceLock<Arc<cudarc::driver::CudaStream>>,
 }
 
 // SAFETY: CUDA streams are thread-safe driver handles; the driver serializes their use and
@@ -179,7 +179,7 @@ impl Stream {
                 id: StreamId::fresh(),
                 owner,
                 #[cfg(feature = "cudarc")]
-                cudarc: std::sync::OnceLock::new(),
+                cudarc: crate::sync::global::OnceLock::new(),
             }),
         }
     }
