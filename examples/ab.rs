@@ -11,10 +11,11 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Global};
-use cudalloc::cuda::{self, DeviceMemory, HostAllocFlags, Stream};
+use cudalloc::cuda::{self, HostAllocFlags, Stream};
+use cudalloc::testing::{workload, DeviceMemory};
 use cudalloc::source::HostSource;
 use cudalloc::source::{MemorySource, PinnedSource};
-use cudalloc::{workload, Arena, Counting, Direct, ManagedAlloc, PinnedAlloc};
+use cudalloc::{Arena, Counting, Direct, ManagedAlloc, PinnedAlloc};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;

@@ -821,7 +821,7 @@ impl<S: HostVisible> Arena<S> {
     ///
     /// ```
     /// use allocator_api2::vec::Vec;
-    /// use cudalloc::{arena::Arena, cuda::{DeviceMemory, Stream}};
+    /// use cudalloc::{arena::Arena, cuda::Stream, testing::DeviceMemory};
     /// if let Ok(stream) = Stream::new(0) {
     ///     let mut arena = Arena::pinned();
     ///     let mut dev = DeviceMemory::new(4096, 0).unwrap();

@@ -54,7 +54,8 @@ mod handle;
 pub mod pool;
 pub mod source;
 mod sync;
-pub mod workload;
+#[doc(hidden)]
+pub mod testing;
 
 pub use arena::{Arena, ArenaConfig, ArenaStats, Checkpoint};
 pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};

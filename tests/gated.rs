@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::vec::Vec;
 use cudalloc::arena::Arena;
-use cudalloc::cuda::{DeviceMemory, Stream};
+use cudalloc::cuda::Stream;
+use cudalloc::testing::DeviceMemory;
 use cudalloc::pool::{Pool, PoolStats};
 use cudalloc::source::PinnedSource;
 use cudalloc::{copy, PinnedAlloc};

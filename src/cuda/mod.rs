@@ -8,20 +8,19 @@
 //! Set `CUDALLOC_NO_DRIVER=1` to make the crate behave as if no driver were present
 //! (useful to test fallback paths on a GPU machine).
 
-mod async_memory;
+pub(crate) mod async_memory;
 mod driver;
 mod event_pool;
 pub(crate) mod mem_pool;
-mod memory;
+pub(crate) mod memory;
 mod stream;
 
-pub use async_memory::AsyncDeviceMemory;
 pub(crate) use driver::record_drop_error;
 pub use driver::{device_count, device_name, driver_available, drop_errors, mem_info, CudaError};
 pub(crate) use event_pool::PooledEvent;
 pub(crate) use memory::raw;
+pub(crate) use memory::DeviceMemory;
 pub use memory::{
-    memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice, MemoryType,
-    PointerInfo,
+    memset_d8_async, pointer_info, HostAllocFlags, Location, ManagedAdvice, MemoryType, PointerInfo,
 };
 pub use stream::{Event, Stream, StreamId};

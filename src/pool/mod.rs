@@ -357,7 +357,7 @@ impl<S: MemorySource + 'static> Pool<S> {
     ///
     /// ```
     /// use allocator_api2::vec::Vec;
-    /// use cudalloc::{cuda::{DeviceMemory, Stream}, pool::Pool, source::PinnedSource};
+    /// use cudalloc::{cuda::Stream, pool::Pool, source::PinnedSource, testing::DeviceMemory};
     /// if let Ok(stream) = Stream::new(0) {
     ///     let pool = Pool::new(PinnedSource::default());
     ///     let mut v: Vec<u8, _> = Vec::new_in(&pool);

@@ -3,14 +3,14 @@
 //! it knows nothing of layouts, caching or statistics (the allocators above it do).
 
 mod host;
-mod managed;
+pub(crate) mod managed;
 mod pinned;
 mod registered;
 
 use core::ptr::NonNull;
 
 pub use host::HostSource;
-pub use managed::{advise, managed_bytes_held, prefetch, ManagedAttach, ManagedSource};
+pub use managed::{advise, prefetch, ManagedAttach, ManagedSource};
 pub use pinned::PinnedSource;
 pub use registered::RegisteredSource;
 
@@ -96,7 +96,7 @@ pub(crate) const fn align_up(n: usize, align: usize) -> Option<usize> {
 
 /// Physical memory of this machine in bytes, read once from `/proc/meminfo`
 /// (`None` where it cannot be read).
-pub fn physical_memory() -> Option<usize> {
+pub(crate) fn physical_memory() -> Option<usize> {
     use crate::sync::global::OnceLock;
     static MEM: OnceLock<Option<usize>> = OnceLock::new();
     *MEM.get_or_init(|| {
