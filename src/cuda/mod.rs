@@ -1,6 +1,7 @@
 //! The only module that calls `cudarc`. It owns lazy driver initialization, the cached
 //! "is a driver here?" answer, binding a device's primary context to the calling thread,
-//! streams, events, copies and pointer queries. The rest of the crate sees our own types.
+//! streams, events, copies, pointer queries and kernels loaded from PTX. The rest of the
+//! crate sees our own types.
 //!
 //! cudarc panics when libcuda is missing; every entry point here first goes through
 //! one check ([`driver_available`]: once per process, without panicking); without a
@@ -13,6 +14,7 @@ mod driver;
 mod event_pool;
 pub(crate) mod mem_pool;
 pub(crate) mod memory;
+mod module;
 mod stream;
 
 pub(crate) use driver::record_drop_error;
@@ -23,4 +25,5 @@ pub(crate) use memory::DeviceMemory;
 pub use memory::{
     memset_d8_async, pointer_info, HostAllocFlags, Location, ManagedAdvice, MemoryType, PointerInfo,
 };
+pub use module::{Kernel, Module};
 pub use stream::{Event, Stream, StreamId};
