@@ -134,7 +134,8 @@ impl Module {
     /// }
     /// ```
     pub fn load_ptx(device: usize, ptx: &str) -> Result<Self> {
-        let image = CString::new(ptx).map_err(|_| Error::InvalidArgument("the PTX text contains a NUL byte"))?;
+        let image =
+            CString::new(ptx).map_err(|_| Error::InvalidArgument("the PTX text contains a NUL byte"))?;
         driver()?;
         bind(device)?;
         let mut raw: sys::CUmodule = core::ptr::null_mut();
@@ -167,7 +168,8 @@ impl Module {
     /// Errors: [`Error::KernelNotFound`] when the module has no such function;
     /// [`Error::InvalidArgument`] for a name containing a NUL byte.
     pub fn function(&self, name: &str) -> Result<Kernel> {
-        let symbol = CString::new(name).map_err(|_| Error::InvalidArgument("the kernel name contains a NUL byte"))?;
+        let symbol =
+            CString::new(name).map_err(|_| Error::InvalidArgument("the kernel name contains a NUL byte"))?;
         bind(self.inner.device)?;
         let mut raw: sys::CUfunction = core::ptr::null_mut();
         // SAFETY: the module is loaded (kept by `inner`); `symbol` is NUL-terminated and
@@ -263,7 +265,9 @@ impl Kernel {
         args: &mut [*mut c_void],
     ) -> Result<()> {
         if [grid.0, grid.1, grid.2, block.0, block.1, block.2].contains(&0) {
-            return Err(Error::InvalidArgument("grid and block dimensions must be at least 1"));
+            return Err(Error::InvalidArgument(
+                "grid and block dimensions must be at least 1",
+            ));
         }
         if stream.device() != self.module.device {
             return Err(Error::InvalidArgument(
@@ -345,7 +349,10 @@ mod tests {
         assert_eq!(ptx_version("  .version 9.1 // comment\n"), Some((9, 1)));
         assert_eq!(ptx_version(".versionx 8.0\n"), None);
         assert_eq!(ptx_version(".target sm_75\n"), None);
-        assert_eq!(ptx_directive(".version 8.0\n.target sm_90a\n", ".target"), Some("sm_90a"));
+        assert_eq!(
+            ptx_directive(".version 8.0\n.target sm_90a\n", ".target"),
+            Some("sm_90a")
+        );
     }
 
     #[test]

@@ -4,10 +4,20 @@
 #[macro_use]
 mod support;
 
+// The examples' shared code (the A/B report, the staging pipeline), tested here.
+#[path = "../../examples/common/pipeline.rs"]
+mod pipeline;
+#[path = "../../examples/common/plot.rs"]
+mod plot;
+#[path = "../../examples/common/report.rs"]
+mod report;
+
 mod allocators;
 mod arena;
 mod conformance;
 mod counting;
 mod device;
 mod gpu;
+mod kernels;
 mod pool;
+mod staging_pipeline;

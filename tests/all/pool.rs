@@ -9,9 +9,9 @@ use std::sync::Arc;
 use allocator_api2::alloc::{Allocator, Layout};
 use allocator_api2::vec::Vec as AVec;
 use cudalloc::cuda::{HostAllocFlags, Stream};
-use cudalloc::testing::DeviceMemory;
 use cudalloc::pool::{Fence, PinnedGrowth, PinnedPoolSource, Pool, PoolConfig, PoolStats};
 use cudalloc::source::{HostSource, ManagedSource, MemorySource, PinnedSource, RegisteredSource};
+use cudalloc::testing::DeviceMemory;
 use cudalloc::{copy, PinnedAlloc};
 use proptest::prelude::*;
 
