@@ -11,7 +11,10 @@ mod pipeline;
 mod plot;
 #[path = "../../examples/common/report.rs"]
 mod report;
+#[path = "../../examples/common/sections.rs"]
+mod sections;
 
+mod ab_report;
 mod allocators;
 mod arena;
 mod conformance;
