@@ -127,6 +127,8 @@ pub struct Table {
     pub notes: Vec<String>,
     pub wide: Option<Wide>,
     pub chart: Option<Chart>,
+    /// Columns left out of the Markdown (they stay in JSON and CSV).
+    pub markdown_skip: Vec<String>,
 }
 
 impl Table {
@@ -140,7 +142,14 @@ impl Table {
             notes: Vec::new(),
             wide: None,
             chart: None,
+            markdown_skip: Vec::new(),
         }
+    }
+
+    /// Leaves columns out of the Markdown (builder style).
+    pub fn skip_in_markdown(mut self, keys: &[&str]) -> Self {
+        self.markdown_skip.extend(keys.iter().map(|k| k.to_string()));
+        self
     }
 
     /// Adds a column (builder style).
@@ -213,26 +222,33 @@ impl Table {
         let mut out = format!("## {}\n\n", self.title);
         let (header, body) = match &self.wide {
             Some(w) => self.wide_cells(w),
-            None => (
-                self.columns
-                    .iter()
-                    .map(|c| match c.unit {
-                        Unit::Label | Unit::Ratio | Unit::Count | Unit::Bytes | Unit::Nanos => {
-                            c.title.clone()
-                        }
-                        u => format!("{} ({})", c.title, u.name()),
-                    })
-                    .collect(),
-                self.rows
-                    .iter()
-                    .map(|r| {
-                        r.iter()
-                            .zip(&self.columns)
-                            .map(|(v, c)| format_value(v, c.unit))
-                            .collect()
-                    })
-                    .collect(),
-            ),
+            None => {
+                let shown: Vec<usize> = (0..self.columns.len())
+                    .filter(|&i| !self.markdown_skip.contains(&self.columns[i].key))
+                    .collect();
+                (
+                    shown
+                        .iter()
+                        .map(|&i| {
+                            let c = &self.columns[i];
+                            // Only GB/s cells are bare numbers; the others carry their unit.
+                            match c.unit {
+                                Unit::GBps if !c.title.contains("GB/s") => format!("{} (GB/s)", c.title),
+                                _ => c.title.clone(),
+                            }
+                        })
+                        .collect(),
+                    self.rows
+                        .iter()
+                        .map(|r| {
+                            shown
+                                .iter()
+                                .map(|&i| format_value(&r[i], self.columns[i].unit))
+                                .collect()
+                        })
+                        .collect(),
+                )
+            }
         };
         out.push_str(&markdown_grid(&header, &body));
         for n in &self.notes {
@@ -378,6 +394,7 @@ pub fn format_value(v: &Value, unit: Unit) -> String {
     match unit {
         Unit::Bytes => fmt_size(x as usize),
         Unit::Nanos => fmt_time_ns(x),
+        Unit::Millis if x < 10.0 => format!("{x:.2} ms"),
         Unit::Millis => format!("{x:.1} ms"),
         Unit::GBps => format!("{x:.1}"),
         Unit::Ratio => format!("{x:.2}x"),
