@@ -56,8 +56,9 @@ mod handle;
 pub mod pool;
 pub mod source;
 mod sync;
+#[doc(hidden)]
+pub mod testing;
 mod util;
-pub mod workload;
 
 pub use arena::{Arena, ArenaConfig, ArenaStats, Checkpoint};
 pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
