@@ -67,3 +67,4 @@ pub use error::{Error, Result};
 pub use fence::{record_fence, record_use};
 pub use handle::{fallback_allocations, release_cached_memory, Managed, ManagedAlloc, Pinned, PinnedAlloc};
 pub use pool::{Pool, PoolConfig, PoolStats};
+pub use source::{advise, prefetch};
