@@ -13,15 +13,19 @@ mod driver;
 mod event_pool;
 pub(crate) mod mem_pool;
 mod memory;
+mod peer;
 mod stream;
 
 pub use async_memory::AsyncDeviceMemory;
 pub(crate) use driver::record_drop_error;
 pub use driver::{device_count, device_name, driver_available, drop_errors, mem_info, CudaError};
 pub(crate) use event_pool::PooledEvent;
+#[doc(hidden)]
+pub use mem_pool::default_pool_reserved;
 pub(crate) use memory::raw;
 pub use memory::{
     memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice, MemoryType,
     PointerInfo,
 };
+pub use peer::{can_access_peer, copy_async};
 pub use stream::{Event, Stream, StreamId};
