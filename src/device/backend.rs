@@ -144,8 +144,10 @@ pub(crate) mod fake {
         queued: AtomicU64,
         /// Operations completed so far.
         completed: AtomicU64,
-        /// The latest position of each other stream this one waits for.
-        waits: Mutex<Vec<(StreamId, u64)>>,
+        /// A vector clock: for each other stream, the latest position of it that work
+        /// queued on this stream from now on runs after (through waits, transitively: a
+        /// mark carries the clock of its stream, and a wait merges it).
+        clock: Mutex<BTreeMap<StreamId, u64>>,
     }
 
     /// A simulated stream (clones share the queue).
@@ -168,6 +170,11 @@ pub(crate) mod fake {
             self.lane.queued.fetch_add(1, Ordering::SeqCst) + 1
         }
 
+        /// Operations completed so far.
+        pub(crate) fn completed(&self) -> u64 {
+            self.lane.completed.load(Ordering::SeqCst)
+        }
+
         /// The GPU catches up: everything queued so far completes.
         pub(crate) fn complete_all(&self) {
             let q = self.lane.queued.load(Ordering::SeqCst);
@@ -175,24 +182,23 @@ pub(crate) mod fake {
         }
 
         /// Whether work queued on `self` from now on runs after position `pos` of
-        /// `other`: the same stream, or `other` has completed it, or `self` waits for a
-        /// mark of `other` at or after it.
+        /// `other`: the same stream, or `other` has completed it, or `self` waits
+        /// (directly or through other streams' marks) for a mark of `other` at or after it.
         pub(crate) fn covers(&self, other: &FakeStream, pos: u64) -> bool {
-            if self.id == other.id || other.lane.completed.load(Ordering::SeqCst) >= pos {
+            if self.id == other.id || other.completed() >= pos {
                 return true;
             }
-            lock(&self.lane.waits)
-                .iter()
-                .any(|&(s, p)| s == other.id && p >= pos)
+            lock(&self.lane.clock).get(&other.id).is_some_and(|&p| p >= pos)
         }
     }
 
-    /// A position recorded on a simulated stream.
+    /// A position recorded on a simulated stream, with that stream's clock then.
     #[derive(Debug)]
     pub(crate) struct FakeMark {
         stream: StreamId,
         pos: u64,
         lane: Arc<Lane>,
+        clock: BTreeMap<StreamId, u64>,
     }
 
     /// A simulated device: addresses from a counter, a byte limit, a check that every
@@ -255,16 +261,29 @@ pub(crate) mod fake {
                 return Err(Error::InvalidArgument("fake: marks fail"));
             }
             self.marks.fetch_add(1, Ordering::SeqCst);
-            // Recording is itself an operation queued on the stream, after all earlier ones.
+            // Recording is itself an operation queued on the stream, after all earlier ones
+            // (the waits queued before it included: the clock is read under its lock).
+            let clock = lock(&stream.lane.clock);
+            let pos = stream.enqueue();
+            let mut snapshot = clock.clone();
+            snapshot.insert(stream.id, pos);
             Ok(FakeMark {
                 stream: stream.id,
-                pos: stream.enqueue(),
+                pos,
                 lane: stream.lane.clone(),
+                clock: snapshot,
             })
         }
 
         fn wait(&self, stream: &FakeStream, mark: &FakeMark) -> Result<()> {
-            lock(&stream.lane.waits).push((mark.stream, mark.pos));
+            debug_assert_eq!(mark.clock.get(&mark.stream), Some(&mark.pos));
+            let mut clock = lock(&stream.lane.clock);
+            for (&s, &p) in &mark.clock {
+                if s != stream.id {
+                    let e = clock.entry(s).or_insert(0);
+                    *e = (*e).max(p);
+                }
+            }
             Ok(())
         }
 

@@ -229,6 +229,20 @@ impl<B: Backend> Shared<B> {
         out
     }
 
+    /// Takes out the lists of streams with nothing cached, to be dropped (with their
+    /// stream handles, which may destroy a stream) after the lock is released: the cache
+    /// keeps a handle only of streams whose blocks it holds.
+    fn prune(&mut self) -> Vec<StreamLists<B>> {
+        if self.streams.iter().all(|s| !s.is_empty()) {
+            return Vec::new();
+        }
+        let (keep, empty): (Vec<_>, Vec<_>) = core::mem::take(&mut self.streams)
+            .into_iter()
+            .partition(|s| !s.is_empty());
+        self.streams = keep;
+        empty
+    }
+
     /// Checks the counts against the lists (debug builds).
     fn debug_check(&self) {
         if cfg!(debug_assertions) {
@@ -507,13 +521,15 @@ impl<B: Backend> Cache<B> {
         stream: &B::Stream,
     ) -> Option<u64> {
         let want = tc.as_ref().map_or(1, |t| t.refill_count(class)).max(1);
-        let mut got = {
+        let (mut got, pruned) = {
             let mut sh = lock(&self.shared);
             let i = sh.index(B::stream_id(stream))?;
             let got = sh.take_free(i, class, want);
+            let pruned = sh.prune();
             self.mirror(&sh);
-            got
+            (got, pruned)
         };
+        drop(pruned);
         let first = got.pop()?;
         if !got.is_empty() {
             self.keep(tc, stream, class, got);
@@ -575,7 +591,10 @@ impl<B: Backend> Cache<B> {
             .position(|s| s.id != not && s.free.get(class).is_some_and(|l| !l.is_empty()))?;
         let blocks = sh.take_free(i, class, want);
         let victim = sh.streams[i].stream.clone();
+        let pruned = sh.prune();
         self.mirror(&sh);
+        drop(sh);
+        drop(pruned);
         Some((victim, blocks))
     }
 
@@ -672,7 +691,10 @@ impl<B: Backend> Cache<B> {
         if taken < excess {
             let mut sh = lock(&self.shared);
             out.extend(sh.take_largest(excess - taken));
+            let pruned = sh.prune();
             self.mirror(&sh);
+            drop(sh);
+            drop(pruned);
         }
         for (stream, class, ptr) in out {
             self.give_back(ptr, class_size(class), &stream);
@@ -717,7 +739,10 @@ impl<B: Backend> Cache<B> {
             }
             sh.pending_bytes -= bytes;
             sh.pending_blocks -= n;
+            let pruned = sh.prune();
             self.mirror(&sh);
+            drop(sh);
+            drop(pruned);
         }
         for (stream, g) in gated {
             if self.wait_marks_on_host(&g.marks) {
@@ -929,12 +954,11 @@ impl<B: Backend> Cache<B> {
         }
         drop(touched);
         self.backend.trim();
-        let idle_streams: Vec<StreamLists<B>> = {
+        let idle_streams = {
             let mut sh = lock(&self.shared);
-            let (keep, idle): (Vec<_>, Vec<_>) = sh.streams.drain(..).partition(|s| !s.is_empty());
-            sh.streams = keep;
+            let pruned = sh.prune();
             self.mirror(&sh);
-            idle
+            pruned
         };
         drop(idle_streams);
     }

@@ -29,6 +29,7 @@ struct Tracker {
     uses: HashMap<u64, Vec<(FakeStream, u64)>>,
     live: HashMap<u64, usize>,
     violations: usize,
+    history: HashMap<u64, Vec<String>>,
 }
 
 impl Tracker {
@@ -40,15 +41,33 @@ impl Tracker {
         );
         for (s, pos) in self.uses.remove(&ptr).unwrap_or_default() {
             if !stream.covers(&s, pos) {
+                let h = &self.history[&ptr];
+                eprintln!(
+                    "unordered: block {ptr:#x} ({bytes} bytes) to {} after a use on {} at {pos} \
+                     ({} completed); its last events: {:?}",
+                    stream.id,
+                    s.id,
+                    s.completed(),
+                    &h[h.len().saturating_sub(8)..]
+                );
                 self.violations += 1;
             }
         }
-        self.uses.insert(ptr, vec![(stream.clone(), stream.enqueue())]);
+        let pos = stream.enqueue();
+        self.history
+            .entry(ptr)
+            .or_default()
+            .push(format!("out to {} at {pos}", stream.id));
+        self.uses.insert(ptr, vec![(stream.clone(), pos)]);
     }
 
     /// Another stream uses the live block (what `record_use` declares).
     fn used_on(&mut self, ptr: u64, stream: &FakeStream) {
         let pos = stream.enqueue();
+        self.history
+            .entry(ptr)
+            .or_default()
+            .push(format!("used on {} at {pos}", stream.id));
         self.uses.entry(ptr).or_default().push((stream.clone(), pos));
     }
 
@@ -57,6 +76,7 @@ impl Tracker {
             self.live.remove(&ptr).is_some(),
             "block {ptr:#x} freed but not live"
         );
+        self.history.entry(ptr).or_default().push("freed".into());
     }
 }
 
