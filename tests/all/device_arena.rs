@@ -190,9 +190,7 @@ fn checkpoints_rewind_nested_scratch() {
 
 #[test]
 fn an_arena_refuses_a_stream_of_another_device() {
-    gpu!();
-    if cudalloc::cuda::device_count() < 2 {
-        println!("an_arena_refuses_a_stream_of_another_device: skipped: needs 2 GPUs");
+    if !crate::device::gpus(module_path!(), 2) {
         return;
     }
     let pool = DevicePool::get(0).unwrap();
