@@ -60,5 +60,10 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// a loom model, so they always use `std`'s versions.
 pub(crate) mod global {
     pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-    pub(crate) use std::sync::OnceLock;
+    pub(crate) use std::sync::{Mutex, MutexGuard, OnceLock};
+
+    /// [`lock`](super::lock) for `std` mutexes in statics.
+    pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
 }

@@ -25,3 +25,5 @@ pub use memory::{
     PointerInfo,
 };
 pub use stream::{Event, Stream, StreamId};
+#[cfg(feature = "cudarc")]
+pub(crate) use stream::{is_same, known, order_after};
