@@ -51,6 +51,8 @@ pub mod device;
 mod direct;
 pub mod error;
 mod handle;
+#[cfg(feature = "cudarc")]
+pub mod interop;
 pub mod pool;
 pub mod source;
 mod sync;

@@ -8,6 +8,7 @@ mod allocators;
 mod arena;
 mod conformance;
 mod counting;
+mod cudarc;
 mod device;
 mod gpu;
 mod pool;
