@@ -12,7 +12,8 @@ use core::ptr::NonNull;
 use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
 use crate::error::{Error, Result};
-use crate::source::{align_up, HostVisible};
+use crate::source::HostVisible;
+use crate::util::align_up;
 
 /// An allocator that calls its source `S` once per allocation and once per free.
 ///
@@ -40,21 +41,13 @@ impl<S> Direct<S> {
     }
 }
 
-/// A well-aligned dangling pointer for zero-size blocks; never dereferenced or freed.
-#[inline]
-pub(crate) fn dangling(layout: Layout) -> NonNull<[u8]> {
-    let p = core::ptr::without_provenance_mut::<u8>(layout.align());
-    // SAFETY: an alignment is never zero, so `p` is non-null.
-    NonNull::slice_from_raw_parts(unsafe { NonNull::new_unchecked(p) }, 0)
-}
-
 const HEADER: usize = core::mem::size_of::<usize>();
 
 impl<S: HostVisible> Direct<S> {
     /// Allocates a block for `layout`, saying why on failure.
     pub fn try_allocate(&self, layout: Layout) -> Result<NonNull<[u8]>> {
         if layout.size() == 0 {
-            return Ok(dangling(layout));
+            return Ok(crate::util::dangling_block(layout));
         }
         let natural = self.source.align();
         if layout.align() <= natural {

@@ -44,23 +44,27 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod arena;
+mod budget;
 pub mod copy;
 pub mod count;
 pub mod cuda;
 pub mod device;
 mod direct;
 pub mod error;
+pub mod fence;
 mod handle;
 #[cfg(feature = "cudarc")]
 pub mod interop;
 pub mod pool;
 pub mod source;
 mod sync;
+mod util;
 pub mod workload;
 
 pub use arena::{Arena, ArenaConfig, ArenaStats, Checkpoint};
 pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
 pub use direct::Direct;
 pub use error::{Error, Result};
-pub use handle::{fallback_allocations, Managed, ManagedAlloc, Pinned, PinnedAlloc};
-pub use pool::{record_use, Pool, PoolConfig, PoolStats};
+pub use fence::{record_fence, record_use};
+pub use handle::{fallback_allocations, release_cached_memory, Managed, ManagedAlloc, Pinned, PinnedAlloc};
+pub use pool::{Pool, PoolConfig, PoolStats};

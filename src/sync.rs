@@ -55,6 +55,20 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
+/// Declares a thread-local with a `const` initializer: `std`'s `thread_local!` normally
+/// (const-initialized, no lazy-init check on access), loom's under `--cfg loom` (whose
+/// thread-locals are per model thread and dropped when the model thread ends), so the code
+/// that uses it (the pools' thread caches) is the same text in both and loom checks it.
+macro_rules! thread_local_const {
+    ($(#[$attr:meta])* $vis:vis static $name:ident: $t:ty = $init:expr;) => {
+        #[cfg(not(loom))]
+        std::thread_local! { $(#[$attr])* $vis static $name: $t = const { $init }; }
+        #[cfg(loom)]
+        loom::thread_local! { $(#[$attr])* $vis static $name: $t = $init; }
+    };
+}
+pub(crate) use thread_local_const;
+
 /// Process-wide statics (driver state, global counters, the pools behind the zero-sized
 /// handles) need `const` constructors, which loom's types lack; they are never part of
 /// a loom model, so they always use `std`'s versions.

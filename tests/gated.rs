@@ -173,7 +173,7 @@ fn arena_drop_waits_for_recorded_uses() {
         hold(&stream, &release, None);
         // SAFETY: the arena's drop waits for the copy before freeing the memory.
         unsafe { dev.copy_from_host_async(0, &v, &stream) }.unwrap();
-        arena.record_use(&stream).unwrap();
+        assert!(arena.record_use(v.as_ptr(), &stream).unwrap());
         assert_eq!(arena.stats().pending_uses, 1);
     }
     let gate_was_closed = !release.load(Ordering::Acquire);

@@ -100,7 +100,12 @@ struct Driver {
 static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
 
 fn load() -> Option<Driver> {
-    if std::env::var_os("CUDALLOC_NO_DRIVER").is_some_and(|v| v != "0") {
+    let no_driver = crate::util::env_var(
+        "CUDALLOC_NO_DRIVER",
+        "1, true, yes or on (or 0, false, no, off)",
+        crate::util::parse_bool,
+    );
+    if no_driver == Some(true) {
         log::info!("cudalloc: CUDALLOC_NO_DRIVER is set; behaving as if no CUDA driver were present");
         return None;
     }

@@ -450,11 +450,16 @@ impl DeviceMemory {
     /// # Safety
     /// 1. `src` stays valid and is not written until the copy has completed on `stream`
     ///    (synchronize the stream, or wait on an event recorded after the copy).
-    ///    Blocks of the crate's caching pools are kept from reuse by `record_use`.
+    ///    Memory of the crate's allocators may be dropped early: the copy's use of it is
+    ///    recorded, so it is not reused before the copy completes.
     pub unsafe fn copy_from_host_async(&mut self, offset: usize, src: &[u8], stream: &Stream) -> Result<()> {
         self.check_len(offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
         // SAFETY: range checked above; obligation 1 passes to the caller.
-        unsafe { raw::copy_htod_async(self.ptr + offset as u64, src.as_ptr(), src.len(), stream) }
+        unsafe { raw::copy_htod_async(self.ptr + offset as u64, src.as_ptr(), src.len(), stream) }?;
+        crate::copy::protect(src.as_ptr(), stream)
     }
 
     /// Queues a copy of this allocation at `offset` into `dst`, on `stream`, and returns
@@ -462,11 +467,16 @@ impl DeviceMemory {
     ///
     /// # Safety
     /// 1. `dst` stays valid and is neither read nor written until the copy has completed
-    ///    on `stream`.
+    ///    on `stream`. Memory of the crate's allocators may be dropped early: the copy's
+    ///    use of it is recorded.
     pub unsafe fn copy_to_host_async(&self, offset: usize, dst: &mut [u8], stream: &Stream) -> Result<()> {
         self.check_len(offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
         // SAFETY: range checked above; obligation 1 passes to the caller.
-        unsafe { raw::copy_dtoh_async(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len(), stream) }
+        unsafe { raw::copy_dtoh_async(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len(), stream) }?;
+        crate::copy::protect(dst.as_ptr(), stream)
     }
 
     /// Copies `src` to the start of this allocation and waits for the copy.

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use super::size_class::{class_size, run_bytes, NUM_CLASSES};
 use super::{Batch, BlockPtr};
-use crate::source::{align_up, PAGE_SIZE};
+use crate::util::{align_up, PAGE_SIZE};
 
 /// Chunks with room that carving tries before asking the source for a new chunk.
 const MAX_CARVING: usize = 8;
@@ -89,7 +89,6 @@ impl Chunks {
     }
 
     /// Chunks held and their bytes.
-    #[cfg(test)]
     pub(crate) fn totals(&self) -> (usize, usize) {
         (self.map.len(), self.chunk_bytes)
     }

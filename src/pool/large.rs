@@ -20,12 +20,15 @@
 //! an in-place growth) reports it, and the pool then moves its large epoch: thread
 //! caches trust their record of a large block's size only within one epoch.
 //!
-//! The registry is an algorithm core (`&mut self`); the pool keeps it behind one lock.
+//! [`Large`] is an algorithm core (`&mut self`); [`LargeShared`] keeps it behind one
+//! lock together with the epoch, and moves the epoch itself whenever an operation reshapes
+//! an extent, so no caller has to remember to.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::BlockPtr;
-use crate::source::align_up;
+use crate::sync::{lock, AtomicU64, Mutex, Ordering};
+use crate::util::align_up;
 
 struct Extent {
     /// The extent's first byte (with the segment's provenance).
@@ -304,7 +307,6 @@ impl Large {
     }
 
     /// Held bytes and segments.
-    #[cfg(test)]
     pub(crate) fn held_totals(&self) -> (usize, usize) {
         (self.held_bytes, self.segments.len())
     }
@@ -331,6 +333,133 @@ impl Large {
         for e in free {
             assert!(self.free.contains(&(e.size, e.ptr.addr())));
         }
+    }
+}
+
+/// A large block handed out: the pointer, its usable bytes, the extent's base and size,
+/// and the epoch it was handed out in.
+pub(crate) struct LargeTaken {
+    pub(crate) ptr: BlockPtr,
+    pub(crate) usable: usize,
+    pub(crate) base: usize,
+    /// The extent's size (what the statistics count).
+    pub(crate) size: usize,
+    pub(crate) epoch: u64,
+}
+
+/// The large extents of a pool behind their lock, with the large epoch.
+pub(crate) struct LargeShared {
+    large: Mutex<Large>,
+    /// Moves (under the lock) whenever an extent at some address changes size or a
+    /// segment goes back to the source; thread caches trust their record of a large
+    /// block's size only within one epoch. Read Relaxed: the move happens-before any later
+    /// handout of a reused address through the lock, and the handout before its free.
+    epoch: AtomicU64,
+}
+
+impl LargeShared {
+    pub(crate) fn new(min_split: usize) -> Self {
+        Self {
+            large: Mutex::new(Large::new(min_split)),
+            epoch: AtomicU64::new(0),
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
+    /// Moves the epoch; call with the lock held.
+    fn bump(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The epoch a block just taken (under the lock) is handed out in.
+    fn handed_out(&self, t: Taken) -> LargeTaken {
+        let epoch = if t.reshaped { self.bump() } else { self.epoch() };
+        LargeTaken {
+            ptr: t.user,
+            usable: t.size - (t.user.addr() - t.base.addr()),
+            base: t.base.addr(),
+            size: t.size,
+            epoch,
+        }
+    }
+
+    /// A cached extent for `need` bytes aligned to `align`: the smallest that fits, or the
+    /// largest for a `growing` block.
+    pub(crate) fn take(&self, need: usize, align: usize, growing: bool) -> Option<LargeTaken> {
+        let mut large = lock(&self.large);
+        let t = if growing {
+            large.take_for_growth(need, align)
+        } else {
+            large.take(need, align)
+        }?;
+        Some(self.handed_out(t))
+    }
+
+    /// Registers a fresh segment and takes a block from its start (`None`: it does not
+    /// fit, nothing registered).
+    pub(crate) fn insert_segment(
+        &self,
+        base: BlockPtr,
+        total: usize,
+        need: usize,
+        align: usize,
+    ) -> Option<LargeTaken> {
+        let mut large = lock(&self.large);
+        let t = large.insert_segment(base, total, need, align)?;
+        Some(self.handed_out(t))
+    }
+
+    /// Grows the live block holding `addr` in place to `need` usable bytes from `addr`;
+    /// returns the usable bytes and the bytes it grew by.
+    pub(crate) fn grow_in_place(&self, addr: usize, need: usize) -> Option<(usize, usize)> {
+        let mut large = lock(&self.large);
+        let (usable, grown) = large.grow_in_place(addr, need)?;
+        if grown > 0 {
+            self.bump();
+        }
+        Some((usable, grown))
+    }
+
+    /// Frees the live block holding `addr`; returns its base and size (`None`: no live
+    /// block there).
+    pub(crate) fn give_back(&self, addr: usize) -> Option<(usize, usize)> {
+        let mut large = lock(&self.large);
+        let (base, size, merged) = large.give_back(addr)?;
+        if merged {
+            self.bump();
+        }
+        Some((base, size))
+    }
+
+    /// The extent holding `addr`: base, size, free.
+    pub(crate) fn find(&self, addr: usize) -> Option<(usize, usize, bool)> {
+        lock(&self.large).find(addr)
+    }
+
+    /// Removes the wholly free segments, for the caller to return to the source.
+    pub(crate) fn take_free(&self) -> Vec<(BlockPtr, usize)> {
+        let mut large = lock(&self.large);
+        self.bump();
+        large.take_free()
+    }
+
+    /// Every segment (a pool being dropped).
+    pub(crate) fn drain(&self) -> Vec<(BlockPtr, usize)> {
+        lock(&self.large).drain()
+    }
+
+    /// Free bytes and extents.
+    pub(crate) fn free_totals(&self) -> (usize, usize) {
+        lock(&self.large).free_totals()
+    }
+
+    /// Held bytes and segments.
+    pub(crate) fn held_totals(&self) -> (usize, usize) {
+        lock(&self.large).held_totals()
     }
 }
 

@@ -57,39 +57,38 @@
 //! until those threads exit or use another pool in the same cache slot. Set
 //! `thread_cache_capacity: 0` for a pool without thread caches.
 
+mod accounting;
+#[cfg(feature = "debug-checks")]
+mod checks;
 mod chunks;
-mod global;
 mod large;
-mod pending;
-mod registry;
 mod shared;
 pub(crate) mod size_class;
+mod small;
 mod stats;
 mod thread_cache;
+mod uses;
 
 #[cfg(all(test, loom))]
 mod loom_models;
 
 use core::ptr::NonNull;
+use core::time::Duration;
 
 use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
-pub(crate) use global::{
-    managed_pool, managed_pools, pinned_limit, pinned_pool, pinned_pools, set_pinned_limit,
-};
-pub use global::{pinned_default_limit, record_use, PinnedGrowth, PinnedPoolSource, REGISTER_BELOW};
-pub use pending::Fence;
 pub use stats::PoolStats;
 
-use pending::BlockKind;
-use shared::{Budget, Settings, Shared};
+use shared::{OwnerRef, Settings, Shared};
 use size_class::{class_of, class_of_aligned, class_size, MAX_CLASS_SIZE, QUANTUM};
+use uses::BlockKind;
 
-use crate::direct::dangling;
+use crate::budget::Budget;
 use crate::error::{Error, Result};
-use crate::source::{align_up, HostVisible, MemorySource, PAGE_SIZE};
-use crate::sync::global::{AtomicU64 as GlobalU64, Ordering as GlobalOrdering};
-use crate::sync::{Arc, Ordering};
+use crate::fence::{registry, Fence};
+use crate::source::{HostVisible, MemorySource};
+use crate::sync::Arc;
+use crate::util::{align_up, dangling_block, PAGE_SIZE};
 
 /// The address of a block the pool owns. Blocks change hands between threads (thread
 /// caches, shared lists); whoever holds a `BlockPtr` in a list owns the block.
@@ -167,18 +166,21 @@ impl Batch {
     }
 }
 
-/// How a [`Pool`] is shaped. Start from [`PoolConfig::default()`] and change fields.
+/// How a [`Pool`] is shaped. Start from [`PoolConfig::default()`] and change what you
+/// need with the `with_*` methods (the fields are public to read).
 ///
 /// ```
 /// use cudalloc::{pool::{Pool, PoolConfig}, source::HostSource};
-/// let pool = Pool::with_config(HostSource, PoolConfig {
-///     limit: 64 << 20,           // hold at most 64 MiB from the source
-///     thread_cache_capacity: 16, // smaller thread caches
-///     ..PoolConfig::default()
-/// });
-/// assert_eq!(pool.limit(), 64 << 20);
+/// let pool = Pool::with_config(
+///     HostSource,
+///     PoolConfig::default()
+///         .with_limit(64 << 20)          // hold at most 64 MiB from the source
+///         .with_thread_cache_capacity(16), // smaller thread caches
+/// );
+/// assert_eq!(pool.limit(), Some(64 << 20));
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// Bytes of each chunk taken from the source and carved into small blocks (default
     /// 2 MiB; rounded up to a page, at least 256 KiB).
@@ -193,8 +195,14 @@ pub struct PoolConfig {
     pub thread_cache_capacity: usize,
     /// The most bytes of free blocks a thread keeps for this pool (default 32 MiB).
     pub thread_cache_bytes: usize,
-    /// The most bytes the pool may hold from its source (default: no limit).
-    pub limit: usize,
+    /// The most bytes the pool may hold from its source (`None`, the default: no limit).
+    pub limit: Option<usize>,
+    /// Backpressure: how long an allocation that finds the pool at its limit (or its
+    /// source out of memory) waits for freed blocks whose recorded GPU uses are still
+    /// running, before it fails (default 10 s; `None`: it fails at once). A staging loop
+    /// that outruns the GPU then runs at the GPU's pace instead of failing, and a `Vec`
+    /// does not abort.
+    pub pending_wait: Option<Duration>,
 }
 
 impl Default for PoolConfig {
@@ -204,12 +212,75 @@ impl Default for PoolConfig {
             large_threshold: 512 << 10,
             thread_cache_capacity: 64,
             thread_cache_bytes: 32 << 20,
-            limit: usize::MAX,
+            limit: None,
+            pending_wait: Some(Duration::from_secs(10)),
         }
     }
 }
 
 impl PoolConfig {
+    /// This configuration with chunks of `bytes`.
+    pub const fn with_chunk_size(self, bytes: usize) -> Self {
+        Self {
+            chunk_size: bytes,
+            ..self
+        }
+    }
+
+    /// This configuration with large blocks above `bytes`.
+    pub const fn with_large_threshold(self, bytes: usize) -> Self {
+        Self {
+            large_threshold: bytes,
+            ..self
+        }
+    }
+
+    /// This configuration with thread-cache bins of at most `blocks` (0: no thread caches).
+    ///
+    /// ```
+    /// let c = cudalloc::pool::PoolConfig::default().with_thread_cache_capacity(0);
+    /// assert_eq!(c.thread_cache_capacity, 0);
+    /// ```
+    pub const fn with_thread_cache_capacity(self, blocks: usize) -> Self {
+        Self {
+            thread_cache_capacity: blocks,
+            ..self
+        }
+    }
+
+    /// This configuration with thread caches of at most `bytes` per thread.
+    pub const fn with_thread_cache_bytes(self, bytes: usize) -> Self {
+        Self {
+            thread_cache_bytes: bytes,
+            ..self
+        }
+    }
+
+    /// This configuration holding at most `bytes` from the source.
+    pub const fn with_limit(self, bytes: usize) -> Self {
+        Self {
+            limit: Some(bytes),
+            ..self
+        }
+    }
+
+    /// This configuration waiting at most `wait` for pending blocks when full (`None`:
+    /// failing at once).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let c = cudalloc::pool::PoolConfig::default().with_pending_wait(None);
+    /// assert_eq!(c.pending_wait, None);
+    /// let c = c.with_pending_wait(Some(Duration::from_millis(500)));
+    /// assert_eq!(c.pending_wait, Some(Duration::from_millis(500)));
+    /// ```
+    pub const fn with_pending_wait(self, wait: Option<Duration>) -> Self {
+        Self {
+            pending_wait: wait,
+            ..self
+        }
+    }
+
     fn settings(&self) -> Settings {
         const MIN_CHUNK: usize = 256 << 10;
         let chunk_size = align_up(self.chunk_size.max(MIN_CHUNK), PAGE_SIZE).unwrap_or(MIN_CHUNK);
@@ -234,15 +305,14 @@ impl PoolConfig {
             max_class,
             caps,
             thread_cache_bytes: self.thread_cache_bytes,
+            pending_wait: self.pending_wait,
         }
     }
 }
 
-static NEXT_UID: GlobalU64 = GlobalU64::new(1);
-
 /// A caching allocator over the memory source `S`: size classes carved from chunks,
-/// large blocks cached by size, per-thread caches, GPU-aware reuse, a limit, statistics.
-/// See the [module docs](self) for how it works.
+/// large blocks as extents of segments, per-thread caches, GPU-aware reuse, a limit with
+/// backpressure, statistics. See the [module docs](self) for how it works.
 ///
 /// `Pool` implements allocator-api2's `Allocator` (so does `&Pool`) when `S` is
 /// [`HostVisible`]. Blocks may be freed by any thread.
@@ -282,21 +352,18 @@ impl<S: MemorySource + 'static> Pool<S> {
         Self::with_budget(source, config, Arc::new(Budget::new(config.limit)))
     }
 
-    /// A pool whose limit is `budget`, which other pools may share.
+    /// A pool whose limit is `budget`, which other pools may share (`config.limit` is
+    /// ignored).
     pub(crate) fn with_budget(source: S, config: PoolConfig, budget: Arc<Budget>) -> Self {
         let settings = config.settings();
-        let uid = NEXT_UID.fetch_add(1, GlobalOrdering::Relaxed);
-        #[cfg(not(loom))]
+        let uid = registry::new_owner_id();
         let slot = if settings.caps.is_empty() {
             None
         } else {
             thread_cache::tls::acquire_slot()
         };
-        #[cfg(loom)]
-        let slot = None;
         let shared = Arc::new(Shared::new(source, settings, budget, uid, slot));
-        #[cfg(not(loom))]
-        registry::add_owner(uid, shared.clone());
+        registry::add_owner(uid, OwnerRef(shared.clone()));
         Self { shared }
     }
 
@@ -305,29 +372,33 @@ impl<S: MemorySource + 'static> Pool<S> {
         &self.shared.source
     }
 
-    /// The cap on bytes held from the source (`usize::MAX`: none).
-    pub fn limit(&self) -> usize {
-        self.shared.budget.limit()
+    /// The cap on bytes held from the source (`None`: no limit).
+    pub fn limit(&self) -> Option<usize> {
+        self.shared.acct.budget.limit()
     }
 
-    /// Changes the cap on bytes held from the source. Lowering it below what is held
-    /// releases nothing by itself (see [`Pool::trim`]); allocations that would exceed it
-    /// trim the cache, retry once, and fail.
+    /// Changes the cap on bytes held from the source (`None`: no limit). Lowering it
+    /// below what is held releases nothing by itself (see [`Pool::trim`]); allocations
+    /// that would exceed it trim the cache, retry once, wait for pending blocks (see
+    /// [`PoolConfig::pending_wait`]), and fail.
     ///
     /// ```
     /// use allocator_api2::alloc::{Allocator, Layout};
     /// use cudalloc::{pool::Pool, source::HostSource};
     /// let pool = Pool::new(HostSource);
-    /// pool.set_limit(4 << 20);
+    /// pool.set_limit(Some(4 << 20));
     /// assert!(pool.allocate(Layout::from_size_align(8 << 20, 8).unwrap()).is_err());
+    /// pool.set_limit(None);
+    /// assert!(pool.allocate(Layout::from_size_align(8 << 20, 8).unwrap()).is_ok());
     /// ```
-    pub fn set_limit(&self, bytes: usize) {
-        self.shared.budget.set_limit(bytes);
+    pub fn set_limit(&self, bytes: Option<usize>) {
+        self.shared.acct.budget.set_limit(bytes);
     }
 
-    /// Returns cached memory to the source: free large blocks, and chunks all of whose
-    /// blocks are free. Flushes the calling thread's cache and drains the pending list
-    /// first; blocks in other threads' caches stay there. Returns the bytes released.
+    /// Returns cached memory to the source: wholly free segments, and chunks all of whose
+    /// blocks are free. Flushes the calling thread's cache and returns completed pending
+    /// blocks first; blocks in other threads' caches stay there. Returns the bytes
+    /// released.
     ///
     /// ```
     /// use allocator_api2::vec::Vec;
@@ -342,40 +413,57 @@ impl<S: MemorySource + 'static> Pool<S> {
         self.shared.trim()
     }
 
-    /// A snapshot of the pool's counters (see [`PoolStats`]); drains the pending list.
+    /// Waits for the recorded GPU uses of every pending block, then returns all cached
+    /// memory to the source ([`Pool::trim`]); returns the bytes released. Call it before
+    /// exit under compute-sanitizer's leak check (or see
+    /// [`release_cached_memory`](crate::release_cached_memory)), which otherwise reports
+    /// every cached block as leaked.
+    pub fn release(&self) -> usize {
+        self.shared.release()
+    }
+
+    /// Returns the pending blocks whose recorded GPU uses have completed to the free
+    /// lists (the pool also does this on its slow paths); returns how many it returned.
+    pub fn collect_pending(&self) -> usize {
+        self.shared.drain_all()
+    }
+
+    /// A snapshot of the pool's counters (see [`PoolStats`]). It only reads: blocks whose
+    /// GPU uses completed since the pool last looked still count as pending (see
+    /// [`Pool::collect_pending`]).
     pub fn stats(&self) -> PoolStats {
         self.shared.stats()
     }
 
     /// Records that work queued on `stream` (a copy, a kernel) uses the block holding
     /// `ptr`: if the block is freed before that work completes, it is not handed out
-    /// again until then. `ptr` may point anywhere inside a live block of this pool.
+    /// again until then. Returns whether `ptr` is in this pool's memory (`Ok(false)`, and
+    /// nothing recorded, for memory it does not own), as [`crate::record_use`] does for
+    /// every allocator of the crate.
     ///
-    /// The crate's copy helpers ([`crate::copy`]) call this themselves; call it after
-    /// queuing other work that reads or writes a pooled block. Errors: `NoDriver`
-    /// without a driver; `InvalidArgument` if `ptr` is in no block of this pool.
+    /// The crate's copy helpers ([`crate::copy`]) record their uses themselves; call this
+    /// after queuing other work that reads or writes a pooled block. Errors: `NoDriver`
+    /// without a driver; `InvalidArgument` if `ptr` is in this pool's memory but in no
+    /// block.
     ///
     /// ```
     /// use allocator_api2::vec::Vec;
-    /// use cudalloc::{cuda::{DeviceMemory, Stream}, pool::Pool, source::PinnedSource};
+    /// use cudalloc::{cuda::Stream, pool::Pool, source::PinnedSource};
     /// if let Ok(stream) = Stream::new(0) {
     ///     let pool = Pool::new(PinnedSource::default());
-    ///     let mut v: Vec<u8, _> = Vec::new_in(&pool);
-    ///     v.extend(0..=255);
-    ///     let mut dev = DeviceMemory::new(256, 0).unwrap();
-    ///     // SAFETY: `v` is not written until the stream is synchronized below.
-    ///     unsafe { dev.copy_from_host_async(0, &v, &stream) }.unwrap();
-    ///     pool.record_use(v.as_ptr(), &stream).unwrap();
-    ///     drop(v); // safe: the block waits for the copy before reuse
-    ///     stream.synchronize().unwrap();
+    ///     let v: Vec<u8, _> = Vec::with_capacity_in(256, &pool);
+    ///     // ... queue work reading `v` on `stream` through another API, then:
+    ///     assert!(pool.record_use(v.as_ptr(), &stream).unwrap());
+    ///     drop(v); // safe: the block waits for the work before reuse
+    ///     assert!(!pool.record_use([0u8; 4].as_ptr(), &stream).unwrap(), "not this pool's");
     /// }
     /// ```
-    pub fn record_use(&self, ptr: *const u8, stream: &crate::cuda::Stream) -> Result<()> {
-        if !self.shared.owns(ptr as usize) {
-            return Err(Error::InvalidArgument("the pointer is in no block of this pool"));
+    pub fn record_use(&self, ptr: *const u8, stream: &crate::cuda::Stream) -> Result<bool> {
+        if !self.owns(ptr) {
+            return Ok(false);
         }
         let event = crate::cuda::PooledEvent::record(stream)?;
-        self.shared.record_fence(ptr as usize, Box::new(event))
+        self.record_fence(ptr, event)
     }
 
     /// Like [`Pool::record_use`], with any [`Fence`] in place of a CUDA event: the block
@@ -383,32 +471,52 @@ impl<S: MemorySource + 'static> Pool<S> {
     ///
     /// ```
     /// use allocator_api2::alloc::{Allocator, Layout};
-    /// use cudalloc::{pool::{Fence, Pool}, source::HostSource};
+    /// use cudalloc::{fence::Fence, pool::Pool, source::HostSource};
     /// use std::sync::{atomic::{AtomicBool, Ordering}, Arc};
     ///
     /// struct Flag(Arc<AtomicBool>);
-    /// impl Fence for Flag {
+    /// // SAFETY: the flag is set only once the simulated use is over.
+    /// unsafe impl Fence for Flag {
     ///     fn is_complete(&self) -> cudalloc::Result<bool> { Ok(self.0.load(Ordering::Acquire)) }
     /// }
     /// let pool = Pool::new(HostSource);
     /// let layout = Layout::from_size_align(64, 8).unwrap();
     /// let p = pool.allocate(layout).unwrap();
     /// let done = Arc::new(AtomicBool::new(false));
-    /// pool.record_fence(p.as_ptr() as *const u8, Flag(done.clone())).unwrap();
+    /// assert!(pool.record_fence(p.as_ptr() as *const u8, Flag(done.clone())).unwrap());
     /// unsafe { pool.deallocate(p.cast(), layout) };
     /// assert_eq!(pool.stats().pending_blocks, 1);
     /// done.store(true, Ordering::Release);
-    /// assert_eq!(pool.stats().pending_blocks, 0); // stats() drains the pending list
+    /// assert_eq!(pool.collect_pending(), 1);
+    /// assert_eq!(pool.stats().pending_blocks, 0);
     /// ```
-    pub fn record_fence(&self, ptr: *const u8, fence: impl Fence) -> Result<()> {
-        self.shared.record_fence(ptr as usize, Box::new(fence))
+    pub fn record_fence(&self, ptr: *const u8, fence: impl Fence) -> Result<bool> {
+        match self
+            .shared
+            .record_fence(ptr as usize, Arc::new(Box::new(fence)))?
+        {
+            true => Ok(true),
+            false if self.owns(ptr) => Err(Error::InvalidArgument("the pointer is in no block of this pool")),
+            false => Ok(false),
+        }
+    }
+
+    /// Whether `ptr` lies in memory this pool holds from its source.
+    fn owns(&self, ptr: *const u8) -> bool {
+        let addr = ptr as usize;
+        self.shared.small.find_block(addr).is_some() || self.shared.large.find(addr).is_some() || {
+            registry::find_owner_id(addr) == Some(self.shared.uid)
+        }
     }
 
     /// Test switch: with `false`, blocks freed with unfinished recorded uses are reused
     /// at once (the bug the pending list prevents), so a test can show that it fails.
+    #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn set_pending_list_enabled(&self, enabled: bool) {
-        self.shared.pending_enabled.store(enabled, Ordering::Relaxed);
+        self.shared
+            .pending_enabled
+            .store(enabled, crate::sync::Ordering::Relaxed);
     }
 
     // ---- classification ---------------------------------------------------------------
@@ -436,43 +544,29 @@ impl<S: MemorySource + 'static> Pool<S> {
     /// Runs `f` on this thread's cache for this pool, if it has one.
     #[inline(always)]
     fn with_cache<R>(&self, f: impl FnOnce(&mut thread_cache::CacheCore) -> R) -> Option<R> {
-        #[cfg(not(loom))]
-        {
-            let slot = self.shared.slot?;
-            thread_cache::tls::with_entry(slot, self.shared.uid, f)
-        }
-        #[cfg(loom)]
-        {
-            let _ = f;
-            None
-        }
+        let slot = self.shared.slot?;
+        thread_cache::tls::with_entry(slot, self.shared.uid, f)
     }
 
     /// Makes sure this thread has a cache for this pool (creating it, evicting a stale
     /// cache of a dropped pool from the slot); false if it cannot have one.
     fn ensure_cache(&self) -> bool {
-        #[cfg(not(loom))]
-        {
-            use thread_cache::tls;
-            let Some(slot) = self.shared.slot else {
-                return false;
-            };
-            if tls::has_entry(slot, self.shared.uid) {
-                return true;
-            }
-            let owner: Arc<dyn tls::CacheOwner> = self.shared.clone();
-            let entry = Box::new(tls::CacheEntry {
-                uid: self.shared.uid,
-                core: self.shared.new_cache(),
-                owner,
-            });
-            let displaced = tls::swap(slot, Some(entry));
-            // Dropped with no borrow of the table live: flushing it may free its pool.
-            drop(displaced);
-            tls::has_entry(slot, self.shared.uid)
+        use thread_cache::tls;
+        let Some(slot) = self.shared.slot else {
+            return false;
+        };
+        if tls::has_entry(slot, self.shared.uid) {
+            return true;
         }
-        #[cfg(loom)]
-        false
+        let entry = Box::new(tls::CacheEntry {
+            uid: self.shared.uid,
+            core: self.shared.new_cache(),
+            owner: Box::new(OwnerRef(self.shared.clone())),
+        });
+        let displaced = tls::swap(slot, Some(entry));
+        // Dropped with no borrow of the table live: flushing it may free its pool.
+        drop(displaced);
+        tls::has_entry(slot, self.shared.uid)
     }
 
     // ---- allocation -------------------------------------------------------------------
@@ -493,35 +587,38 @@ impl<S: MemorySource + 'static> Pool<S> {
     pub fn try_allocate(&self, layout: Layout) -> Result<NonNull<[u8]>> {
         let size = layout.size();
         if size == 0 {
-            return Ok(dangling(layout));
+            return Ok(dangling_block(layout));
         }
-        match self.classify(size, layout.align()) {
+        let block = match self.classify(size, layout.align()) {
             Some(class) => match self.try_alloc_fast(class) {
-                Some(p) => Ok(NonNull::slice_from_raw_parts(p.as_non_null(), class_size(class))),
-                None => self.alloc_small_slow(class),
+                Some(p) => NonNull::slice_from_raw_parts(p.as_non_null(), class_size(class)),
+                None => self.alloc_small_slow(class)?,
             },
             None => match self.try_alloc_large_fast(layout) {
-                Some(block) => Ok(block),
-                None => self.alloc_large(layout, false),
+                Some(block) => block,
+                None => self.alloc_large(layout, false)?,
             },
-        }
-    }
-
-    /// The large-block hot path: a cached block from this thread's cache, if one fits.
-    #[inline(always)]
-    fn try_alloc_large_fast(&self, layout: Layout) -> Option<NonNull<[u8]>> {
-        let need = align_up(layout.size(), PAGE_SIZE)?;
-        let epoch = self.shared.large_epoch.load(Ordering::Relaxed);
-        let (p, size) = self
-            .with_cache(|c| c.take_large(need, layout.align(), epoch))
-            .flatten()?;
-        Some(NonNull::slice_from_raw_parts(p.as_non_null(), size))
+        };
+        #[cfg(feature = "debug-checks")]
+        self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
+        Ok(block)
     }
 
     /// The hot path: a pop from this thread's bin.
     #[inline(always)]
     fn try_alloc_fast(&self, class: usize) -> Option<BlockPtr> {
         self.with_cache(|c| c.pop(class)).flatten()
+    }
+
+    /// The large-block hot path: a cached block from this thread's cache, if one fits.
+    #[inline(always)]
+    fn try_alloc_large_fast(&self, layout: Layout) -> Option<NonNull<[u8]>> {
+        let need = align_up(layout.size(), PAGE_SIZE)?;
+        let epoch = self.shared.large.epoch();
+        let (p, size) = self
+            .with_cache(|c| c.take_large(need, layout.align(), epoch))
+            .flatten()?;
+        Some(NonNull::slice_from_raw_parts(p.as_non_null(), size))
     }
 
     #[cold]
@@ -531,36 +628,34 @@ impl<S: MemorySource + 'static> Pool<S> {
         sh.drain();
         let size = class_size(class);
         let mut batch = Batch::new();
-        if self.ensure_cache() {
-            let want = self
-                .with_cache(|c| c.refill_count(class).min(c.room(class) + 1))
+        let cached = self.ensure_cache();
+        let want = if cached {
+            self.with_cache(|c| c.refill_count(class).min(c.room(class) + 1))
                 .unwrap_or(1)
-                .clamp(1, MAX_BATCH);
-            if let Err(e) = sh.take_small(class, want, &mut batch) {
-                return Err(self.failed(e));
-            }
-            let first = batch.pop().expect("take_small returns at least one block");
-            if !batch.is_empty() {
-                self.with_cache(|c| {
-                    let room = c.room(class);
-                    c.fill(class, batch.drain_up_to(room));
-                });
-                if !batch.is_empty() {
-                    sh.give_small(class, batch.drain());
-                }
-            }
-            sh.count_shared_alloc();
-            return Ok(NonNull::slice_from_raw_parts(first.as_non_null(), size));
-        }
-        if let Err(e) = sh.take_small(class, 1, &mut batch) {
+                .clamp(1, MAX_BATCH)
+        } else {
+            1
+        };
+        if let Err(e) = sh.take_small(class, want, &mut batch) {
             return Err(self.failed(e));
         }
-        sh.count_shared_alloc();
-        let p = batch.pop().expect("take_small returns at least one block");
-        Ok(NonNull::slice_from_raw_parts(p.as_non_null(), size))
+        let Some(first) = batch.pop() else {
+            return Err(self.failed(Error::OutOfMemory { requested: size }));
+        };
+        if !batch.is_empty() {
+            self.with_cache(|c| {
+                let room = c.room(class);
+                c.fill(class, batch.drain_up_to(room));
+            });
+            if !batch.is_empty() {
+                sh.give_small(class, batch.drain());
+            }
+        }
+        sh.acct.count_shared_alloc();
+        Ok(NonNull::slice_from_raw_parts(first.as_non_null(), size))
     }
 
-    /// A large block from the shared registry or the source (after this thread's cache
+    /// A large block from the shared extents or the source (after this thread's cache
     /// missed); `growing` when it replaces a smaller block being grown (it then goes where
     /// it has room to keep growing in place, and skips this thread's cache).
     #[cold]
@@ -576,18 +671,19 @@ impl<S: MemorySource + 'static> Pool<S> {
                 }))
             }
         };
-        let align = layout.align();
         if growing {
             // A growing block looks at every free extent: this thread's cached large
-            // blocks go back to the registry first (where they merge with their
+            // blocks go back to the shared extents first (where they merge with their
             // neighbours), as they would on a flush.
             for (p, _) in self.with_cache(|c| c.take_large_blocks()).unwrap_or_default() {
                 sh.give_large(p.addr(), true);
             }
         }
         sh.drain();
-        let t = sh.take_large(need, align, growing).map_err(|e| self.failed(e))?;
-        sh.count_shared_alloc();
+        let t = sh
+            .take_large(need, layout.align(), growing)
+            .map_err(|e| self.failed(e))?;
+        sh.acct.count_shared_alloc();
         if t.ptr.addr() == t.base && self.ensure_cache() {
             // The epoch the block was handed out in: if it moves before the free, the
             // entry is merely distrusted then.
@@ -598,7 +694,7 @@ impl<S: MemorySource + 'static> Pool<S> {
 
     #[cold]
     fn failed(&self, e: Error) -> Error {
-        self.shared.count_failure();
+        self.shared.acct.count_failure();
         e
     }
 
@@ -613,22 +709,32 @@ impl<S: MemorySource + 'static> Pool<S> {
         if size == 0 {
             return;
         }
+        #[cfg(feature = "debug-checks")]
+        self.shared
+            .checks
+            .on_free(ptr.as_ptr() as usize, || self.owns(ptr.as_ptr()));
         let p = BlockPtr::new(ptr);
         // Which blocks have recorded uses, with one load and no lock in the common case.
-        // - A use recorded on this block is seen: its record_use happens-before this free
-        //   (the caller orders the two, or makes both on one thread), and `uses` is
-        //   written only under the pending lock, so every value in its modification order
-        //   from that record until this block's free counts this block's entry; by
-        //   write-read coherence this load reads one of them, hence nonzero.
-        // - Acquire, because `uses` also drops when completed uses are forgotten: reading
-        //   that store (Release, after the thread that forgot them saw the fences
+        // - A use recorded on this block is seen: its record happens-before this free (the
+        //   caller orders the two, or makes both on one thread), and the mirror is written
+        //   only under the tracker's lock, so every value in its modification order from
+        //   that record until this block's free counts this block's entry; by write-read
+        //   coherence this load reads one of them, hence nonzero.
+        // - Acquire, because the mirror also drops when completed uses are forgotten:
+        //   reading that store (Release, after the thread that forgot them saw the fences
         //   complete) makes this free, and so the block's next owner, happen after the
         //   completion was observed.
         // A stale nonzero value only sends a free down the slow path, which takes the lock.
-        if self.shared.uses.load(Ordering::Acquire) != 0 {
+        if self.shared.uses.any_uses() {
             return self.free_with_uses(p, layout);
         }
-        match self.classify(size, layout.align()) {
+        self.free_unused(p, layout);
+    }
+
+    /// Frees a block with no recorded uses: to this thread's cache, else the shared state.
+    #[inline(always)]
+    fn free_unused(&self, p: BlockPtr, layout: Layout) {
+        match self.classify(layout.size(), layout.align()) {
             Some(class) => {
                 if !self.try_free_fast(class, p) {
                     self.free_small_slow(class, p);
@@ -649,16 +755,8 @@ impl<S: MemorySource + 'static> Pool<S> {
     fn free_with_uses(&self, p: BlockPtr, layout: Layout) {
         let class = self.classify(layout.size(), layout.align());
         let kind = class.map_or(BlockKind::Large, BlockKind::Small);
-        if self.shared.defer_free(p, kind) {
-            return;
-        }
-        match class {
-            Some(class) => {
-                if !self.try_free_fast(class, p) {
-                    self.free_small_slow(class, p);
-                }
-            }
-            None => self.free_large(p),
+        if !self.shared.defer_free(p, kind) {
+            self.free_unused(p, layout);
         }
     }
 
@@ -685,10 +783,10 @@ impl<S: MemorySource + 'static> Pool<S> {
     }
 
     /// The large-block free: to this thread's cache if it handed the block out and has
-    /// room, else to the shared registry (the cold part).
+    /// room, else to the shared extents (the cold part).
     #[inline(always)]
     fn free_large(&self, p: BlockPtr) {
-        let epoch = self.shared.large_epoch.load(Ordering::Relaxed);
+        let epoch = self.shared.large.epoch();
         if self.with_cache(|c| c.push_large(p, epoch)) != Some(true) {
             self.free_large_shared(p);
         }
@@ -703,17 +801,14 @@ impl<S: MemorySource + 'static> Pool<S> {
 
 impl<S: MemorySource + 'static> Drop for Pool<S> {
     fn drop(&mut self) {
-        #[cfg(not(loom))]
-        {
-            use thread_cache::tls;
-            if let Some(slot) = self.shared.slot {
-                if tls::has_entry(slot, self.shared.uid) {
-                    drop(tls::swap(slot, None));
-                }
-                tls::release_slot(slot);
+        use thread_cache::tls;
+        if let Some(slot) = self.shared.slot {
+            if tls::has_entry(slot, self.shared.uid) {
+                drop(tls::swap(slot, None));
             }
-            drop(registry::remove_owner(self.shared.uid));
+            tls::release_slot(slot);
         }
+        drop(registry::remove_owner(self.shared.uid));
     }
 }
 
@@ -750,14 +845,10 @@ unsafe impl<S: HostVisible + 'static> Allocator for Pool<S> {
     ) -> Result<NonNull<[u8]>, AllocError> {
         // SAFETY: as in `grow`.
         let block = unsafe { self.resize(ptr, old, new) }?;
-        // SAFETY: the block holds at least new.size() bytes; old.size() <= new.size().
-        unsafe {
-            block
-                .cast::<u8>()
-                .as_ptr()
-                .add(old.size())
-                .write_bytes(0, new.size() - old.size())
-        };
+        // SAFETY: the block holds block.len() >= new.size() >= old.size() bytes; the
+        // contract zeroes every byte past the old size up to the returned length (a block
+        // reused in place or from the cache holds an earlier owner's bytes there).
+        unsafe { zero_tail(block, old.size()) };
         Ok(block)
     }
 
@@ -765,6 +856,22 @@ unsafe impl<S: HostVisible + 'static> Allocator for Pool<S> {
         // SAFETY: the caller's obligations (ptr allocated for `old`, new.size() <= old.size()).
         unsafe { self.resize(ptr, old, new) }
     }
+}
+
+/// Zeroes `block` from byte `from` to its end.
+///
+/// # Safety
+/// 1. `block` is writable for its whole length and `from <= block.len()`.
+pub(crate) unsafe fn zero_tail(block: NonNull<[u8]>, from: usize) {
+    debug_assert!(from <= block.len());
+    // SAFETY: obligation 1.
+    unsafe {
+        block
+            .cast::<u8>()
+            .as_ptr()
+            .add(from)
+            .write_bytes(0, block.len() - from)
+    };
 }
 
 impl<S: HostVisible + 'static> Pool<S> {
@@ -795,10 +902,13 @@ impl<S: HostVisible + 'static> Pool<S> {
             }
         }
         let block = if growing {
-            self.alloc_large(new, true).map_err(|e| {
+            let block = self.alloc_large(new, true).map_err(|e| {
                 log::debug!("cudalloc: pool allocation of {new:?} failed: {e}");
                 AllocError
-            })?
+            })?;
+            #[cfg(feature = "debug-checks")]
+            self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
+            block
         } else {
             self.allocate(new)?
         };

@@ -10,7 +10,7 @@
 //! the "at most 12.5%" promise; 8 per doubling keeps it. The cost is more classes (more
 //! thread-cache bins), which the bins pay for only when used.
 
-use crate::source::PAGE_SIZE;
+use crate::util::PAGE_SIZE;
 
 /// Smallest block and the step of the exact classes.
 pub(crate) const QUANTUM: usize = 16;
@@ -62,7 +62,7 @@ pub(crate) const fn class_size(class: usize) -> usize {
 /// the answer: a block may be freed with any size between the request and its class size.
 pub(crate) const fn class_of_aligned(size: usize, align: usize) -> Option<usize> {
     debug_assert!(align.is_power_of_two() && align <= PAGE_SIZE);
-    let rounded = match crate::source::align_up(size, align) {
+    let rounded = match crate::util::align_up(size, align) {
         Some(r) => r,
         None => return None,
     };

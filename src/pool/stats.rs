@@ -23,6 +23,7 @@ use core::fmt;
 /// drop(v);
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolStats {
     /// Bytes of blocks handed out and not yet freed.
     pub live_bytes: usize,
@@ -47,9 +48,9 @@ pub struct PoolStats {
     pub source_blocks: usize,
     /// The most bytes ever held from the source at once.
     pub peak_source_bytes: usize,
-    /// The cap on bytes held from the source (`usize::MAX`: none). Pools that share a
+    /// The cap on bytes held from the source (`None`: no limit). Pools that share a
     /// budget (the process-wide pinned pools) report the shared cap.
-    pub limit: usize,
+    pub limit: Option<usize>,
     /// Allocations served without calling the source.
     pub hits: u64,
     /// Allocations that had to call the source (for a new chunk or large block).
@@ -59,13 +60,17 @@ pub struct PoolStats {
     pub fallbacks: u64,
     /// Allocations that failed (limit reached, source out of memory, absurd size).
     pub failures: u64,
+    /// Times an allocation found the pool full and waited for pending blocks' GPU uses
+    /// (backpressure, [`PoolConfig::pending_wait`](super::PoolConfig::pending_wait)).
+    pub pending_waits: u64,
 }
 
 impl PoolStats {
     /// Fraction of allocations served without calling the source (1.0 with none).
     ///
     /// ```
-    /// let s = cudalloc::pool::PoolStats { hits: 3, misses: 1, ..Default::default() };
+    /// let mut s = cudalloc::pool::PoolStats::default();
+    /// (s.hits, s.misses) = (3, 1);
     /// assert_eq!(s.hit_rate(), 0.75);
     /// ```
     pub fn hit_rate(&self) -> f64 {
@@ -77,11 +82,13 @@ impl PoolStats {
         }
     }
 
-    /// The sum of two snapshots (peaks and limits are summed too: an upper bound).
+    /// The sum of two snapshots (peaks and limits are summed too: an upper bound; no
+    /// limit on either side is no limit).
     ///
     /// ```
     /// use cudalloc::pool::PoolStats;
-    /// let a = PoolStats { live_bytes: 10, hits: 1, ..Default::default() };
+    /// let mut a = PoolStats::default();
+    /// (a.live_bytes, a.hits) = (10, 1);
     /// let b = a.combine(&a);
     /// assert_eq!((b.live_bytes, b.hits), (20, 2));
     /// ```
@@ -97,11 +104,15 @@ impl PoolStats {
             source_bytes: self.source_bytes + other.source_bytes,
             source_blocks: self.source_blocks + other.source_blocks,
             peak_source_bytes: self.peak_source_bytes + other.peak_source_bytes,
-            limit: self.limit.saturating_add(other.limit),
+            limit: match (self.limit, other.limit) {
+                (Some(a), Some(b)) => Some(a.saturating_add(b)),
+                _ => None,
+            },
             hits: self.hits + other.hits,
             misses: self.misses + other.misses,
             fallbacks: self.fallbacks + other.fallbacks,
             failures: self.failures + other.failures,
+            pending_waits: self.pending_waits + other.pending_waits,
         }
     }
 }
@@ -169,15 +180,21 @@ impl fmt::Display for PoolStats {
             Bytes(self.peak_source_bytes),
             ""
         )?;
-        writeln!(f, "{:<8} {:>12}", "limit", Bytes(self.limit))?;
+        writeln!(
+            f,
+            "{:<8} {:>12}",
+            "limit",
+            Bytes(self.limit.unwrap_or(usize::MAX))
+        )?;
         write!(
             f,
-            "hits {} ({:.1}%), misses {}, fallbacks {}, failures {}",
+            "hits {} ({:.1}%), misses {}, fallbacks {}, failures {}, waits for the GPU {}",
             self.hits,
             100.0 * self.hit_rate(),
             self.misses,
             self.fallbacks,
-            self.failures
+            self.failures,
+            self.pending_waits
         )
     }
 }
@@ -193,7 +210,7 @@ mod tests {
             live_blocks: 2,
             hits: 9,
             misses: 1,
-            limit: usize::MAX,
+            limit: None,
             ..Default::default()
         };
         let text = s.to_string();

@@ -6,9 +6,9 @@
 //!   by `stats()`, a `Relaxed` store by the owner, never a read-modify-write). It is an
 //!   algorithm core: the owner thread has `&mut` to it; the pool's shared lists take its
 //!   blocks on a flush. Loom models drive it directly.
-//! - The thread-local table (not under loom) holds one `CacheCore` per pool, indexed by a
-//!   slot the pool takes at creation (64 slots: pools beyond go straight to the shared
-//!   lists). Slots are recycled, so each entry also carries the pool's unique id and an
+//! - The thread-local table holds one `CacheCore` per pool, indexed by a slot the pool
+//!   takes at creation (64 slots: pools beyond go straight to the shared lists). Under
+//!   loom it is loom's thread-local, so the models run this very code. Slots are recycled, so each entry also carries the pool's unique id and an
 //!   `Arc` to its shared state: a stale entry is flushed to its own pool when its slot is
 //!   reused, and every entry is flushed when its thread exits.
 
@@ -68,7 +68,6 @@ pub(crate) struct CacheCore {
     stats: Arc<ThreadStats>,
 }
 
-#[cfg_attr(loom, allow(dead_code))]
 impl CacheCore {
     /// A cache with bins of the given capacities (one per class, in class order) and at
     /// most `max_bytes` bytes in all.
@@ -264,11 +263,10 @@ impl CacheCore {
 }
 
 /// The thread-local table of caches, one per pool slot.
-#[cfg(not(loom))]
 pub(crate) mod tls {
     use super::{CacheCore, ThreadStats};
     use crate::sync::global::{AtomicU64, Ordering};
-    use crate::sync::{Arc, UnsafeCell};
+    use crate::sync::{thread_local_const, Arc, UnsafeCell};
 
     /// Pools that get a thread cache; later ones (while 64 are alive) use shared lists.
     pub(crate) const SLOTS: usize = 64;
@@ -285,7 +283,7 @@ pub(crate) mod tls {
     pub(crate) struct CacheEntry {
         pub(crate) uid: u64,
         pub(crate) core: CacheCore,
-        pub(crate) owner: Arc<dyn CacheOwner>,
+        pub(crate) owner: Box<dyn CacheOwner>,
     }
 
     impl Drop for CacheEntry {
@@ -310,10 +308,23 @@ pub(crate) mod tls {
         }
     }
 
-    thread_local! {
-        static TABLE: Table = const {
-            Table { slots: [const { UnsafeCell::new(None) }; SLOTS] }
-        };
+    impl Table {
+        #[cfg(not(loom))]
+        const fn new() -> Self {
+            Self {
+                slots: [const { UnsafeCell::new(None) }; SLOTS],
+            }
+        }
+        #[cfg(loom)]
+        fn new() -> Self {
+            Self {
+                slots: core::array::from_fn(|_| UnsafeCell::new(None)),
+            }
+        }
+    }
+
+    thread_local_const! {
+        static TABLE: Table = Table::new();
     }
 
     /// Runs `f` on this thread's cache for the pool `uid` in `slot`, if there is one.

@@ -4,8 +4,9 @@
 use core::ptr::NonNull;
 use std::alloc::{GlobalAlloc, Layout, System};
 
-use super::{HostVisible, MemoryKind, MemorySource, PAGE_SIZE};
+use super::{HostVisible, MemoryKind, MemorySource};
 use crate::error::{Error, Result};
+use crate::util::PAGE_SIZE;
 
 /// Page-aligned pageable host memory from [`System`].
 ///
@@ -37,16 +38,7 @@ unsafe impl MemorySource for HostSource {
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0);
-        // Refuse what the machine cannot hold: with unlimited overcommit the system
-        // allocator hands out address space that faults when touched.
-        if let Some(phys) = super::physical_memory() {
-            if size > phys {
-                return Err(Error::TooLarge {
-                    requested: size,
-                    limit: phys,
-                });
-            }
-        }
+        crate::util::check_physical_memory(size)?;
         let layout = Self::layout(size)?;
         // SAFETY: layout has nonzero size (size > 0 is the trait's contract).
         NonNull::new(unsafe { System.alloc(layout) }).ok_or(Error::OutOfMemory { requested: size })
@@ -60,3 +52,21 @@ unsafe impl MemorySource for HostSource {
 
 // SAFETY: system memory is ordinary host memory.
 unsafe impl HostVisible for HostSource {}
+
+static FALLBACKS: crate::sync::global::AtomicU64 = crate::sync::global::AtomicU64::new(0);
+static WARNED: crate::sync::global::AtomicBool = crate::sync::global::AtomicBool::new(false);
+
+/// Counts an allocation of CUDA memory served from pageable host memory because no
+/// driver is present, and warns once per process.
+pub(crate) fn note_fallback(kind: &str) {
+    use crate::sync::global::Ordering;
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        log::warn!("cudalloc: no CUDA driver; {kind} allocations fall back to pageable host memory");
+    }
+    FALLBACKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Allocations of CUDA memory served from pageable host memory for lack of a driver.
+pub(crate) fn fallbacks() -> u64 {
+    FALLBACKS.load(crate::sync::global::Ordering::Relaxed)
+}

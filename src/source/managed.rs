@@ -7,9 +7,10 @@
 use core::ptr::NonNull;
 
 use super::{HostVisible, MemoryKind, MemorySource};
+use crate::budget::Budget;
 use crate::cuda::{mem_info, raw, Location, ManagedAdvice, Stream};
 use crate::error::{Error, Result};
-use crate::sync::global::{AtomicUsize, Ordering};
+use crate::sync::global::OnceLock;
 
 /// Which processors may access a new managed block before it is attached to a stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -43,33 +44,30 @@ impl ManagedSource {
     }
 }
 
-/// Managed bytes held by all `ManagedSource`s of the process.
-static MANAGED_HELD: AtomicUsize = AtomicUsize::new(0);
-
-/// Managed bytes currently allocated through the crate (all handles and pools).
-pub fn managed_bytes_held() -> usize {
-    MANAGED_HELD.load(Ordering::Relaxed)
+/// The cap every `ManagedSource` of the process shares: 90% of device 0's memory, set on
+/// first use.
+fn budget() -> Result<&'static Budget> {
+    static BUDGET: OnceLock<Budget> = OnceLock::new();
+    if let Some(b) = BUDGET.get() {
+        return Ok(b);
+    }
+    let (_, total) = mem_info(0)?;
+    Ok(BUDGET.get_or_init(|| Budget::new(Some(total / 10 * 9))))
 }
 
-fn reserve(size: usize) -> Result<()> {
-    let (free, total) = mem_info(0)?;
-    let limit = total / 10 * 9;
+/// Reserves `size` managed bytes: refused if they do not fit in the memory the device
+/// reports free now, or would take the process past its managed cap.
+fn reserve(size: usize) -> Result<&'static Budget> {
+    let budget = budget()?;
+    let (free, _) = mem_info(0)?;
     if size > free {
         return Err(Error::TooLarge {
             requested: size,
             limit: free,
         });
     }
-    let held = MANAGED_HELD.fetch_add(size, Ordering::Relaxed);
-    if held.checked_add(size).is_none_or(|after| after > limit) {
-        MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
-        return Err(Error::LimitExceeded {
-            requested: size,
-            held,
-            limit,
-        });
-    }
-    Ok(())
+    budget.reserve(size)?;
+    Ok(budget)
 }
 
 /// Managed blocks are 256-byte aligned at least (the driver's guarantee for every
@@ -87,18 +85,18 @@ unsafe impl MemorySource for ManagedSource {
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0, "zero-size requests never reach CUDA");
-        reserve(size)?;
+        let budget = reserve(size)?;
         let p = match raw::managed_alloc(size, self.attach == ManagedAttach::Global) {
             Ok(p) => p,
             Err(e) => {
-                MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
+                budget.release(size);
                 return Err(e);
             }
         };
         if p as usize % MANAGED_ALIGN != 0 {
             // SAFETY: p came from managed_alloc and was never handed out.
             unsafe { raw::mem_free(p as u64) };
-            MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
+            budget.release(size);
             return Err(Error::InvalidArgument(
                 "cuMemAllocManaged returned a misaligned block",
             ));
@@ -108,7 +106,10 @@ unsafe impl MemorySource for ManagedSource {
     unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize) {
         // SAFETY: ptr came from managed_alloc in `allocate` and is unused now.
         unsafe { raw::mem_free(ptr.as_ptr() as u64) };
-        MANAGED_HELD.fetch_sub(size, Ordering::Relaxed);
+        // A block exists only after a successful reserve, which made the budget.
+        if let Ok(b) = budget() {
+            b.release(size);
+        }
     }
 }
 

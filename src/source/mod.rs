@@ -2,16 +2,18 @@
 //! whole blocks of at least one byte with a fixed natural alignment and takes them back;
 //! it knows nothing of layouts, caching or statistics (the allocators above it do).
 
-mod host;
+pub(crate) mod host;
 mod managed;
 mod pinned;
+mod pinned_pool;
 mod registered;
 
 use core::ptr::NonNull;
 
 pub use host::HostSource;
-pub use managed::{advise, managed_bytes_held, prefetch, ManagedAttach, ManagedSource};
+pub use managed::{advise, prefetch, ManagedAttach, ManagedSource};
 pub use pinned::PinnedSource;
+pub use pinned_pool::{PinnedGrowth, PinnedPoolSource};
 pub use registered::RegisteredSource;
 
 use crate::error::Result;
@@ -81,28 +83,4 @@ unsafe impl<S: MemorySource + ?Sized> MemorySource for &S {
 // SAFETY: `&S` hands out S's blocks.
 unsafe impl<S: HostVisible + ?Sized> HostVisible for &S {}
 
-/// The host's page size (4 KiB on the platforms CUDA supports); pinned and registered
-/// memory is handled in whole pages.
-pub const PAGE_SIZE: usize = 4096;
-
-/// Rounds `n` up to a multiple of `align` (a power of two); `None` on overflow.
-#[inline]
-pub(crate) const fn align_up(n: usize, align: usize) -> Option<usize> {
-    match n.checked_add(align - 1) {
-        Some(v) => Some(v & !(align - 1)),
-        None => None,
-    }
-}
-
-/// Physical memory of this machine in bytes, read once from `/proc/meminfo`
-/// (`None` where it cannot be read).
-pub fn physical_memory() -> Option<usize> {
-    use crate::sync::global::OnceLock;
-    static MEM: OnceLock<Option<usize>> = OnceLock::new();
-    *MEM.get_or_init(|| {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-        kib.checked_mul(1024)
-    })
-}
+pub use crate::util::PAGE_SIZE;

@@ -2,7 +2,7 @@
 
 use core::ptr::NonNull;
 
-use super::{HostVisible, MemoryKind, MemorySource};
+use super::{HostSource, HostVisible, MemoryKind, MemorySource};
 use crate::cuda::{raw, HostAllocFlags};
 use crate::error::{Error, Result};
 
@@ -19,15 +19,46 @@ use crate::error::{Error, Result};
 ///     Err(e) => println!("no pinned memory here: {e}"),
 /// }
 /// ```
+///
+/// Without a driver it fails with `Error::NoDriver`, unless made by
+/// [`PinnedSource::with_fallback`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PinnedSource {
     flags: HostAllocFlags,
+    fallback: bool,
 }
 
 impl PinnedSource {
     /// A source allocating with `flags`.
     pub const fn new(flags: HostAllocFlags) -> Self {
-        Self { flags }
+        Self {
+            flags,
+            fallback: false,
+        }
+    }
+
+    /// A source of pinned memory with default flags that, without a driver, hands out
+    /// pageable host memory instead (logged once and counted by
+    /// [`fallback_allocations`](crate::fallback_allocations)), as the default handles do.
+    /// Whether a driver is present is decided once per process, so every block goes back
+    /// the way it came.
+    ///
+    /// ```
+    /// use cudalloc::source::{MemorySource, PinnedSource};
+    /// let src = PinnedSource::with_fallback();
+    /// let p = src.allocate(4096).unwrap(); // pinned, or pageable without a GPU
+    /// unsafe { src.deallocate(p, 4096) };
+    /// ```
+    pub const fn with_fallback() -> Self {
+        Self {
+            flags: HostAllocFlags::DEFAULT,
+            fallback: true,
+        }
+    }
+
+    /// Whether it falls back to pageable memory without a driver.
+    pub const fn falls_back(&self) -> bool {
+        self.fallback
     }
 
     /// The flags this source allocates with.
@@ -51,14 +82,11 @@ unsafe impl MemorySource for PinnedSource {
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0, "zero-size requests never reach CUDA");
-        if let Some(phys) = super::physical_memory() {
-            if size > phys {
-                return Err(Error::TooLarge {
-                    requested: size,
-                    limit: phys,
-                });
-            }
+        if self.fallback && !crate::cuda::driver_available() {
+            super::host::note_fallback("pinned");
+            return HostSource.allocate(size);
         }
+        crate::util::check_physical_memory(size)?;
         let p = raw::host_alloc(size, self.flags)?;
         if p as usize % PINNED_ALIGN != 0 {
             // SAFETY: p came from host_alloc and was never handed out.
@@ -69,11 +97,17 @@ unsafe impl MemorySource for PinnedSource {
         }
         NonNull::new(p).ok_or(Error::OutOfMemory { requested: size })
     }
-    unsafe fn deallocate(&self, ptr: NonNull<u8>, _size: usize) {
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize) {
+        if self.fallback && !crate::cuda::driver_available() {
+            // SAFETY: without a driver (decided once per process) `allocate` used
+            // HostSource with this size.
+            return unsafe { HostSource.deallocate(ptr, size) };
+        }
         // SAFETY: `ptr` came from `allocate`, i.e. from host_alloc, and is unused now.
         unsafe { raw::host_free(ptr.as_ptr()) }
     }
 }
 
-// SAFETY: page-locked host memory is ordinary host memory to the CPU.
+// SAFETY: page-locked host memory is ordinary host memory to the CPU (and the fallback
+// is ordinary host memory).
 unsafe impl HostVisible for PinnedSource {}

@@ -3,9 +3,10 @@
 
 use core::ptr::NonNull;
 
-use super::{align_up, HostSource, HostVisible, MemoryKind, MemorySource, PAGE_SIZE};
+use super::{HostSource, HostVisible, MemoryKind, MemorySource};
 use crate::cuda::raw;
 use crate::error::{Error, Result};
+use crate::util::{align_up, PAGE_SIZE};
 
 /// Page-aligned host memory registered with `cuMemHostRegister` (portable; optionally
 /// mapped into the device address space). Registering memory that was just allocated
@@ -52,14 +53,7 @@ unsafe impl MemorySource for RegisteredSource {
             .then_some(())
             .ok_or(Error::NoDriver)?;
         let len = pages(size)?;
-        if let Some(phys) = super::physical_memory() {
-            if len > phys {
-                return Err(Error::TooLarge {
-                    requested: len,
-                    limit: phys,
-                });
-            }
-        }
+        crate::util::check_physical_memory(len)?;
         let p = HostSource.allocate(len)?;
         // Touch every page first: registering resident pages is the cheap case.
         // SAFETY: p..p+len is the block just allocated.

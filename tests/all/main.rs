@@ -9,6 +9,7 @@ mod arena;
 mod conformance;
 mod counting;
 mod cudarc;
+mod defects;
 mod device;
 mod gpu;
 mod pool;

@@ -20,16 +20,13 @@ use std::alloc::{GlobalAlloc, System};
 
 use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
-use crate::cuda::{driver_available, HostAllocFlags};
-use crate::direct::dangling;
-use crate::pool::{
-    managed_pool, managed_pools, pinned_limit, pinned_pool, pinned_pools, set_pinned_limit, Pool, PoolStats,
-};
-use crate::source::{HostVisible, ManagedAttach};
-use crate::sync::global::{AtomicBool, AtomicU64, Ordering};
+mod pools;
 
-static FALLBACKS: AtomicU64 = AtomicU64::new(0);
-static WARNED: AtomicBool = AtomicBool::new(false);
+use crate::cuda::{driver_available, HostAllocFlags};
+use crate::pool::{Pool, PoolStats};
+use crate::source::{HostVisible, ManagedAttach};
+use crate::util::{check_physical_memory, dangling_block};
+use pools::{managed_pool, managed_pools, pinned_limit, pinned_pool, pinned_pools, set_pinned_limit};
 
 /// Number of allocations the default handles served from pageable host memory because
 /// no CUDA driver was present.
@@ -43,29 +40,39 @@ static WARNED: AtomicBool = AtomicBool::new(false);
 /// # drop(b);
 /// ```
 pub fn fallback_allocations() -> u64 {
-    FALLBACKS.load(Ordering::Relaxed)
+    crate::source::host::fallbacks()
 }
 
 #[cold]
 #[inline(never)]
 fn fallback_allocate(kind: &str, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-    if !WARNED.swap(true, Ordering::Relaxed) {
-        log::warn!("cudalloc: no CUDA driver; {kind} allocations fall back to pageable host memory");
-    }
-    FALLBACKS.fetch_add(1, Ordering::Relaxed);
-    if layout.size() == 0 {
-        return Ok(dangling(layout));
-    }
-    // Refuse what the machine cannot hold: with unlimited overcommit the system
-    // allocator would hand out address space that faults later.
-    if crate::source::physical_memory().is_some_and(|phys| layout.size() > phys) {
-        return Err(AllocError);
-    }
+    crate::source::host::note_fallback(kind);
+    check_physical_memory(layout.size())?;
     // SAFETY: the layout has nonzero size.
     let p = unsafe { System.alloc(layout) };
     NonNull::new(p)
         .map(|p| NonNull::slice_from_raw_parts(p, layout.size()))
         .ok_or(AllocError)
+}
+
+/// Returns the cached memory of every process-wide pool (pinned and managed) to the
+/// driver, first waiting for the GPU uses recorded on freed blocks; returns the bytes
+/// released. Blocks parked in other threads' caches stay (they return when those threads
+/// exit).
+///
+/// Call it at the end of a program run under `compute-sanitizer --leak-check full`,
+/// which otherwise reports every block the pools keep for reuse as leaked (their memory
+/// is returned to the system at exit either way).
+///
+/// ```
+/// use allocator_api2::vec::Vec;
+/// let v: Vec<u8, _> = Vec::with_capacity_in(1 << 20, cudalloc::PinnedAlloc);
+/// drop(v);
+/// cudalloc::release_cached_memory();
+/// assert_eq!(cudalloc::PinnedAlloc::stats().cached_bytes, 0);
+/// ```
+pub fn release_cached_memory() -> usize {
+    pinned_pools().map(Pool::release).sum::<usize>() + managed_pools().map(Pool::release).sum::<usize>()
 }
 
 /// Grow or shrink by allocate, copy, free, through `a`.
@@ -97,6 +104,11 @@ unsafe fn resize_by_copy<A: Allocator>(
 /// handle or falls back to pageable memory. The one routing decision every handle shares.
 #[inline]
 fn route_allocate<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+    if layout.size() == 0 {
+        // Every allocator answers a zero-size request with a dangling block, strict or
+        // not, driver or not: it holds no memory of any kind.
+        return Ok(dangling_block(layout));
+    }
     if driver_available() {
         h.pool().allocate(layout)
     } else if h.is_strict() {
@@ -110,6 +122,9 @@ fn route_allocate<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, Alloc
 /// 1. `ptr` came from `route_allocate(h, layout)` with a handle of the same configuration.
 #[inline]
 unsafe fn route_deallocate<R: Route>(h: R, ptr: NonNull<u8>, layout: Layout) {
+    if layout.size() == 0 {
+        return;
+    }
     if driver_available() {
         // SAFETY: obligation 1; with a driver the block came from this pool.
         unsafe { h.pool().deallocate(ptr, layout) }
@@ -129,21 +144,35 @@ unsafe fn route_resize<R: Route, A: Allocator>(
     ptr: NonNull<u8>,
     old: Layout,
     new: Layout,
+    zeroed: bool,
 ) -> Result<NonNull<[u8]>, AllocError> {
-    if driver_available() {
+    // A zero-size block was never the pool's (nor the fallback's): allocate afresh.
+    let block = if old.size() == 0 {
+        handle.allocate(new)?
+    } else if new.size() == 0 {
+        // SAFETY: obligation 1: the block is freed here and not used again.
+        unsafe { handle.deallocate(ptr, old) };
+        return Ok(dangling_block(new));
+    } else if driver_available() {
         let pool = h.pool();
-        // SAFETY: obligation 1; the pool picks grow or shrink by the sizes.
+        // SAFETY: obligation 1; the pool picks grow or shrink by the sizes (in place when
+        // it can, which a handle's own allocate + copy would miss).
         unsafe {
             if new.size() >= old.size() {
-                pool.grow(ptr, old, new)
+                pool.grow(ptr, old, new)?
             } else {
-                pool.shrink(ptr, old, new)
+                pool.shrink(ptr, old, new)?
             }
         }
     } else {
         // SAFETY: obligation 1.
-        unsafe { resize_by_copy(handle, ptr, old, new) }
+        unsafe { resize_by_copy(handle, ptr, old, new)? }
+    };
+    if zeroed {
+        // SAFETY: the block holds block.len() >= new.size() >= old.size() bytes (a grow).
+        unsafe { crate::pool::zero_tail(block, old.size()) };
     }
+    Ok(block)
 }
 
 /// Adds the no-driver fallback count to a snapshot of pool statistics.
@@ -237,22 +266,28 @@ impl PinnedAlloc {
         pinned_pools().map(|p| p.trim()).sum()
     }
 
-    /// The cap on pinned bytes the process-wide pinned pools hold together.
-    pub fn limit() -> usize {
+    /// The cap on pinned bytes the process-wide pinned pools hold together (`None`: no
+    /// cap). Pinned memory is a scarce system resource: page-locked memory cannot be
+    /// swapped, and pinning too much slows the whole machine.
+    pub fn limit() -> Option<usize> {
         pinned_limit()
     }
 
-    /// Sets the cap on pinned bytes the process-wide pinned pools hold together (default:
-    /// `CUDALLOC_PINNED_LIMIT`, else a quarter of physical memory). Allocations past it
-    /// trim the caches, retry once, and fail with `AllocError`.
+    /// Sets the cap on pinned bytes the process-wide pinned pools hold together (`None`:
+    /// no cap). It is process-wide, like the pools: every `PinnedAlloc` and `Pinned` handle
+    /// shares it. The default is `CUDALLOC_PINNED_LIMIT` (a byte count of at least `2M`,
+    /// like `8G`, or `none`), else a quarter of physical memory. An allocation past it
+    /// trims the caches, retries, waits for blocks still used by the GPU (up to 10 s), and
+    /// then fails with `AllocError`.
     ///
     /// ```
     /// use cudalloc::PinnedAlloc;
     /// let before = PinnedAlloc::limit();
+    /// PinnedAlloc::set_limit(Some(1 << 30));
+    /// assert_eq!(PinnedAlloc::limit(), Some(1 << 30));
     /// PinnedAlloc::set_limit(before);
-    /// assert_eq!(PinnedAlloc::limit(), before);
     /// ```
-    pub fn set_limit(bytes: usize) {
+    pub fn set_limit(bytes: Option<usize>) {
         set_pinned_limit(bytes)
     }
 }
@@ -284,13 +319,15 @@ impl Pinned {
     /// Statistics of the process-wide pool for this handle's flags (zero if it was never
     /// used), with the no-driver fallbacks.
     pub fn stats(&self) -> PoolStats {
-        let s = pinned_pools().find(|p| p.source().flags() == self.flags).map_or(
-            PoolStats {
-                limit: pinned_limit(),
-                ..PoolStats::default()
-            },
-            |p| p.stats(),
-        );
+        let s = pinned_pools()
+            .find(|p| p.source().flags() == self.flags)
+            .map_or_else(
+                || PoolStats {
+                    limit: pinned_limit(),
+                    ..PoolStats::default()
+                },
+                |p| p.stats(),
+            );
         with_fallbacks(s)
     }
 }
@@ -348,7 +385,7 @@ impl ManagedAlloc {
     /// ```
     pub fn stats() -> PoolStats {
         let mut s = managed_pools().fold(PoolStats::default(), |acc, p| acc.combine(&p.stats()));
-        s.limit = usize::MAX;
+        s.limit = None;
         with_fallbacks(s)
     }
 
@@ -377,18 +414,17 @@ impl Managed {
         self.strict
     }
 
+    /// How new blocks are attached.
+    pub const fn attach(&self) -> ManagedAttach {
+        self.attach
+    }
+
     /// Statistics of the process-wide pool for this handle's attach mode, with the
     /// no-driver fallbacks.
     pub fn stats(&self) -> PoolStats {
         let s = managed_pools()
             .find(|p| p.source() == &crate::source::ManagedSource::new(self.attach))
-            .map_or(
-                PoolStats {
-                    limit: usize::MAX,
-                    ..PoolStats::default()
-                },
-                |p| p.stats(),
-            );
+            .map_or_else(PoolStats::default, |p| p.stats());
         with_fallbacks(s)
     }
 }
@@ -408,7 +444,7 @@ trait Route: Copy {
 }
 
 impl Route for Pinned {
-    type Source = crate::pool::PinnedPoolSource;
+    type Source = crate::source::PinnedPoolSource;
     const KIND: &'static str = "pinned";
     #[inline]
     fn pool(self) -> &'static Pool<Self::Source> {
@@ -459,7 +495,17 @@ macro_rules! forward_allocator {
                 new: Layout,
             ) -> Result<NonNull<[u8]>, AllocError> {
                 // SAFETY: the caller passes a block this handle allocated with `old`.
-                unsafe { route_resize(($to)(self), self, ptr, old, new) }
+                unsafe { route_resize(($to)(self), self, ptr, old, new, false) }
+            }
+            #[inline]
+            unsafe fn grow_zeroed(
+                &self,
+                ptr: NonNull<u8>,
+                old: Layout,
+                new: Layout,
+            ) -> Result<NonNull<[u8]>, AllocError> {
+                // SAFETY: the caller passes a block this handle allocated with `old`.
+                unsafe { route_resize(($to)(self), self, ptr, old, new, true) }
             }
             #[inline]
             unsafe fn shrink(
@@ -469,7 +515,7 @@ macro_rules! forward_allocator {
                 new: Layout,
             ) -> Result<NonNull<[u8]>, AllocError> {
                 // SAFETY: the caller passes a block this handle allocated with `old`.
-                unsafe { route_resize(($to)(self), self, ptr, old, new) }
+                unsafe { route_resize(($to)(self), self, ptr, old, new, false) }
             }
         }
     };

@@ -1,0 +1,780 @@
+//! Bump arenas over any host-visible memory source: per-batch staging that costs a
+//! pointer decrement per allocation and one [`Arena::reset`] per batch. Chunks come from
+//! a [`MemorySource`](crate::source::MemorySource) (pinned memory for fast copies,
+//! pageable memory for tests); memory that a GPU copy may still read is not reused or
+//! freed until the uses recorded on it (by the crate's copy helpers, or
+//! [`Arena::record_use`] / [`crate::record_use`] after other GPU work) have completed.
+//!
+//! An arena is a CUDA-free bump core (`bump.rs`) plus the set of recorded GPU uses of its
+//! memory (the crate's [`fence`](crate::fence) module), shared with the range registry
+//! so that `crate::record_use` finds the arena of any pointer into it.
+//!
+//! `&Arena<S>` implements allocator-api2 0.2's `Allocator`, the trait `&bumpalo::Bump`
+//! implements, so `Vec<T, &A>`, `Box<T, &A>` and `hashbrown::HashMap` take either:
+//!
+//! ```
+//! use allocator_api2::{boxed::Box, vec::Vec};
+//! use cudalloc::{arena::Arena, source::HostSource};
+//!
+//! let mut arena = Arena::new(HostSource);
+//! for batch in 0..3u32 {
+//!     let mut v: Vec<u32, &Arena> = Vec::new_in(&arena);
+//!     v.extend(0..1000);
+//!     let total = Box::new_in(v.iter().sum::<u32>(), &arena);
+//!     assert_eq!(*total, 499_500);
+//!     drop((v, total));
+//!     arena.reset(); // every block at once; the largest chunk is kept for the next batch
+//!     assert_eq!(arena.chunk_count(), 1, "batch {batch}");
+//! }
+//! ```
+//!
+//! Design, after bumpalo: blocks are bumped *downward* from the top of the current chunk
+//! (one subtraction, one mask, one comparison); a request that does not fit takes the
+//! cold path, which starts a new chunk twice the size of the previous regular one. Only
+//! the most recent block can be freed or grown in place; everything else is reclaimed by
+//! [`Arena::reset`] or [`Arena::rewind`], which take `&mut self`, so the borrow checker
+//! proves that no collection still lives in the memory they hand out again.
+
+mod bump;
+
+use core::fmt;
+use core::ptr::{self, NonNull};
+
+use allocator_api2::alloc::{AllocError, Allocator, Layout};
+
+use bump::{Bump, Hooks};
+
+use crate::cuda::{PooledEvent, Stream};
+use crate::error::Result;
+use crate::fence::{registry, SharedFence, UseSet};
+use crate::source::{HostSource, HostVisible, MemoryKind, PinnedSource};
+use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
+use crate::util::dangling;
+
+/// How an [`Arena`] sizes its chunks and how much it may hold.
+///
+/// ```
+/// use cudalloc::arena::ArenaConfig;
+/// let cfg = ArenaConfig::pinned().with_max_chunk(64 << 20).with_limit(1 << 30);
+/// assert_eq!(cfg.first_chunk, 2 << 20);
+/// assert_eq!(cfg.limit, Some(1 << 30));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct ArenaConfig {
+    /// Size of the first chunk in bytes. Every new chunk doubles the size of the next
+    /// regular one; chunk sizes are rounded up to whole pages (4 KiB).
+    pub first_chunk: usize,
+    /// Where geometric growth stops (`None`: it never stops). A request larger than this
+    /// still gets a chunk of its own size.
+    pub max_chunk: Option<usize>,
+    /// Most bytes the arena may hold from its source, all chunks together (`None`: no
+    /// limit). A request that would pass it fails with `AllocError`, and the arena stays
+    /// usable.
+    pub limit: Option<usize>,
+}
+
+impl ArenaConfig {
+    /// First chunk for pageable host memory: 64 KiB.
+    pub const HOST_FIRST_CHUNK: usize = 64 << 10;
+    /// First chunk for pinned, registered and managed memory: 2 MiB. A pinning call
+    /// costs about 0.7 ms whatever its size, so small chunks would waste it.
+    pub const PINNED_FIRST_CHUNK: usize = 2 << 20;
+
+    /// Defaults for pageable host memory: 64 KiB first chunk, unbounded growth, no limit.
+    ///
+    /// ```
+    /// assert_eq!(cudalloc::arena::ArenaConfig::host().first_chunk, 64 << 10);
+    /// ```
+    pub const fn host() -> Self {
+        Self {
+            first_chunk: Self::HOST_FIRST_CHUNK,
+            max_chunk: None,
+            limit: None,
+        }
+    }
+
+    /// Defaults for pinned (and other CUDA) memory: 2 MiB first chunk, unbounded growth,
+    /// no limit.
+    ///
+    /// ```
+    /// assert_eq!(cudalloc::arena::ArenaConfig::pinned().first_chunk, 2 << 20);
+    /// ```
+    pub const fn pinned() -> Self {
+        Self {
+            first_chunk: Self::PINNED_FIRST_CHUNK,
+            ..Self::host()
+        }
+    }
+
+    /// The defaults for a kind of memory: [`ArenaConfig::host`] for pageable memory,
+    /// [`ArenaConfig::pinned`] for memory whose every allocation is a driver call.
+    ///
+    /// ```
+    /// use cudalloc::{arena::ArenaConfig, source::MemoryKind};
+    /// assert_eq!(ArenaConfig::for_kind(MemoryKind::Registered), ArenaConfig::pinned());
+    /// ```
+    pub const fn for_kind(kind: MemoryKind) -> Self {
+        match kind {
+            MemoryKind::Pageable => Self::host(),
+            MemoryKind::Pinned | MemoryKind::Registered | MemoryKind::Managed => Self::pinned(),
+        }
+    }
+
+    /// This configuration with the first chunk `bytes` large.
+    ///
+    /// ```
+    /// let cfg = cudalloc::arena::ArenaConfig::host().with_first_chunk(1 << 20);
+    /// assert_eq!(cfg.first_chunk, 1 << 20);
+    /// ```
+    pub const fn with_first_chunk(self, bytes: usize) -> Self {
+        Self {
+            first_chunk: bytes,
+            ..self
+        }
+    }
+
+    /// This configuration with geometric growth stopping at `bytes`.
+    ///
+    /// ```
+    /// let cfg = cudalloc::arena::ArenaConfig::host().with_max_chunk(1 << 20);
+    /// assert_eq!(cfg.max_chunk, Some(1 << 20));
+    /// ```
+    pub const fn with_max_chunk(self, bytes: usize) -> Self {
+        Self {
+            max_chunk: Some(bytes),
+            ..self
+        }
+    }
+
+    /// This configuration holding at most `bytes` from the source.
+    ///
+    /// ```
+    /// let cfg = cudalloc::arena::ArenaConfig::host().with_limit(1 << 20);
+    /// assert_eq!(cfg.limit, Some(1 << 20));
+    /// ```
+    pub const fn with_limit(self, bytes: usize) -> Self {
+        Self {
+            limit: Some(bytes),
+            ..self
+        }
+    }
+}
+
+impl Default for ArenaConfig {
+    fn default() -> Self {
+        Self::host()
+    }
+}
+
+/// A position in an arena, from [`Arena::checkpoint`]; [`Arena::rewind`] frees every
+/// block allocated after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Checkpoint {
+    /// Chunks in use when it was taken.
+    in_use: usize,
+    /// Base address of the current chunk then (0 when there was none).
+    base: usize,
+    /// The bump pointer's address then.
+    ptr: usize,
+}
+
+/// What an arena holds and hands out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct ArenaStats {
+    /// Bytes held from the source, in all chunks (used, unused and spare).
+    pub held_bytes: usize,
+    /// Bytes handed out since the last reset, alignment padding and the abandoned tails
+    /// of earlier chunks included: the bytes a reset would reclaim.
+    pub used_bytes: usize,
+    /// Chunks held.
+    pub chunks: usize,
+    /// GPU uses recorded on the arena's memory and not yet waited for.
+    pub pending_uses: usize,
+    /// Waits for recorded GPU uses that failed. Nonzero means the GPU reported an error
+    /// and memory was abandoned rather than reused.
+    pub gpu_wait_errors: u64,
+    /// Bytes given up on (never reused, never freed) because a wait for the GPU failed.
+    pub abandoned_bytes: usize,
+}
+
+/// The GPU uses recorded on an arena's memory, shared with the range registry (which may
+/// record into it from any thread: a copy helper given a slice of the arena).
+#[derive(Default)]
+struct Uses {
+    set: Mutex<UseSet>,
+    /// Set when a use is recorded; the arena's thread turns it into protection of the
+    /// blocks that exist then (`Bump::protect`) before it next frees or grows a block.
+    recorded: AtomicBool,
+    wait_errors: AtomicU64,
+}
+
+impl Uses {
+    fn record(&self, fence: SharedFence) {
+        let superseded = lock(&self.set).record(fence);
+        self.recorded.store(true, Ordering::Release);
+        drop(superseded); // outside the lock
+    }
+
+    fn len(&self) -> usize {
+        lock(&self.set).len()
+    }
+}
+
+/// The arena's registry entry: records a use of any pointer into its chunks.
+struct UsesRef(Arc<Uses>);
+
+impl registry::UseRecorder for UsesRef {
+    fn record(&self, _addr: usize, fence: SharedFence) -> Result<bool> {
+        self.0.record(fence);
+        Ok(true)
+    }
+}
+
+/// What the bump core needs around chunk memory: waits for the recorded uses, chunk
+/// ranges in the registry.
+struct ArenaHooks<'a> {
+    uses: &'a Uses,
+    id: u64,
+    /// The test switch: reuse without waiting.
+    skip_wait: bool,
+}
+
+impl<'a> ArenaHooks<'a> {
+    fn new(uses: &'a Uses, id: u64, skip_wait: bool) -> Self {
+        Self { uses, id, skip_wait }
+    }
+}
+
+impl Hooks for ArenaHooks<'_> {
+    fn wait(&self, freeing: bool) -> bool {
+        if self.skip_wait && !freeing {
+            return true;
+        }
+        // Taken out of the lock to wait: driver calls. Fences that fail stay.
+        let mut set = core::mem::take(&mut *lock(&self.uses.set));
+        if set.is_empty() {
+            return true;
+        }
+        let ok = set.wait(None);
+        if !ok {
+            self.uses.wait_errors.fetch_add(1, Ordering::Relaxed);
+            lock(&self.uses.set).absorb_back(set);
+            return false;
+        }
+        self.uses.recorded.store(false, Ordering::Relaxed);
+        true
+    }
+    fn added(&self, base: usize, size: usize) {
+        registry::insert_range(base, size, self.id);
+    }
+    fn removed(&self, base: usize) {
+        registry::remove_range(base);
+    }
+}
+
+/// A bump arena: allocation is a pointer decrement; blocks are freed all at once by
+/// [`reset`](Arena::reset), or back to a [`checkpoint`](Arena::checkpoint) by
+/// [`rewind`](Arena::rewind). Chunks come from the source `S`; `&Arena<S>` is an
+/// [`Allocator`].
+///
+/// ```
+/// use allocator_api2::vec::Vec;
+/// use cudalloc::{arena::{Arena, ArenaConfig}, source::HostSource};
+///
+/// let mut arena = Arena::with_config(HostSource, ArenaConfig::host().with_limit(1 << 20));
+/// {
+///     let mut v = Vec::new_in(&arena);
+///     v.extend_from_slice(&[1.0f32; 1000]);
+///     assert!(v.try_reserve(4 << 20).is_err()); // past the limit: AllocError
+///     v.push(2.0);                              // and still usable
+///     assert_eq!(v.len(), 1001);
+/// }
+/// arena.reset();
+/// assert!(arena.allocated_bytes() <= 1 << 20);
+/// ```
+///
+/// An arena is `Send` but not `Sync`: it can move to another thread, but two threads
+/// cannot allocate from it at once.
+///
+/// ```
+/// let arena = cudalloc::arena::Arena::new(cudalloc::source::HostSource);
+/// std::thread::spawn(move || {
+///     let v = allocator_api2::vec::Vec::<u8, _>::with_capacity_in(10, &arena);
+///     assert!(v.capacity() >= 10);
+/// })
+/// .join()
+/// .unwrap();
+/// ```
+///
+/// ```compile_fail
+/// fn shared<T: Sync>(_: &T) {}
+/// shared(&cudalloc::arena::Arena::new(cudalloc::source::HostSource));
+/// ```
+pub struct Arena<S: HostVisible = HostSource> {
+    bump: Bump<S>,
+    uses: Arc<Uses>,
+    /// The arena's id in the range registry.
+    id: u64,
+    /// Test switch: reset and rewind skip waiting for recorded uses (freeing never does).
+    #[cfg(feature = "test-hooks")]
+    skip_wait: bool,
+}
+
+// SAFETY: the bump core's raw pointers (the bump pointer and the chunk bases) point into
+// chunks the arena owns exclusively; its `Cell`s and `RefCell`s are reached only through
+// the arena. Moving it to another thread moves that ownership, and nothing about a chunk
+// is tied to the thread that allocated it (sources are `Send + Sync`; the recorded uses
+// are behind a mutex). Blocks handed out borrow the arena (`&Arena`), so none can be in
+// use while it moves. It stays `!Sync`: the cells make concurrent allocation a data race.
+unsafe impl<S: HostVisible> Send for Arena<S> {}
+
+impl Arena<HostSource> {
+    /// An arena over pageable host memory with the default configuration.
+    ///
+    /// ```
+    /// let arena = cudalloc::arena::Arena::host();
+    /// let b = allocator_api2::boxed::Box::new_in(7u64, &arena);
+    /// assert_eq!(*b, 7);
+    /// ```
+    pub fn host() -> Self {
+        Self::new(HostSource)
+    }
+}
+
+impl Default for Arena<HostSource> {
+    fn default() -> Self {
+        Self::host()
+    }
+}
+
+impl Arena<PinnedSource> {
+    /// An arena over pinned memory with default flags and a 2 MiB first chunk: staging
+    /// buffers that copy to the GPU at full PCIe speed. Without a driver it falls back to
+    /// pageable memory, as [`PinnedAlloc`](crate::PinnedAlloc) does (logged once, counted
+    /// by [`fallback_allocations`](crate::fallback_allocations));
+    /// [`Arena::pinned_strict`] fails instead.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// let arena = cudalloc::arena::Arena::pinned();
+    /// let mut staging: Vec<f32, _> = Vec::new_in(&arena);
+    /// staging.extend_from_slice(&[1.0, 2.0]); // pinned, or pageable without a GPU
+    /// assert_eq!(staging.len(), 2);
+    /// ```
+    pub fn pinned() -> Self {
+        Self::with_config(PinnedSource::with_fallback(), ArenaConfig::pinned())
+    }
+
+    /// An arena over pinned memory that fails (`AllocError`) without a driver.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// let arena = cudalloc::arena::Arena::pinned_strict();
+    /// let mut staging: Vec<f32, _> = Vec::new_in(&arena);
+    /// assert_eq!(staging.try_reserve(1024).is_ok(), cudalloc::cuda::driver_available());
+    /// ```
+    pub fn pinned_strict() -> Self {
+        Self::with_config(PinnedSource::default(), ArenaConfig::pinned())
+    }
+}
+
+impl<S: HostVisible> Arena<S> {
+    /// An arena over `source`, configured for its kind of memory
+    /// ([`ArenaConfig::for_kind`]). No memory is taken until the first allocation.
+    ///
+    /// ```
+    /// use cudalloc::{arena::Arena, source::HostSource};
+    /// let arena = Arena::new(HostSource);
+    /// assert_eq!(arena.allocated_bytes(), 0);
+    /// ```
+    pub fn new(source: S) -> Self {
+        let config = ArenaConfig::for_kind(source.kind());
+        Self::with_config(source, config)
+    }
+
+    /// An arena over `source` with `config`. No memory is taken until the first
+    /// allocation.
+    ///
+    /// ```
+    /// use cudalloc::{arena::{Arena, ArenaConfig}, source::HostSource};
+    /// let arena = Arena::with_config(HostSource, ArenaConfig::host().with_first_chunk(1 << 20));
+    /// let b = allocator_api2::boxed::Box::new_in(1u8, &arena);
+    /// assert_eq!(arena.allocated_bytes(), 1 << 20);
+    /// # drop(b);
+    /// ```
+    pub fn with_config(source: S, config: ArenaConfig) -> Self {
+        let uses = Arc::new(Uses::default());
+        let id = registry::new_owner_id();
+        registry::add_owner(id, UsesRef(uses.clone()));
+        Self {
+            bump: Bump::new(source, config),
+            uses,
+            id,
+            #[cfg(feature = "test-hooks")]
+            skip_wait: false,
+        }
+    }
+
+    /// The source chunks come from.
+    pub fn source(&self) -> &S {
+        &self.bump.source
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ArenaConfig {
+        &self.bump.config
+    }
+
+    fn hooks(&self) -> ArenaHooks<'_> {
+        ArenaHooks::new(&self.uses, self.id, false)
+    }
+
+    /// Whether reuse skips the wait (the test switch).
+    fn skips_wait(&self) -> bool {
+        #[cfg(feature = "test-hooks")]
+        return self.skip_wait;
+        #[cfg(not(feature = "test-hooks"))]
+        false
+    }
+
+    // ----- allocation -----
+
+    /// Allocates a block for `layout` and returns its address, or says why it could not.
+    /// Zero-size requests get a dangling, aligned pointer and never reach the source.
+    ///
+    /// ```
+    /// use core::alloc::Layout;
+    /// let arena = cudalloc::arena::Arena::host();
+    /// let p = arena.try_alloc_layout(Layout::from_size_align(100, 64).unwrap()).unwrap();
+    /// assert_eq!(p.as_ptr() as usize % 64, 0);
+    /// assert!(arena.try_alloc_layout(Layout::from_size_align(1 << 50, 8).unwrap()).is_err());
+    /// ```
+    #[inline]
+    pub fn try_alloc_layout(&self, layout: Layout) -> Result<NonNull<u8>> {
+        if layout.size() == 0 {
+            return Ok(dangling(layout.align()));
+        }
+        match self.bump.try_alloc_fast(layout.size(), layout.align()) {
+            Some(p) => Ok(p),
+            None => self.bump.alloc_slow(layout.size(), layout.align(), &self.hooks()),
+        }
+    }
+
+    #[inline(always)]
+    fn alloc_block(&self, size: usize, align: usize) -> Result<NonNull<u8>, AllocError> {
+        if size == 0 {
+            return Ok(dangling(align));
+        }
+        match self.bump.try_alloc_fast(size, align) {
+            Some(p) => Ok(p),
+            None => self.alloc_slow_logged(size, align).ok_or(AllocError),
+        }
+    }
+
+    /// The cold path for `Allocator` callers, which learn nothing but failure: the reason
+    /// goes to the log. Returns an `Option` so that the hot loop keeps it in registers.
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow_logged(&self, size: usize, align: usize) -> Option<NonNull<u8>> {
+        match self.bump.alloc_slow(size, align, &self.hooks()) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                log::debug!("cudalloc: arena allocation of {size} bytes (align {align}) failed: {e}");
+                None
+            }
+        }
+    }
+
+    /// Before freeing or growing a block in place: if a use was recorded since the last
+    /// look, the blocks that exist now are protected from reclaiming.
+    #[inline(always)]
+    fn protect_if_used(&self) {
+        if self.uses.recorded.load(Ordering::Acquire) {
+            self.bump.protect();
+        }
+    }
+
+    // ----- reuse -----
+
+    /// Frees every block at once. The largest chunk is kept (and becomes current); the
+    /// others go back to the source. Waits first for the GPU uses recorded on the
+    /// arena's memory.
+    ///
+    /// ```
+    /// use allocator_api2::{boxed::Box, vec::Vec};
+    /// let mut arena = cudalloc::arena::Arena::host();
+    /// let b = Box::new_in(1u8, &arena); // first chunk: 64 KiB
+    /// let v: Vec<u8, _> = Vec::with_capacity_in(1 << 20, &arena); // a chunk of its own
+    /// assert_eq!(arena.chunk_count(), 2);
+    /// drop((b, v));
+    /// arena.reset();
+    /// assert_eq!(arena.chunk_count(), 1);
+    /// assert_eq!(arena.used_bytes(), 0);
+    /// ```
+    pub fn reset(&mut self) {
+        let hooks = ArenaHooks::new(&self.uses, self.id, self.skips_wait());
+        self.bump.reset(&hooks);
+    }
+
+    /// The current position: [`rewind`](Arena::rewind) to it frees everything allocated
+    /// after it, for nested scopes of temporary data.
+    ///
+    /// ```
+    /// use allocator_api2::{boxed::Box, vec::Vec};
+    /// let mut arena = cudalloc::arena::Arena::host();
+    /// let keep = Box::into_raw(Box::new_in(42u64, &arena)); // outlives the scope below
+    /// let mark = arena.checkpoint();
+    /// let before = arena.used_bytes();
+    /// let mut tmp: Vec<u64, _> = Vec::new_in(&arena);
+    /// tmp.extend(0..100_000);
+    /// assert_eq!(tmp.len(), 100_000);
+    /// drop(tmp);
+    /// arena.rewind(mark);
+    /// assert_eq!(arena.used_bytes(), before);
+    /// assert_eq!(unsafe { *keep }, 42); // allocated before the mark: untouched
+    /// ```
+    pub fn checkpoint(&self) -> Checkpoint {
+        self.bump.checkpoint()
+    }
+
+    /// Frees every block allocated after `checkpoint` was taken. Chunks emptied by it are
+    /// kept as spares for the next allocations (until [`reset`](Arena::reset) or drop).
+    /// Waits first for the GPU uses recorded on the arena's memory. Taking `&mut self`
+    /// proves that no collection still borrows the arena.
+    ///
+    /// # Panics
+    /// If `checkpoint` does not describe a position this arena's blocks still reach: one
+    /// of another arena, one taken after a position already rewound to, or one from
+    /// before a reset that emptied its chunk.
+    ///
+    /// ```should_panic
+    /// use core::alloc::Layout;
+    /// let mut arena = cudalloc::arena::Arena::host();
+    /// let early = arena.checkpoint();
+    /// arena.try_alloc_layout(Layout::new::<u64>()).unwrap();
+    /// let late = arena.checkpoint();
+    /// arena.rewind(early);
+    /// arena.rewind(late); // later than where the arena now stands
+    /// ```
+    pub fn rewind(&mut self, checkpoint: Checkpoint) {
+        assert!(
+            self.bump.reaches(&checkpoint),
+            "Arena::rewind: {checkpoint:?} is not a position of this arena's current blocks"
+        );
+        let hooks = ArenaHooks::new(&self.uses, self.id, self.skips_wait());
+        self.bump.rewind(checkpoint, &hooks);
+    }
+
+    /// Runs `f` with the arena and frees everything it allocated when it returns. What
+    /// `f` returns cannot borrow the arena.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// let mut arena = cudalloc::arena::Arena::host();
+    /// let sum = arena.scope(|a| {
+    ///     let mut v: Vec<u32, _> = Vec::new_in(a);
+    ///     v.extend(1..=100);
+    ///     v.iter().sum::<u32>()
+    /// });
+    /// assert_eq!(sum, 5050);
+    /// assert_eq!(arena.used_bytes(), 0);
+    /// ```
+    pub fn scope<R>(&mut self, f: impl FnOnce(&Self) -> R) -> R {
+        let mark = self.checkpoint();
+        let result = f(self);
+        self.rewind(mark);
+        result
+    }
+
+    // ----- the GPU -----
+
+    /// Records that work queued on `stream` (a copy, a kernel) uses the arena memory at
+    /// `ptr`: [`reset`](Arena::reset), [`rewind`](Arena::rewind) and drop wait for it
+    /// before the memory is reused or freed, and until then blocks that exist now are not
+    /// reclaimed by a free or an in-place grow. Returns whether `ptr` is in this arena's
+    /// memory (`Ok(false)`, nothing recorded, otherwise), as [`crate::record_use`] does
+    /// for every allocator of the crate, which also finds arenas.
+    ///
+    /// The crate's copy helpers record their uses themselves; call this after queuing
+    /// other work on arena memory.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// use cudalloc::{arena::Arena, cuda::Stream};
+    /// if let Ok(stream) = Stream::new(0) {
+    ///     let mut arena = Arena::pinned();
+    ///     {
+    ///         let mut batch: Vec<u8, _> = Vec::new_in(&arena);
+    ///         batch.resize(4096, 7);
+    ///         // ... queue work reading `batch` on `stream` through another API, then:
+    ///         assert!(arena.record_use(batch.as_ptr(), &stream).unwrap());
+    ///     }
+    ///     arena.reset(); // waits for that work
+    /// }
+    /// ```
+    pub fn record_use(&self, ptr: *const u8, stream: &Stream) -> Result<bool> {
+        if !self.bump.contains(ptr as usize) {
+            return Ok(false);
+        }
+        let event = PooledEvent::record(stream)?;
+        self.uses.record(Arc::new(Box::new(event)));
+        Ok(true)
+    }
+
+    /// Test switch: with `true`, [`reset`](Arena::reset) and [`rewind`](Arena::rewind)
+    /// reuse memory without waiting for recorded GPU uses, which shows the race the wait
+    /// prevents. Chunks still go back to the source only after the wait.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_skip_gpu_wait(&mut self, skip: bool) {
+        self.skip_wait = skip;
+    }
+
+    // ----- statistics -----
+
+    /// Bytes held from the source in all chunks (bumpalo's `allocated_bytes`).
+    ///
+    /// ```
+    /// let arena = cudalloc::arena::Arena::host();
+    /// let b = allocator_api2::boxed::Box::new_in(1u8, &arena);
+    /// assert_eq!(arena.allocated_bytes(), 64 << 10);
+    /// # drop(b);
+    /// ```
+    pub fn allocated_bytes(&self) -> usize {
+        self.bump.held()
+    }
+
+    /// Bytes left in the current chunk (bumpalo's `chunk_capacity`).
+    ///
+    /// ```
+    /// let arena = cudalloc::arena::Arena::host();
+    /// assert_eq!(arena.chunk_capacity(), 0); // no chunk yet
+    /// let b = allocator_api2::boxed::Box::new_in(1u8, &arena);
+    /// assert_eq!(arena.chunk_capacity(), (64 << 10) - 1);
+    /// # drop(b);
+    /// ```
+    pub fn chunk_capacity(&self) -> usize {
+        self.bump.chunk_capacity()
+    }
+
+    /// Bytes handed out since the last reset, padding and abandoned chunk tails
+    /// included.
+    ///
+    /// ```
+    /// let arena = cudalloc::arena::Arena::host();
+    /// let b = allocator_api2::boxed::Box::new_in([0u8; 100], &arena);
+    /// assert_eq!(arena.used_bytes(), 100);
+    /// # drop(b);
+    /// ```
+    pub fn used_bytes(&self) -> usize {
+        self.bump.used_bytes()
+    }
+
+    /// Number of chunks held (in use and spare).
+    pub fn chunk_count(&self) -> usize {
+        self.bump.chunk_count()
+    }
+
+    /// All statistics at once.
+    ///
+    /// ```
+    /// let arena = cudalloc::arena::Arena::host();
+    /// let s = arena.stats();
+    /// assert_eq!((s.held_bytes, s.chunks, s.pending_uses), (0, 0, 0));
+    /// ```
+    pub fn stats(&self) -> ArenaStats {
+        ArenaStats {
+            held_bytes: self.bump.held(),
+            used_bytes: self.bump.used_bytes(),
+            chunks: self.bump.chunk_count(),
+            pending_uses: self.uses.len(),
+            gpu_wait_errors: self.uses.wait_errors.load(Ordering::Relaxed),
+            abandoned_bytes: self.bump.abandoned_bytes(),
+        }
+    }
+}
+
+impl<S: HostVisible> Drop for Arena<S> {
+    fn drop(&mut self) {
+        // Always waits, whatever the test switch says: this frees the memory.
+        let hooks = ArenaHooks::new(&self.uses, self.id, false);
+        self.bump.release_all(&hooks);
+        drop(registry::remove_owner(self.id));
+    }
+}
+
+impl<S: HostVisible + fmt::Debug> fmt::Debug for Arena<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Arena")
+            .field("source", &self.bump.source)
+            .field("config", &self.bump.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+// SAFETY: blocks are carved from chunks the arena owns, disjoint while live (the bump
+// pointer only moves up past a block when that block is freed, or under `&mut self`),
+// host-visible (S: HostVisible), aligned as asked, and valid until freed, reset,
+// rewound (both need `&mut Arena`, so no `&Arena` copy is alive) or the arena is dropped.
+// Copies of `&Arena` share the one arena, so any of them may free any block.
+unsafe impl<S: HostVisible> Allocator for &Arena<S> {
+    #[inline]
+    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        let p = self.alloc_block(layout.size(), layout.align())?;
+        Ok(NonNull::slice_from_raw_parts(p, layout.size()))
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        self.protect_if_used();
+        // SAFETY: the trait's caller passes a live block of this arena.
+        unsafe { self.bump.dealloc(ptr, layout.size()) }
+    }
+
+    #[inline]
+    unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        self.protect_if_used();
+        // SAFETY: the trait's caller passes a live block allocated with `old`, and
+        // `new.size() >= old.size()`.
+        if let Some(p) = unsafe { self.bump.grow_in_place(ptr, old, new) } {
+            return Ok(NonNull::slice_from_raw_parts(p, new.size()));
+        }
+        let p = self.alloc_block(new.size(), new.align())?;
+        // SAFETY: the old block has old.size() bytes; the new block is fresh, so the two
+        // do not overlap, and it has at least new.size() >= old.size() bytes.
+        unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), old.size()) };
+        Ok(NonNull::slice_from_raw_parts(p, new.size()))
+    }
+
+    #[inline]
+    unsafe fn grow_zeroed(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+    ) -> Result<NonNull<[u8]>, AllocError> {
+        // SAFETY: as in `grow`.
+        let block = unsafe { self.grow(ptr, old, new) }?;
+        // SAFETY: the block has new.size() bytes (its length); the tail past old.size()
+        // is ours to zero.
+        unsafe { crate::pool::zero_tail(block, old.size()) };
+        Ok(block)
+    }
+
+    #[inline]
+    unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        self.protect_if_used();
+        // SAFETY: the trait's caller passes a live block allocated with `old`, and
+        // `new.size() <= old.size()`.
+        if let Some(p) = unsafe { self.bump.shrink_in_place(ptr, old, new) } {
+            return Ok(NonNull::slice_from_raw_parts(p, new.size()));
+        }
+        let p = self.alloc_block(new.size(), new.align())?;
+        // SAFETY: the old block holds old.size() >= new.size() bytes; the new one is fresh.
+        unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), new.size()) };
+        Ok(NonNull::slice_from_raw_parts(p, new.size()))
+    }
+}

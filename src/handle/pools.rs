@@ -1,0 +1,103 @@
+//! The process-wide pools behind the handles: one pinned pool per combination of the three
+//! `cuMemHostAlloc` flags (8, sharing one cap) and one managed pool per attach mode, made
+//! on first use; and the environment variables that configure them.
+
+use crate::budget::Budget;
+use crate::cuda::HostAllocFlags;
+use crate::pool::{Pool, PoolConfig};
+use crate::source::{ManagedAttach, ManagedSource, PinnedGrowth, PinnedPoolSource};
+use crate::sync::global::OnceLock;
+use crate::sync::Arc;
+use crate::util::{env_var, parse_bytes, physical_memory};
+
+/// The smallest pinned cap the environment may set: one chunk, without which no small
+/// block can be carved (a smaller cap would make every pinned allocation fail).
+const MIN_PINNED_LIMIT: usize = 2 << 20;
+
+/// Parses `CUDALLOC_PINNED_LIMIT`: a byte count of at least 2 MiB (`8G`, `512MiB`), or
+/// `none`/`unlimited` for no cap.
+fn parse_pinned_limit(s: &str) -> Option<Option<usize>> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "none" | "unlimited" => Some(None),
+        _ => parse_bytes(s).filter(|&n| n >= MIN_PINNED_LIMIT).map(Some),
+    }
+}
+
+/// The default cap on pinned bytes held by the process-wide pinned pools together:
+/// `CUDALLOC_PINNED_LIMIT` if set and valid, else a quarter of physical memory (or none
+/// where that is unknown).
+fn pinned_default_limit() -> Option<usize> {
+    env_var(
+        "CUDALLOC_PINNED_LIMIT",
+        "a byte count of at least 2M (like 8G or 512MiB), or none",
+        parse_pinned_limit,
+    )
+    .unwrap_or_else(|| physical_memory().map(|m| m / 4))
+}
+
+fn pinned_budget() -> &'static Arc<Budget> {
+    static BUDGET: OnceLock<Arc<Budget>> = OnceLock::new();
+    BUDGET.get_or_init(|| Arc::new(Budget::new(pinned_default_limit())))
+}
+
+/// Sets the cap on pinned bytes held by the process-wide pinned pools together.
+pub(crate) fn set_pinned_limit(bytes: Option<usize>) {
+    pinned_budget().set_limit(bytes);
+}
+
+/// The cap on pinned bytes held by the process-wide pinned pools together.
+pub(crate) fn pinned_limit() -> Option<usize> {
+    pinned_budget().limit()
+}
+
+static PINNED: [OnceLock<Pool<PinnedPoolSource>>; 8] = [const { OnceLock::new() }; 8];
+static MANAGED: [OnceLock<Pool<ManagedSource>>; 2] = [const { OnceLock::new() }; 2];
+
+/// The process-wide pinned pool for `flags`, created on first use.
+#[inline]
+pub(crate) fn pinned_pool(flags: HostAllocFlags) -> &'static Pool<PinnedPoolSource> {
+    PINNED[(flags.bits() & 7) as usize].get_or_init(|| {
+        let source = PinnedPoolSource::new(flags, PinnedGrowth::from_env());
+        Pool::with_budget(source, PoolConfig::default(), pinned_budget().clone())
+    })
+}
+
+/// The process-wide pinned pools created so far.
+pub(crate) fn pinned_pools() -> impl Iterator<Item = &'static Pool<PinnedPoolSource>> {
+    PINNED.iter().filter_map(OnceLock::get)
+}
+
+fn attach_index(attach: ManagedAttach) -> usize {
+    match attach {
+        ManagedAttach::Global => 0,
+        ManagedAttach::Host => 1,
+    }
+}
+
+/// The process-wide managed pool for `attach`, created on first use. No limit of its
+/// own: every `ManagedSource` shares a cap of 90% of the device's memory.
+#[inline]
+pub(crate) fn managed_pool(attach: ManagedAttach) -> &'static Pool<ManagedSource> {
+    MANAGED[attach_index(attach)].get_or_init(|| Pool::new(ManagedSource::new(attach)))
+}
+
+/// The process-wide managed pools created so far.
+pub(crate) fn managed_pools() -> impl Iterator<Item = &'static Pool<ManagedSource>> {
+    MANAGED.iter().filter_map(OnceLock::get)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pinned_limit_variable_takes_byte_counts_of_a_chunk_or_more_or_none() {
+        assert_eq!(parse_pinned_limit("8G"), Some(Some(8 << 30)));
+        assert_eq!(parse_pinned_limit("2MiB"), Some(Some(2 << 20)));
+        assert_eq!(parse_pinned_limit("none"), Some(None));
+        assert_eq!(parse_pinned_limit("Unlimited"), Some(None));
+        for bad in ["8bbbb", "0", "1", "1M", "lots", ""] {
+            assert_eq!(parse_pinned_limit(bad), None, "{bad:?}");
+        }
+    }
+}
