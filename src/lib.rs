@@ -56,6 +56,7 @@ mod handle;
 #[cfg(feature = "cudarc")]
 pub mod interop;
 pub mod pool;
+mod registration;
 pub mod source;
 mod sync;
 mod util;
@@ -66,5 +67,8 @@ pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
 pub use direct::Direct;
 pub use error::{Error, Result};
 pub use fence::{record_fence, record_use};
+#[cfg(feature = "cudarc")]
+pub use interop::cudarc::{PinnedView, PinnedViewMut};
 pub use handle::{fallback_allocations, release_cached_memory, Managed, ManagedAlloc, Pinned, PinnedAlloc};
 pub use pool::{Pool, PoolConfig, PoolStats};
+pub use registration::HostRegistration;

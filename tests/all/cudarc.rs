@@ -211,3 +211,152 @@ fn a_kernel_launched_through_cudarc_takes_device_buffers() {
     let y = dy.to_vec().unwrap();
     assert!(y.iter().enumerate().all(|(i, &v)| v == 2.0 * i as f32 + 1.0));
 }
+
+#[test]
+fn pinned_views_take_only_memory_the_crate_can_guard() {
+    // Runs without a GPU: the check is a lookup in the crate's range registry.
+    use cudalloc::{PinnedView, PinnedViewMut};
+    let pool = cudalloc::Pool::new(cudalloc::source::HostSource);
+    let mut pooled: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::with_capacity_in(256, &pool);
+    pooled.resize(256, 1);
+    assert!(PinnedView::new(&pooled[10..]).is_ok());
+    assert!(PinnedViewMut::new(&mut pooled[..]).is_ok());
+    let plain = vec![0u8; 256];
+    assert!(matches!(
+        PinnedView::new(&plain),
+        Err(cudalloc::Error::InvalidArgument(_))
+    ));
+    assert!(PinnedView::<u8>::new(&[]).is_ok(), "an empty slice needs no guarding");
+    let arena = cudalloc::Arena::new(cudalloc::source::HostSource);
+    let mut in_arena: allocator_api2::vec::Vec<u32, _> = allocator_api2::vec::Vec::new_in(&arena);
+    in_arena.push(1);
+    assert!(PinnedView::new(&in_arena).is_ok());
+}
+
+#[test]
+fn a_read_only_view_as_a_copy_destination_is_an_error_not_a_panic() {
+    gpu!();
+    // A context of this test's own: the error is parked in it (cudarc's way for errors
+    // that a trait method cannot return), and must not reach other tests' streams.
+    let ctx = CudaContext::new(0).unwrap();
+    let theirs = ctx.new_stream().unwrap();
+    let stream = Stream::from_cudarc(&theirs).unwrap();
+    let dev = DevicePool::get(0).unwrap().from_host(&[1u8; 64], &stream).unwrap();
+    let mut v: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::new_in(cudalloc::PinnedAlloc);
+    v.resize(64, 0);
+    let _ = theirs.memcpy_dtoh(&dev, &mut cudalloc::PinnedView::new(&v).unwrap());
+    assert!(
+        theirs.synchronize().is_err(),
+        "cudarc's next call reports the misuse"
+    );
+    assert!(v.iter().all(|&b| b == 0), "nothing was written through a read-only view");
+    assert!(theirs.synchronize().is_ok(), "and only once");
+}
+
+#[test]
+fn host_registrations_pin_existing_memory_for_the_copy_helpers() {
+    gpu!();
+    use cudalloc::cuda::{pointer_info, MemoryType};
+    use cudalloc::HostRegistration;
+    let stream = Stream::new(0).unwrap();
+    // An unaligned range of an ordinary Vec.
+    let mut backing = vec![0u32; 10_000];
+    let mut pinned = HostRegistration::new(&mut backing[3..9_001]).unwrap();
+    assert_eq!(pinned.len(), 8_998);
+    assert_eq!(
+        pointer_info(pinned.as_ptr().cast()).unwrap().memory_type,
+        MemoryType::PinnedHost
+    );
+    for (i, x) in pinned.iter_mut().enumerate() {
+        *x = i as u32;
+    }
+    assert!(cudalloc::record_use(pinned.as_ptr().cast(), &stream).unwrap());
+    assert!(pinned.pending_uses() >= 1);
+    let pool = DevicePool::get(0).unwrap();
+    let mut dev = pool.alloc::<u32>(pinned.len(), &stream).unwrap();
+    // SAFETY: `pinned` is not written until the to_vec below synchronizes the stream.
+    unsafe { dev.copy_from_host_async(&pinned) }.unwrap();
+    assert_eq!(dev.to_vec().unwrap(), pinned.to_vec());
+    pinned.unregister().unwrap();
+    assert_eq!(
+        pointer_info(backing[3..].as_ptr().cast()).unwrap().memory_type,
+        MemoryType::Pageable,
+        "unregistered"
+    );
+    backing[0] = 1;
+    // Empty buffers register nothing.
+    let mut none: [u64; 0] = [];
+    let empty = HostRegistration::new(&mut none[..]).unwrap();
+    assert!(empty.is_empty() && empty.pending_uses() == 0);
+}
+
+#[test]
+fn host_registrations_refuse_memory_that_is_already_pinned() {
+    gpu!();
+    use cudalloc::HostRegistration;
+    let _bound = Stream::new(0).unwrap(); // a current context for the raw calls below
+    // The crate's own pinned memory.
+    let mut v: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::new_in(cudalloc::PinnedAlloc);
+    v.resize(4096, 0);
+    assert!(matches!(
+        HostRegistration::new(&mut v[..]),
+        Err(cudalloc::Error::InvalidArgument(_))
+    ));
+    // Memory another library registered: the driver refuses (712).
+    let mut other = vec![0u8; 1 << 16];
+    let p = other.as_mut_ptr();
+    // SAFETY: `other` outlives the registration, undone below.
+    unsafe { cudarc::driver::sys::cuMemHostRegister_v2(p.cast(), other.len(), 0) }
+        .result()
+        .unwrap();
+    match HostRegistration::new(&mut other[1000..2000]) {
+        Err(cudalloc::Error::Cuda(e)) => assert_eq!(e.code(), 712, "{e}"),
+        other => panic!("registering registered memory: {other:?}"),
+    }
+    // SAFETY: registered above.
+    unsafe { cudarc::driver::sys::cuMemHostUnregister(p.cast()) }
+        .result()
+        .unwrap();
+    // Two registrations that share a page but no byte: what the driver does is reported,
+    // and whatever it is, it is a clean result.
+    let mut shared = vec![0u8; 8192];
+    let (a, b) = shared.split_at_mut(3000);
+    let first = HostRegistration::new(a).unwrap();
+    match HostRegistration::new(b) {
+        Ok(second) => {
+            println!("two registrations sharing a page: both accepted");
+            second.unregister().unwrap();
+        }
+        Err(cudalloc::Error::Cuda(e)) if e.code() == 712 => {
+            println!("two registrations sharing a page: the second refused ({e})")
+        }
+        Err(e) => panic!("unexpected error for a registration sharing a page: {e}"),
+    }
+    first.unregister().unwrap();
+}
+
+#[test]
+fn host_registration_without_a_driver_is_no_driver() {
+    if cudalloc::cuda::driver_available() {
+        println!("skipped: a driver is present (the no-driver path is tested without one)");
+        return;
+    }
+    let mut v = vec![0u8; 64];
+    assert!(matches!(
+        cudalloc::HostRegistration::new(&mut v[..]),
+        Err(cudalloc::Error::NoDriver)
+    ));
+}
+
+#[test]
+fn the_example_runs_and_checks_its_results() {
+    gpu!();
+    let summary = example::saxpy_on_the_gpu(100_003, 2.0).unwrap();
+    assert!(summary.contains("100003 elements checked"), "{summary}");
+    assert!(example::saxpy_on_the_gpu(0, 2.0).is_err());
+}
+
+/// The example program itself, its `main` unused here.
+#[allow(dead_code)]
+#[path = "../../examples/cudarc.rs"]
+mod example;
