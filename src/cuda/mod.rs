@@ -24,6 +24,6 @@ pub use memory::{
     memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice, MemoryType,
     PointerInfo,
 };
-pub use stream::{Event, Stream, StreamId};
 #[cfg(feature = "cudarc")]
 pub(crate) use stream::{is_same, known, order_after};
+pub use stream::{Event, Stream, StreamId};

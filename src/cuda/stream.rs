@@ -223,7 +223,9 @@ impl Stream {
 
     /// The handle over `inner`, made known to the cudarc side (feature `cudarc`).
     fn publish(inner: StreamInner) -> Self {
-        let this = Self { inner: Arc::new(inner) };
+        let this = Self {
+            inner: Arc::new(inner),
+        };
         #[cfg(feature = "cudarc")]
         cudarc_side::remember(&this);
         this

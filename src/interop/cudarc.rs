@@ -69,7 +69,9 @@ fn ordered_use<'a>(own: &Stream, used_on: &'a CudaStream) -> SyncOnDrop<'a> {
         return SyncOnDrop::Sync(None);
     }
     if let Err(e) = crate::cuda::order_after(used_on, own) {
-        log::warn!("cudalloc: could not order a cudarc stream after a buffer's stream ({e}); waiting on the host");
+        log::warn!(
+            "cudalloc: could not order a cudarc stream after a buffer's stream ({e}); waiting on the host"
+        );
         if let Err(e) = own.synchronize() {
             crate::cuda::record_drop_error("ordering a cudarc stream after a device buffer's stream", e);
             used_on
@@ -149,16 +151,19 @@ enum Point {
 
 impl AfterCopy {
     fn seal(&self) -> &Point {
-        self.point.get_or_init(|| match PooledEvent::record(&self.stream) {
-            Ok(event) => Point::Recorded(event),
-            Err(e) => {
-                log::warn!("cudalloc: recording a cudarc copy's use failed ({e}); synchronizing its stream");
-                match self.stream.synchronize() {
-                    Ok(()) => Point::Synchronized,
-                    Err(e) => Point::Failed(e),
+        self.point
+            .get_or_init(|| match PooledEvent::record(&self.stream) {
+                Ok(event) => Point::Recorded(event),
+                Err(e) => {
+                    log::warn!(
+                        "cudalloc: recording a cudarc copy's use failed ({e}); synchronizing its stream"
+                    );
+                    match self.stream.synchronize() {
+                        Ok(()) => Point::Synchronized,
+                        Err(e) => Point::Failed(e),
+                    }
                 }
-            }
-        })
+            })
     }
 }
 
@@ -223,7 +228,9 @@ impl Recorded {
             }
             Ok(false) => false,
             Err(e) => {
-                log::warn!("cudalloc: could not record a cudarc copy's use ({e}); the copy will wait for its stream");
+                log::warn!(
+                    "cudalloc: could not record a cudarc copy's use ({e}); the copy will wait for its stream"
+                );
                 false
             }
         }
@@ -254,7 +261,9 @@ impl Drop for Recorded {
 /// Checks that `data` is memory of the crate's allocators (a `Vec<T, PinnedAlloc>`, a
 /// `Pool`, an `Arena`) or of a [`HostRegistration`](crate::HostRegistration).
 fn check_owned<T>(data: &[T]) -> Result<()> {
-    if core::mem::size_of_val(data) == 0 || crate::fence::registry::find_owner_id(data.as_ptr() as usize).is_some() {
+    if core::mem::size_of_val(data) == 0
+        || crate::fence::registry::find_owner_id(data.as_ptr() as usize).is_some()
+    {
         Ok(())
     } else {
         Err(Error::InvalidArgument(
@@ -335,8 +344,13 @@ impl<T> HostSlice<T> for PinnedView<'_, T> {
     unsafe fn stream_synced_slice<'b>(&'b self, stream: &'b CudaStream) -> (&'b [T], SyncOnDrop<'b>) {
         (self.data, self.recorded.guard(self.data, stream))
     }
-    unsafe fn stream_synced_mut_slice<'b>(&'b mut self, stream: &'b CudaStream) -> (&'b mut [T], SyncOnDrop<'b>) {
-        log::error!("cudalloc: a PinnedView (read-only) was given to cudarc as a copy destination; use PinnedViewMut");
+    unsafe fn stream_synced_mut_slice<'b>(
+        &'b mut self,
+        stream: &'b CudaStream,
+    ) -> (&'b mut [T], SyncOnDrop<'b>) {
+        log::error!(
+            "cudalloc: a PinnedView (read-only) was given to cudarc as a copy destination; use PinnedViewMut"
+        );
         stream
             .context()
             .record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE)));
@@ -434,7 +448,10 @@ impl<T> HostSlice<T> for PinnedViewMut<'_, T> {
     unsafe fn stream_synced_slice<'b>(&'b self, stream: &'b CudaStream) -> (&'b [T], SyncOnDrop<'b>) {
         (self.data, self.recorded.guard(self.data, stream))
     }
-    unsafe fn stream_synced_mut_slice<'b>(&'b mut self, stream: &'b CudaStream) -> (&'b mut [T], SyncOnDrop<'b>) {
+    unsafe fn stream_synced_mut_slice<'b>(
+        &'b mut self,
+        stream: &'b CudaStream,
+    ) -> (&'b mut [T], SyncOnDrop<'b>) {
         let guard = if self.asynchronous {
             self.recorded.guard(self.data, stream)
         } else {

@@ -31,12 +31,22 @@ fn both_crates_retain_the_same_primary_context() {
     gpu!();
     let s = Stream::new(0).unwrap();
     s.synchronize().unwrap(); // binds the crate's context on this thread
-    let ours = cudarc::driver::result::ctx::get_current().unwrap().expect("a current context");
+    let ours = cudarc::driver::result::ctx::get_current()
+        .unwrap()
+        .expect("a current context");
     let theirs = CudaContext::new(0).unwrap();
-    assert_eq!(theirs.cu_ctx(), ours, "CudaContext::new(0) is the crate's primary context");
+    assert_eq!(
+        theirs.cu_ctx(),
+        ours,
+        "CudaContext::new(0) is the crate's primary context"
+    );
     assert!(theirs.is_primary());
     assert_eq!(s.cudarc().context().cu_ctx(), ours);
-    assert_eq!(**s.cudarc().context(), *theirs, "cudarc compares contexts by handle");
+    assert_eq!(
+        **s.cudarc().context(),
+        *theirs,
+        "cudarc compares contexts by handle"
+    );
 }
 
 #[test]
@@ -80,7 +90,10 @@ fn a_cudarc_stream_is_one_crate_stream_while_a_handle_lives() {
     let b: Stream = (&theirs).try_into().unwrap();
     assert_eq!(a, b, "the same cudarc stream converts to the same crate stream");
     assert!(!a.is_owned());
-    assert!(Arc::ptr_eq(a.cudarc(), &theirs), "its view is the cudarc stream itself");
+    assert!(
+        Arc::ptr_eq(a.cudarc(), &theirs),
+        "its view is the cudarc stream itself"
+    );
     let id = a.id();
     drop((a, b));
     let c = Stream::from_cudarc(&theirs).unwrap();
@@ -172,8 +185,14 @@ fn device_buffers_used_on_another_stream_are_ordered_both_ways() {
     // SAFETY: `ones` outlives the synchronize below and is not written.
     unsafe { buf.copy_from_host_async(&ones) }.unwrap();
     let seen = other.cudarc().clone_dtoh(&buf).unwrap();
-    assert!(done.load(Ordering::Acquire), "the read ran before the buffer's stream got to it");
-    assert!(seen.iter().all(|&x| x == 1), "a cudarc read on another stream saw stale data");
+    assert!(
+        done.load(Ordering::Acquire),
+        "the read ran before the buffer's stream got to it"
+    );
+    assert!(
+        seen.iter().all(|&x| x == 1),
+        "a cudarc read on another stream saw stale data"
+    );
     // Exit: a cudarc write on another stream behind 30 ms has completed when the call
     // returns, so the buffer's own stream reads the new data without any other ordering.
     // The source is pinned and passed as a plain slice, so cudarc's copy itself returns
@@ -182,7 +201,10 @@ fn device_buffers_used_on_another_stream_are_ordered_both_ways() {
     twos.resize(n, 2);
     let done = delay(&other, 30);
     other.cudarc().memcpy_htod(&twos[..], &mut buf).unwrap();
-    assert!(done.load(Ordering::Acquire), "the cudarc call returned before the other stream's use");
+    assert!(
+        done.load(Ordering::Acquire),
+        "the cudarc call returned before the other stream's use"
+    );
     assert!(buf.to_vec().unwrap().iter().all(|&x| x == 2));
     home.synchronize().unwrap();
 }
@@ -226,7 +248,10 @@ fn pinned_views_take_only_memory_the_crate_can_guard() {
         PinnedView::new(&plain),
         Err(cudalloc::Error::InvalidArgument(_))
     ));
-    assert!(PinnedView::<u8>::new(&[]).is_ok(), "an empty slice needs no guarding");
+    assert!(
+        PinnedView::<u8>::new(&[]).is_ok(),
+        "an empty slice needs no guarding"
+    );
     let arena = cudalloc::Arena::new(cudalloc::source::HostSource);
     let mut in_arena: allocator_api2::vec::Vec<u32, _> = allocator_api2::vec::Vec::new_in(&arena);
     in_arena.push(1);
@@ -241,7 +266,10 @@ fn a_read_only_view_as_a_copy_destination_is_an_error_not_a_panic() {
     let ctx = CudaContext::new(0).unwrap();
     let theirs = ctx.new_stream().unwrap();
     let stream = Stream::from_cudarc(&theirs).unwrap();
-    let dev = DevicePool::get(0).unwrap().from_host(&[1u8; 64], &stream).unwrap();
+    let dev = DevicePool::get(0)
+        .unwrap()
+        .from_host(&[1u8; 64], &stream)
+        .unwrap();
     let mut v: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::new_in(cudalloc::PinnedAlloc);
     v.resize(64, 0);
     let _ = theirs.memcpy_dtoh(&dev, &mut cudalloc::PinnedView::new(&v).unwrap());
@@ -249,7 +277,10 @@ fn a_read_only_view_as_a_copy_destination_is_an_error_not_a_panic() {
         theirs.synchronize().is_err(),
         "cudarc's next call reports the misuse"
     );
-    assert!(v.iter().all(|&b| b == 0), "nothing was written through a read-only view");
+    assert!(
+        v.iter().all(|&b| b == 0),
+        "nothing was written through a read-only view"
+    );
     assert!(theirs.synchronize().is_ok(), "and only once");
 }
 
@@ -295,7 +326,7 @@ fn host_registrations_refuse_memory_that_is_already_pinned() {
     gpu!();
     use cudalloc::HostRegistration;
     let _bound = Stream::new(0).unwrap(); // a current context for the raw calls below
-    // The crate's own pinned memory.
+                                          // The crate's own pinned memory.
     let mut v: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::new_in(cudalloc::PinnedAlloc);
     v.resize(4096, 0);
     assert!(matches!(
@@ -341,7 +372,7 @@ fn host_registration_without_a_driver_is_no_driver() {
         println!("skipped: a driver is present (the no-driver path is tested without one)");
         return;
     }
-    let mut v = vec![0u8; 64];
+    let mut v = [0u8; 64];
     assert!(matches!(
         cudalloc::HostRegistration::new(&mut v[..]),
         Err(cudalloc::Error::NoDriver)

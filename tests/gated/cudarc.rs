@@ -97,7 +97,10 @@ fn a_plain_pinned_slice_in_cudarc_corrupts_the_next_owner_negative_control() {
     let _one = one_at_a_time();
     let htod = htod_race(|cs, v, dev| cs.memcpy_htod(v, dev).unwrap());
     println!("plain &[u8], host to device: {htod:?} over {ROUNDS} rounds of {LEN} bytes");
-    assert!(htod.reused > 0, "the pool never handed the freed block out again: {htod:?}");
+    assert!(
+        htod.reused > 0,
+        "the pool never handed the freed block out again: {htod:?}"
+    );
     assert!(
         htod.corrupted > 0,
         "the negative control shows no corruption, so the fixed test proves nothing: {htod:?}"
@@ -116,7 +119,10 @@ fn pinned_views_keep_the_block_from_its_next_owner_until_the_copy_is_done() {
     });
     println!("PinnedView, host to device: {htod:?}");
     assert_eq!(htod.corrupted, 0, "{htod:?}");
-    assert_eq!(htod.reused, 0, "a block with a copy in flight was handed out: {htod:?}");
+    assert_eq!(
+        htod.reused, 0,
+        "a block with a copy in flight was handed out: {htod:?}"
+    );
     let dtoh = dtoh_race(|cs, dev, v| {
         // SAFETY: the race helper does not touch `v` before dropping it.
         let mut view = unsafe { PinnedViewMut::new_async(v) }.unwrap();
@@ -162,7 +168,10 @@ fn pinned_views_stay_asynchronous_on_crate_streams_and_wait_on_others() {
     let pending = pool.stats().pending_blocks;
     checked.store(true, Ordering::Release);
     timer.join().unwrap();
-    assert!(returned_while_gated, "memcpy_htod through a PinnedView waited for its stream");
+    assert!(
+        returned_while_gated,
+        "memcpy_htod through a PinnedView waited for its stream"
+    );
     assert_eq!(pending, 1, "the freed block waits for the copy");
     assert_eq!(dev.to_vec().unwrap(), vec![3u32; 1024]);
     // On a cudarc stream the crate has no handle of: correct, by waiting.
@@ -217,7 +226,10 @@ fn pinned_view_mut_new_completes_the_copy_before_returning() {
         .cudarc()
         .memcpy_dtoh(&dev, &mut PinnedViewMut::new(&mut back).unwrap())
         .unwrap();
-    assert!(done.load(Ordering::Acquire), "memcpy_dtoh returned before the copy ran");
+    assert!(
+        done.load(Ordering::Acquire),
+        "memcpy_dtoh returned before the copy ran"
+    );
     assert!(back.iter().all(|&x| x == 9));
 }
 
@@ -243,9 +255,12 @@ fn a_host_registration_waits_for_its_uses_before_unregistering() {
         "the registration was released before the copy it had to wait for could run"
     );
     timer.join().unwrap();
-    assert!(gate_was_closed, "queuing took 10 s: the gate opened before the drop");
+    assert!(
+        gate_was_closed,
+        "queuing took 10 s: the gate opened before the drop"
+    );
     frame[0] = 1; // the caller's again
-    // Through cudarc: a PinnedView records its use on the registration.
+                  // Through cudarc: a PinnedView records its use on the registration.
     let mut buf = DevicePool::get(0).unwrap().alloc::<u8>(1 << 20, &stream).unwrap();
     let registration = HostRegistration::new(&mut frame[..]).unwrap();
     queue_delay(&stream);
