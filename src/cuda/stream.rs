@@ -152,6 +152,9 @@ impl Stream {
     /// on the device's primary context) and shared with its cudarc view
     /// ([`Stream::cudarc`]): it is destroyed when the last handle *and* the last clone of
     /// the view are dropped, so a view kept by cudarc code never outlives its stream.
+    /// cudarc then orders its own slices across the crate's streams (its multi-stream
+    /// mode), and, as for any first `CudaContext::new_stream`, the first such stream of a
+    /// device (while none is alive) synchronizes the device's context once.
     pub fn new(device: usize) -> Result<Self> {
         driver()?;
         bind(device)?;
