@@ -215,3 +215,52 @@ fn device_buffer_async_copies_keep_a_pooled_source_from_reuse() {
     assert!(back.iter().enumerate().all(|(i, &x)| x == i as u32));
     assert_eq!(pool.stats().pending_blocks, 0);
 }
+
+/// Issue 12, defect 9: recorded uses were keyed by the raw stream handle. A stream
+/// destroyed while its copy is in flight can have its handle reused by a new stream; a use
+/// recorded on the new stream then replaced the old one's, and the block was handed out
+/// again once the new stream's work completed, while the old copy still read it. Uses are
+/// keyed by a process-unique stream id now.
+#[test]
+fn defect_09_a_use_on_a_new_stream_never_replaces_one_on_a_destroyed_stream() {
+    gpu!();
+    let _one = one_at_a_time();
+    let pool = Pool::new(PinnedSource::default());
+    let mut dev = DeviceMemory::new(MIB, 0).unwrap();
+    let mut v: Vec<u8, _> = Vec::with_capacity_in(MIB, &pool);
+    v.resize(MIB, 9);
+    let checked = Arc::new(AtomicBool::new(false));
+    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
+    let old_raw = {
+        let a = Stream::new(0).unwrap();
+        hold(&a, &release, None);
+        // SAFETY: `v` is not written until the copy completes (the block stays pending
+        // after the drop below until then).
+        unsafe { dev.copy_from_host_async(0, &v, &a) }.unwrap();
+        a.as_raw()
+    }; // `a` is destroyed with its copy still queued behind the gate
+    let b = Stream::new(0).unwrap();
+    let reused = b.as_raw() == old_raw;
+    assert!(pool.record_use(v.as_ptr(), &b).unwrap());
+    b.synchronize().unwrap(); // the new stream's use is complete
+    drop(v);
+    pool.collect_pending();
+    let pending = pool.stats().pending_blocks;
+    let gate_was_closed = !release.load(Ordering::Acquire);
+    checked.store(true, Ordering::Release);
+    timer.join().unwrap();
+    println!(
+        "defect 9: the new stream {} the destroyed stream's raw handle",
+        if reused { "reused" } else { "did not reuse" }
+    );
+    assert!(
+        gate_was_closed,
+        "the checks took 10 s: the gate opened before them"
+    );
+    assert_eq!(
+        pending, 1,
+        "the block was released while a destroyed stream's copy still read it"
+    );
+    drop(dev); // synchronizes: the old copy is done
+    assert_eq!(pool.collect_pending(), 1);
+}

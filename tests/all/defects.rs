@@ -48,8 +48,12 @@ fn defect_02_a_too_large_request_never_fails_valid_ones_on_other_threads() {
         let mut rounds = 0;
         while rounds < 20_000 || refused.load(Ordering::Relaxed) < 2_000 {
             match pool.allocate(layout(8 << 20, 64)) {
-                // SAFETY: allocated just above with this layout.
-                Ok(p) => unsafe { pool.deallocate(p.cast(), layout(8 << 20, 64)) },
+                Ok(p) => {
+                    // SAFETY: allocated just above with this layout.
+                    unsafe { pool.deallocate(p.cast(), layout(8 << 20, 64)) };
+                    // Back to the source, so that every round asks the budget again.
+                    pool.trim();
+                }
                 Err(_) => failures += 1,
             }
             rounds += 1;
@@ -58,7 +62,10 @@ fn defect_02_a_too_large_request_never_fails_valid_ones_on_other_threads() {
         failures
     });
     assert!(refused.load(Ordering::Relaxed) > 0);
-    assert_eq!(failures, 0, "valid requests failed while another thread asked for too much");
+    assert_eq!(
+        failures, 0,
+        "valid requests failed while another thread asked for too much"
+    );
     assert!(pool.stats().source_bytes <= LIMIT);
 }
 
@@ -88,7 +95,12 @@ fn grow_zeroed_zeroes_the_whole_tail<A: Allocator>(a: &A, from: usize, to: usize
     // SAFETY: the returned block holds q.len() bytes.
     let bytes = unsafe { core::slice::from_raw_parts(q.cast::<u8>().as_ptr(), q.len()) };
     let dirty = bytes[from..].iter().filter(|&&b| b != 0).count();
-    assert_eq!(dirty, 0, "{what}: grow_zeroed {from} -> {to} (returned {}) left {dirty} old bytes", q.len());
+    assert_eq!(
+        dirty,
+        0,
+        "{what}: grow_zeroed {from} -> {to} (returned {}) left {dirty} old bytes",
+        q.len()
+    );
     // SAFETY: allocated above; freed with the returned length, which is allowed.
     unsafe { a.deallocate(q.cast(), layout(q.len(), 8)) };
 }
@@ -115,7 +127,9 @@ fn defect_03_grow_zeroed_zeroes_up_to_the_returned_length() {
 /// larger than it).
 #[test]
 fn defect_04_an_arena_with_a_limit_serves_after_reset_what_a_fresh_one_serves() {
-    let config = ArenaConfig::host().with_first_chunk(256 << 10).with_limit(1 << 20);
+    let config = ArenaConfig::host()
+        .with_first_chunk(256 << 10)
+        .with_limit(1 << 20);
     let fresh = Arena::with_config(HostSource, config);
     let big = layout(900 << 10, 8);
     assert!((&fresh).allocate(big).is_ok(), "a fresh arena serves it");
@@ -152,10 +166,17 @@ fn defect_05_a_fence_that_panics_once_does_not_strand_its_block() {
     let l = layout(64, 8);
     let a = pool.allocate(l).unwrap();
     let b = pool.allocate(l).unwrap();
-    let fence = PanicsOnce { polls: AtomicUsize::new(0) };
+    let fence = PanicsOnce {
+        polls: AtomicUsize::new(0),
+    };
     assert!(pool.record_fence(a.cast::<u8>().as_ptr(), fence).unwrap());
     assert!(pool
-        .record_fence(b.cast::<u8>().as_ptr(), PanicsOnce { polls: AtomicUsize::new(1) })
+        .record_fence(
+            b.cast::<u8>().as_ptr(),
+            PanicsOnce {
+                polls: AtomicUsize::new(1)
+            }
+        )
         .unwrap());
     // SAFETY: allocated above.
     unsafe {
@@ -256,7 +277,10 @@ fn defect_06_environment_variables_are_used_as_documented_or_rejected_loudly() {
     // allocation failed).
     for bad in ["8bbbb", "0", "1", "lots", "1.5G"] {
         let (r, w) = report(&[("CUDALLOC_PINNED_LIMIT", bad)]);
-        assert_eq!(r, default, "CUDALLOC_PINNED_LIMIT={bad} must be rejected: the default stays");
+        assert_eq!(
+            r, default,
+            "CUDALLOC_PINNED_LIMIT={bad} must be rejected: the default stays"
+        );
         assert_eq!(w, 1, "one warning for CUDALLOC_PINNED_LIMIT={bad}");
     }
     let (r, w) = report(&[("CUDALLOC_PINNED_LIMIT", "8G")]);
@@ -269,7 +293,10 @@ fn defect_06_environment_variables_are_used_as_documented_or_rejected_loudly() {
         let (r, w) = report(&[("CUDALLOC_NO_DRIVER", off)]);
         assert_eq!(w, 0, "CUDALLOC_NO_DRIVER={off:?} is valid");
         let driver = cudalloc::cuda::driver_available();
-        assert!(r.contains(&format!("driver={driver}")), "CUDALLOC_NO_DRIVER={off:?} must not hide the driver: {r}");
+        assert!(
+            r.contains(&format!("driver={driver}")),
+            "CUDALLOC_NO_DRIVER={off:?} must not hide the driver: {r}"
+        );
     }
     let (r, _) = report(&[("CUDALLOC_NO_DRIVER", "1")]);
     assert!(r.contains("driver=false"), "{r}");
@@ -280,7 +307,10 @@ fn defect_06_environment_variables_are_used_as_documented_or_rejected_loudly() {
         "defects::defect_06_child_reports_the_environment",
         &[("CUDALLOC_PINNED_GROWTH", "mmap")],
     );
-    let warning = out.lines().find(|l| l.starts_with("WARNING ")).expect("a warning");
+    let warning = out
+        .lines()
+        .find(|l| l.starts_with("WARNING "))
+        .expect("a warning");
     for name in ["auto", "hostalloc", "register"] {
         assert!(warning.contains(name), "the warning lists {name}: {warning}");
     }
@@ -302,7 +332,11 @@ fn defect_06_a_non_utf8_value_is_rejected_loudly() {
     .env("CUDALLOC_PINNED_LIMIT", std::ffi::OsStr::from_bytes(b"8G\xff"));
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(stdout.lines().filter(|l| l.starts_with("WARNING ")).count(), 1, "{stdout}");
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("WARNING ")).count(),
+        1,
+        "{stdout}"
+    );
 }
 
 // ---- defect 8 -----------------------------------------------------------------------
@@ -315,7 +349,10 @@ fn defect_08_strict_handles_serve_zero_size_requests_without_a_driver() {
         let l = layout(0, align);
         for (name, r) in [
             ("PinnedAlloc::strict", PinnedAlloc::strict().allocate(l)),
-            ("ManagedAlloc::strict", cudalloc::ManagedAlloc::strict().allocate(l)),
+            (
+                "ManagedAlloc::strict",
+                cudalloc::ManagedAlloc::strict().allocate(l),
+            ),
             ("PinnedAlloc", PinnedAlloc.allocate(l)),
         ] {
             let p = r.unwrap_or_else(|_| panic!("{name}: zero-size request at align {align}"));
@@ -362,7 +399,8 @@ fn backpressure_a_full_pool_waits_for_pending_uses_instead_of_failing() {
     let mut peak = 0;
     for round in 0..50u8 {
         let mut v: Vec<u8, _> = Vec::new_in(&pool);
-        v.try_reserve_exact(ROUND).unwrap_or_else(|_| panic!("round {round}: AllocError at the cap"));
+        v.try_reserve_exact(ROUND)
+            .unwrap_or_else(|_| panic!("round {round}: AllocError at the cap"));
         v.resize(ROUND, round);
         let done = Arc::new(AtomicBool::new(false));
         assert!(pool.record_fence(v.as_ptr(), Later(done.clone())).unwrap());
@@ -374,7 +412,10 @@ fn backpressure_a_full_pool_waits_for_pending_uses_instead_of_failing() {
     gpu.join().unwrap();
     let s = pool.stats();
     assert!(peak <= CAP, "held {peak} bytes, above the {CAP}-byte cap");
-    assert!(s.pending_waits > 0, "the loop outran the fake GPU and had to wait: {s:?}");
+    assert!(
+        s.pending_waits > 0,
+        "the loop outran the fake GPU and had to wait: {s:?}"
+    );
     assert_eq!(s.failures, 0, "{s:?}");
 }
 
