@@ -26,8 +26,8 @@
 //! pattern (zerocopy's `FromBytes + IntoBytes + Immutable`: the integers, floats, arrays
 //! of them, and `#[derive]`d structs), since bytes come back from the device unchecked.
 
+use crate::sync::global::{Arc, OnceLock};
 use core::marker::PhantomData;
-use std::sync::{Arc, OnceLock};
 
 use zerocopy::{FromBytes, Immutable, IntoBytes};
 

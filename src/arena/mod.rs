@@ -223,6 +223,7 @@ impl Uses {
 }
 
 /// The arena's registry entry: records a use of any pointer into its chunks.
+#[cfg_attr(loom, allow(dead_code))]
 struct UsesRef(Arc<Uses>);
 
 impl registry::UseRecorder for UsesRef {

@@ -6,10 +6,10 @@
 //! process: the crate keys recorded GPU uses by it, never by the raw `CUstream`, whose
 //! value the driver may give to a new stream once the old one is destroyed.
 
+use crate::sync::global::Arc;
 use core::ffi::c_void;
 use core::fmt;
 use core::num::NonZeroU64;
-use std::sync::Arc;
 
 use cudarc::driver::sys;
 

@@ -5,14 +5,13 @@
 //! a live crate handle to record on later).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Weak};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::{Owner, Stream, StreamId, StreamInner, PER_THREAD, PER_THREAD_REFUSED};
 use crate::cuda::driver::{bind, device_count, driver, CudaError};
 use crate::error::{Error, Result};
-use crate::sync::global::{lock, Mutex, OnceLock};
+use crate::sync::global::{lock, Arc, Mutex, OnceLock, Weak};
 
 /// The cudarc context of device `device`: its primary context (the one the crate binds),
 /// retained by cudarc once and kept for the life of the process, so every view of a crate

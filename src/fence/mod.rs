@@ -1,5 +1,5 @@
 //! GPU-use tracking, shared by every allocator of the crate: the [`Fence`] trait (a point
-//! in a stream whose completion can be polled), [`UseSet`] (the uses recorded on one piece
+//! in a stream whose completion can be polled), `UseSet` (the uses recorded on one piece
 //! of memory, at most one per stream, with poll / wait / abandon), and the crate-level
 //! [`record_use`] / [`record_fence`], which find the allocator owning any pointer through
 //! the range registry (`registry.rs`).

@@ -43,9 +43,6 @@
 //! [`Stream::from_cudarc`]: crate::cuda::Stream::from_cudarc
 //! [`Stream::wait`]: crate::cuda::Stream::wait
 
-// cudarc's signatures name std's Arc (`DeviceSlice::stream`); the feature is never part of
-// a loom model.
-use std::sync::Arc;
 
 use ::cudarc::driver::{
     sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, HostSlice, LaunchArgs, PushKernelArg,
@@ -56,7 +53,8 @@ use crate::cuda::{PooledEvent, Stream};
 use crate::device::{DeviceBuffer, DeviceCopy};
 use crate::error::{Error, Result};
 use crate::fence::Fence;
-use crate::sync::global::OnceLock;
+// cudarc's signatures name std's Arc (`DeviceSlice::stream`): the shim's `global` one.
+use crate::sync::global::{Arc, OnceLock};
 use crate::sync::{lock, Mutex};
 
 /// What a buffer bound to `own` needs when cudarc uses it on `used_on`: nothing on the
