@@ -43,7 +43,6 @@
 //! [`Stream::from_cudarc`]: crate::cuda::Stream::from_cudarc
 //! [`Stream::wait`]: crate::cuda::Stream::wait
 
-
 use ::cudarc::driver::{
     sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, HostSlice, LaunchArgs, PushKernelArg,
     SyncOnDrop,
