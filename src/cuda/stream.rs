@@ -153,8 +153,8 @@ impl Stream {
     /// ([`Stream::cudarc`]): it is destroyed when the last handle *and* the last clone of
     /// the view are dropped, so a view kept by cudarc code never outlives its stream.
     /// cudarc then orders its own slices across the crate's streams (its multi-stream
-    /// mode), and, as for any first `CudaContext::new_stream`, the first such stream of a
-    /// device (while none is alive) synchronizes the device's context once.
+    /// mode, which the crate keeps on, so that making a stream never synchronizes the
+    /// device's context as cudarc's first `new_stream` of a context does).
     pub fn new(device: usize) -> Result<Self> {
         driver()?;
         bind(device)?;

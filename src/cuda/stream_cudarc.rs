@@ -13,30 +13,59 @@ use crate::cuda::driver::{bind, device_count, driver, CudaError};
 use crate::error::{Error, Result};
 use crate::sync::global::{lock, Arc, Mutex, OnceLock, Weak};
 
+/// A device's cudarc context, as the crate keeps it.
+struct DeviceContext {
+    ctx: Arc<CudaContext>,
+    /// A stream of the context that is never used and never dropped: it keeps cudarc in
+    /// multi-stream mode for good (see [`context`]).
+    _anchor: Arc<CudaStream>,
+}
+
 /// The cudarc context of device `device`: its primary context (the one the crate binds),
 /// retained by cudarc once and kept for the life of the process, so every view of a crate
 /// stream shares one `CudaContext` (its sticky error and its stream-tracking state).
+///
+/// cudarc's `new_stream` synchronizes the whole context when it switches from one stream
+/// to several (its multi-stream mode, where it orders its own slices across streams with
+/// events), which it does each time its count of streams goes from 0 to 1: a crate stream
+/// created after the last one was dropped would wait for all work on the device, even
+/// work queued behind a host function the caller has yet to release. So the context gets
+/// one anchor stream of its own, made while event tracking is briefly off (the context is
+/// not shared yet, so no slice can be created meanwhile, and there is no earlier work of
+/// its slices to wait for), and kept: the count never returns to 0, and the crate's
+/// streams never synchronize the context.
 pub(super) fn context(device: usize) -> Result<Arc<CudaContext>> {
-    static CONTEXTS: OnceLock<Box<[OnceLock<Arc<CudaContext>>]>> = OnceLock::new();
+    static CONTEXTS: OnceLock<Box<[OnceLock<DeviceContext>]>> = OnceLock::new();
     driver()?;
     let slots = CONTEXTS.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect());
     let slot = slots
         .get(device)
         .ok_or(Error::InvalidArgument("no CUDA device with that ordinal"))?;
-    if let Some(ctx) = slot.get() {
-        return Ok(ctx.clone());
+    if let Some(d) = slot.get() {
+        return Ok(d.ctx.clone());
     }
-    // Two threads may race here: the loser's context is dropped, which releases the one
-    // retain of the primary context it took.
+    // Two threads may race here: the loser's context and anchor are dropped, which
+    // destroys its stream and releases the one retain of the primary context it took.
     let ctx = CudaContext::new(device).map_err(CudaError::from)?;
-    Ok(slot.get_or_init(|| ctx).clone())
+    // SAFETY: `ctx` is ours alone until the slot publishes it, so no CudaSlice is created
+    // while tracking is off (the obligation of disable_event_tracking), and tracking is on
+    // again before anyone else sees the context.
+    unsafe { ctx.disable_event_tracking() };
+    let anchor = ctx.new_stream();
+    // SAFETY: as above: no slice was created while tracking was off.
+    unsafe { ctx.enable_event_tracking() };
+    let anchor = anchor.map_err(CudaError::from)?;
+    Ok(slot
+        .get_or_init(|| DeviceContext {
+            ctx,
+            _anchor: anchor,
+        })
+        .ctx
+        .clone())
 }
 
 /// A new stream on `device`, made by cudarc and owned by its view (see [`Stream::new`]).
 pub(super) fn create(device: usize) -> Result<Stream> {
-    // cudarc's first stream of a context that tracks events synchronizes the context
-    // once (it switches cudarc into multi-stream mode, where it orders its own slices
-    // across streams); the crate's context keeps cudarc's defaults.
     let view = context(device)?.new_stream().map_err(CudaError::from)?;
     Ok(intern(&view, true))
 }

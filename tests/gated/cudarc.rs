@@ -275,3 +275,25 @@ fn a_host_registration_waits_for_its_uses_before_unregistering() {
     assert!(on_device[1..].iter().all(|&b| b == 6));
     assert_eq!(cudalloc::cuda::drop_errors(), 0);
 }
+
+#[test]
+fn making_a_stream_never_waits_for_work_on_the_device() {
+    gpu!();
+    let _one = one_at_a_time();
+    // cudarc synchronizes a context when its count of streams goes from 0 to 1; the crate
+    // keeps its context in multi-stream mode, so a stream made while no other crate stream
+    // lives does not wait for a gated (destroyed) stream's work.
+    let checked = Arc::new(AtomicBool::new(false));
+    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
+    {
+        let a = Stream::new(0).unwrap();
+        hold(&a, &release, None);
+        assert!(a.cudarc().context().is_managing_stream_synchronization());
+    } // the last crate stream is gone, its work still gated
+    let b = Stream::new(0).unwrap();
+    let gate_was_closed = !release.load(Ordering::Acquire);
+    checked.store(true, Ordering::Release);
+    timer.join().unwrap();
+    assert!(gate_was_closed, "Stream::new waited for the device");
+    b.synchronize().unwrap();
+}
