@@ -56,10 +56,7 @@ pub(super) fn context(device: usize) -> Result<Arc<CudaContext>> {
     unsafe { ctx.enable_event_tracking() };
     let anchor = anchor.map_err(CudaError::from)?;
     Ok(slot
-        .get_or_init(|| DeviceContext {
-            ctx,
-            _anchor: anchor,
-        })
+        .get_or_init(|| DeviceContext { ctx, _anchor: anchor })
         .ctx
         .clone())
 }
