@@ -34,7 +34,6 @@ impl Budget {
         self.limit.store(limit.unwrap_or(usize::MAX), Ordering::Relaxed);
     }
 
-    #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
         self.held.load(Ordering::Relaxed)
     }

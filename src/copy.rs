@@ -48,7 +48,7 @@ pub(crate) fn protect(host: *const u8, stream: &Stream) -> Result<()> {
 ///
 /// ```
 /// use allocator_api2::vec::Vec;
-/// use cudalloc::{copy, cuda::{DeviceMemory, Stream}, PinnedAlloc};
+/// use cudalloc::{copy, cuda::Stream, testing::DeviceMemory, PinnedAlloc};
 /// if let Ok(stream) = Stream::new(0) {
 ///     let mut src: Vec<u32, _> = Vec::new_in(PinnedAlloc);
 ///     src.extend(0..1024);

@@ -75,7 +75,8 @@
 //!   loads PTX text kept in your repository; the feature enables cudarc's `nvrtc` feature
 //!   only for that function, and libnvrtc is never loaded. Write PTX with a `.version` the
 //!   oldest driver you support knows (8.0 loads on every CUDA 12 and 13 driver).
-//!   `examples/cudarc.rs` and `kernels/` show the whole path.
+//!   `examples/cudarc.rs` and `kernels/` show the whole path. (Without cudarc, the
+//!   crate's own [`cuda::Module`] loads PTX and launches kernels on crate streams.)
 //!
 //! [`DevicePool::alloc`]: device::DevicePool::alloc
 #![cfg_attr(
@@ -120,8 +121,9 @@ pub mod pool;
 mod registration;
 pub mod source;
 mod sync;
+#[doc(hidden)]
+pub mod testing;
 mod util;
-pub mod workload;
 
 pub use arena::{Arena, ArenaConfig, ArenaStats, Checkpoint};
 pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};

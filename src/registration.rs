@@ -106,15 +106,15 @@ struct Registered {
 /// (H200 machine): keep a registration for as long as the buffer is copied, not per copy.
 ///
 /// ```
-/// use cudalloc::{copy, cuda::{DeviceMemory, Stream}, HostRegistration};
+/// use cudalloc::{cuda::Stream, device::DevicePool, HostRegistration};
 ///
 /// let mut frame = vec![7u8; 1 << 20]; // memory from anywhere: a Vec, an mmap'd file, ...
 /// if let (Ok(mut pinned), Ok(stream)) = (HostRegistration::new(&mut frame[..]), Stream::new(0)) {
 ///     pinned[0] = 1; // read and write through the guard
-///     let mut dev = DeviceMemory::new(pinned.len(), 0).unwrap();
+///     let mut dev = DevicePool::get(0).unwrap().alloc::<u8>(pinned.len(), &stream).unwrap();
 ///     // SAFETY: `pinned` is not written until the copy has completed (the drop below
 ///     // waits for the use the copy recorded before it unregisters the memory).
-///     unsafe { copy::host_to_device_async(&pinned, &mut dev, 0, &stream) }.unwrap();
+///     unsafe { dev.copy_from_host_async(&pinned) }.unwrap();
 ///     drop(pinned); // waits for the copy, then unregisters
 /// }
 /// frame[1] = 2; // the buffer is the caller's again

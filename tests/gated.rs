@@ -15,9 +15,10 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::vec::Vec;
 use cudalloc::arena::Arena;
-use cudalloc::cuda::{DeviceMemory, Stream};
+use cudalloc::cuda::Stream;
 use cudalloc::pool::{Pool, PoolStats};
 use cudalloc::source::PinnedSource;
+use cudalloc::testing::DeviceMemory;
 use cudalloc::{copy, PinnedAlloc};
 
 const MIB: usize = 1 << 20;

@@ -395,7 +395,7 @@ pub unsafe fn memset_d8_async(dst: u64, value: u8, len: usize, stream: &Stream) 
 /// on the host.
 ///
 /// ```
-/// use cudalloc::cuda::{DeviceMemory, Stream};
+/// use cudalloc::{cuda::Stream, testing::DeviceMemory};
 /// if cudalloc::cuda::driver_available() {
 ///     let stream = Stream::new(0).unwrap();
 ///     let mut dev = DeviceMemory::new(4, 0).unwrap();
@@ -409,7 +409,7 @@ pub unsafe fn memset_d8_async(dst: u64, value: u8, len: usize, stream: &Stream) 
 /// Device memory cannot be read on the host: there is no way to index or deref it.
 ///
 /// ```compile_fail
-/// let dev = cudalloc::cuda::DeviceMemory::new(4, 0).unwrap();
+/// let dev = cudalloc::testing::DeviceMemory::new(4, 0).unwrap();
 /// let first: u8 = dev[0];
 /// ```
 #[derive(Debug)]

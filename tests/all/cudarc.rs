@@ -144,7 +144,7 @@ fn crate_apis_take_a_cudarc_stream_through_from_cudarc() {
     assert!(cudalloc::record_use(v.as_ptr(), &stream).unwrap());
     drop(v);
     // The copy helpers.
-    let mut dev = cudalloc::cuda::DeviceMemory::new(4096, 0).unwrap();
+    let mut dev = cudalloc::testing::DeviceMemory::new(4096, 0).unwrap();
     let src = vec![1u8; 4096];
     // SAFETY: `src` is neither written nor freed before the stream is synchronized.
     unsafe { cudalloc::copy::host_to_device_async(&src, &mut dev, 0, &stream) }.unwrap();

@@ -376,8 +376,9 @@ unsafe impl Fence for Later {
 }
 
 /// A staging loop that outruns its (simulated) GPU: a pool capped at 64 MiB, 50 rounds of
-/// 16 MiB staged and freed while their "copies" run 5 ms each, one after the other: no
-/// `AllocError`, bytes held never above the cap; the loop waits instead.
+/// 16 MiB staged and freed while their "copies" run. The fake GPU completes the oldest copy
+/// only once the pool is full of pending blocks (so the loop must wait, deterministically):
+/// no `AllocError`, bytes held never above the cap; the loop waits instead.
 #[test]
 fn backpressure_a_full_pool_waits_for_pending_uses_instead_of_failing() {
     const CAP: usize = 64 << 20;
@@ -388,28 +389,40 @@ fn backpressure_a_full_pool_waits_for_pending_uses_instead_of_failing() {
             .with_limit(CAP)
             .with_pending_wait(Some(Duration::from_secs(10))),
     );
+    let host_done = AtomicBool::new(false);
     let (tx, rx) = std::sync::mpsc::channel::<Arc<AtomicBool>>();
-    let gpu = std::thread::spawn(move || {
-        // The "stream": completes each copy 5 ms after the previous one.
-        for done in rx {
-            std::thread::sleep(Duration::from_millis(5));
-            done.store(true, Ordering::Release);
+    let peak = std::thread::scope(|s| {
+        s.spawn(|| {
+            // The "stream": completes the oldest copy once the pool is full of pending
+            // blocks (or the host has stopped), then the next, in order.
+            for done in rx {
+                let t = std::time::Instant::now();
+                while pool.stats().pending_blocks < CAP / ROUND
+                    && !host_done.load(Ordering::Acquire)
+                    && t.elapsed() < Duration::from_secs(5)
+                {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                done.store(true, Ordering::Release);
+            }
+        });
+        let mut peak = 0;
+        for round in 0..50u8 {
+            let mut v: Vec<u8, _> = Vec::new_in(&pool);
+            v.try_reserve_exact(ROUND)
+                .unwrap_or_else(|_| panic!("round {round}: AllocError at the cap"));
+            v.resize(ROUND, round);
+            let done = Arc::new(AtomicBool::new(false));
+            assert!(pool.record_fence(v.as_ptr(), Later(done.clone())).unwrap());
+            tx.send(done).unwrap();
+            drop(v); // freed while its "copy" runs: pending
+            peak = peak.max(pool.stats().source_bytes);
         }
+        host_done.store(true, Ordering::Release);
+        drop(tx);
+        peak
     });
-    let mut peak = 0;
-    for round in 0..50u8 {
-        let mut v: Vec<u8, _> = Vec::new_in(&pool);
-        v.try_reserve_exact(ROUND)
-            .unwrap_or_else(|_| panic!("round {round}: AllocError at the cap"));
-        v.resize(ROUND, round);
-        let done = Arc::new(AtomicBool::new(false));
-        assert!(pool.record_fence(v.as_ptr(), Later(done.clone())).unwrap());
-        tx.send(done).unwrap();
-        drop(v); // freed while its "copy" runs: pending
-        peak = peak.max(pool.stats().source_bytes);
-    }
-    drop(tx);
-    gpu.join().unwrap();
     let s = pool.stats();
     assert!(peak <= CAP, "held {peak} bytes, above the {CAP}-byte cap");
     assert!(

@@ -3,9 +3,10 @@
 
 use allocator_api2::vec::Vec;
 use cudalloc::cuda::{
-    memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice, MemoryType, Stream,
+    memset_d8_async, pointer_info, HostAllocFlags, Location, ManagedAdvice, MemoryType, Stream,
 };
 use cudalloc::source::{advise, prefetch, MemorySource, RegisteredSource};
+use cudalloc::testing::DeviceMemory;
 use cudalloc::{ManagedAlloc, PinnedAlloc};
 
 fn filled<A: allocator_api2::alloc::Allocator>(it: impl ExactSizeIterator<Item = u8>, a: A) -> Vec<u8, A> {

@@ -4,6 +4,17 @@
 #[macro_use]
 mod support;
 
+// The examples' shared code (the A/B report, the staging pipeline), tested here.
+#[path = "../../examples/common/pipeline.rs"]
+mod pipeline;
+#[path = "../../examples/common/plot.rs"]
+mod plot;
+#[path = "../../examples/common/report.rs"]
+mod report;
+#[path = "../../examples/common/sections.rs"]
+mod sections;
+
+mod ab_report;
 mod allocators;
 mod arena;
 mod conformance;
@@ -12,4 +23,6 @@ mod cudarc;
 mod defects;
 mod device;
 mod gpu;
+mod kernels;
 mod pool;
+mod staging_pipeline;

@@ -8,11 +8,12 @@ use std::sync::Arc;
 
 use allocator_api2::alloc::{Allocator, Layout};
 use allocator_api2::vec::Vec as AVec;
-use cudalloc::cuda::{DeviceMemory, HostAllocFlags, Stream};
+use cudalloc::cuda::{HostAllocFlags, Stream};
 use cudalloc::fence::Fence;
 use cudalloc::pool::{Pool, PoolConfig, PoolStats};
 use cudalloc::source::{HostSource, ManagedSource, MemorySource, PinnedSource, RegisteredSource};
 use cudalloc::source::{PinnedGrowth, PinnedPoolSource};
+use cudalloc::testing::DeviceMemory;
 use cudalloc::{copy, PinnedAlloc};
 use proptest::prelude::*;
 

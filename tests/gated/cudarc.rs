@@ -239,7 +239,7 @@ fn a_host_registration_waits_for_its_uses_before_unregistering() {
     let _one = one_at_a_time();
     let stream = Stream::new(0).unwrap();
     let mut frame = vec![6u8; 1 << 20];
-    let mut dev = cudalloc::cuda::DeviceMemory::new(1 << 20, 0).unwrap();
+    let mut dev = cudalloc::testing::DeviceMemory::new(1 << 20, 0).unwrap();
     let dropping = Arc::new(AtomicBool::new(false));
     let (release, timer) = gate_released_after(&dropping, Duration::from_millis(50));
     let registration = HostRegistration::new(&mut frame[..]).unwrap();
