@@ -35,6 +35,17 @@ pub enum Error {
         /// Bytes asked for.
         requested: usize,
     },
+    /// A device pool found no memory for a request even after releasing its cache (or
+    /// the request would take it past its limit): the device, the block size asked for,
+    /// and the pool's state then.
+    DeviceOutOfMemory {
+        /// The device.
+        device: usize,
+        /// Bytes asked for (the block size the request rounds up to).
+        requested: usize,
+        /// What the pool held.
+        memory: crate::device::DeviceMemorySummary,
+    },
     /// An argument was invalid (a zero-size block where one is not allowed, an alignment
     /// this source cannot provide, a range outside the block, ...).
     InvalidArgument(&'static str),
@@ -73,6 +84,14 @@ impl fmt::Display for Error {
                 "request of {requested} bytes with {held} bytes held exceeds the limit of {limit} bytes"
             ),
             Error::OutOfMemory { requested } => write!(f, "out of memory allocating {requested} bytes"),
+            Error::DeviceOutOfMemory {
+                device,
+                requested,
+                memory,
+            } => write!(
+                f,
+                "device {device} out of memory allocating {requested} bytes after releasing its cache ({memory})"
+            ),
             Error::InvalidArgument(what) => write!(f, "invalid argument: {what}"),
             Error::UnsupportedPtx {
                 ptx_version,

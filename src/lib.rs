@@ -135,3 +135,4 @@ pub use handle::{fallback_allocations, release_cached_memory, Managed, ManagedAl
 pub use interop::cudarc::{PinnedView, PinnedViewMut};
 pub use pool::{Pool, PoolConfig, PoolStats};
 pub use registration::HostRegistration;
+pub use source::{advise, prefetch};

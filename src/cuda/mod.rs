@@ -15,17 +15,21 @@ mod event_pool;
 pub(crate) mod mem_pool;
 pub(crate) mod memory;
 mod module;
+mod peer;
 mod stream;
 
 pub(crate) use driver::record_drop_error;
 pub use driver::{device_count, device_name, driver_available, drop_errors, mem_info, CudaError};
 pub(crate) use event_pool::PooledEvent;
+#[doc(hidden)]
+pub use mem_pool::default_pool_reserved;
 pub(crate) use memory::raw;
 pub(crate) use memory::DeviceMemory;
 pub use memory::{
     memset_d8_async, pointer_info, HostAllocFlags, Location, ManagedAdvice, MemoryType, PointerInfo,
 };
 pub use module::{Kernel, Module};
+pub use peer::{can_access_peer, copy_async};
 #[cfg(feature = "cudarc")]
 pub(crate) use stream::{is_same, known, order_after};
 pub use stream::{Event, Stream, StreamId};

@@ -349,9 +349,21 @@ impl Pinned {
         self.strict
     }
 
-    /// Statistics of the process-wide pool for this handle's flags (zero if it was never
-    /// used), with the no-driver fallbacks.
-    pub fn stats(&self) -> PoolStats {
+    /// Statistics of the one process-wide pool for this handle's flags (zero if it was
+    /// never used), with the no-driver fallbacks. [`PinnedAlloc::stats`] sums every
+    /// pinned pool.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// use cudalloc::{cuda::HostAllocFlags, PinnedAlloc};
+    /// let portable = PinnedAlloc::with_flags(HostAllocFlags::PORTABLE);
+    /// let v: Vec<u8, _> = Vec::with_capacity_in(100, portable);
+    /// if cudalloc::cuda::driver_available() {
+    ///     assert_eq!(portable.pool_stats().live_blocks, 1);
+    /// }
+    /// # drop(v);
+    /// ```
+    pub fn pool_stats(&self) -> PoolStats {
         let s = pinned_pools()
             .find(|p| p.source().flags() == self.flags)
             .map_or_else(
@@ -452,9 +464,9 @@ impl Managed {
         self.attach
     }
 
-    /// Statistics of the process-wide pool for this handle's attach mode, with the
-    /// no-driver fallbacks.
-    pub fn stats(&self) -> PoolStats {
+    /// Statistics of the one process-wide pool for this handle's attach mode, with the
+    /// no-driver fallbacks. [`ManagedAlloc::stats`] sums both managed pools.
+    pub fn pool_stats(&self) -> PoolStats {
         let s = managed_pools()
             .find(|p| p.source() == &crate::source::ManagedSource::new(self.attach))
             .map_or_else(PoolStats::default, |p| p.stats());
