@@ -30,4 +30,5 @@ mod device_stats;
 mod gpu;
 mod kernels;
 mod pool;
+mod registration;
 mod staging_pipeline;
