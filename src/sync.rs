@@ -74,7 +74,12 @@ pub(crate) use thread_local_const;
 /// a loom model, so they always use `std`'s versions.
 pub(crate) mod global {
     pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-    pub(crate) use std::sync::{Arc, Mutex, OnceLock};
+    pub(crate) use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+    /// [`lock`](super::lock) for `std` mutexes in statics.
+    pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
 }
 
 /// The shim's rule, checked: no source file but this one names `std::sync` (doc examples,

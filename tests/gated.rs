@@ -23,6 +23,10 @@ use cudalloc::{copy, PinnedAlloc};
 
 const MIB: usize = 1 << 20;
 
+#[cfg(feature = "cudarc")]
+#[path = "gated/cudarc.rs"]
+mod cudarc;
+
 static GATED: Mutex<()> = Mutex::new(());
 
 /// Runs one gated test at a time (a failed one does not poison the others).

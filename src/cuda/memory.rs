@@ -266,13 +266,21 @@ pub(crate) mod raw {
     /// # Safety
     /// 1. `p` was registered by [`host_register`] and not yet unregistered.
     pub(crate) unsafe fn host_unregister(p: *mut u8) {
-        if let Err(e) = bind(0) {
-            return record_drop_error("binding a context for cuMemHostUnregister", e);
-        }
         // SAFETY: obligation 1 of this function.
-        if let Err(e) = check(unsafe { sys::cuMemHostUnregister(p.cast()) }) {
+        if let Err(e) = unsafe { try_host_unregister(p) } {
             record_drop_error("cuMemHostUnregister", e);
         }
+    }
+
+    /// `cuMemHostUnregister`, returning its error.
+    ///
+    /// # Safety
+    /// 1. `p` was registered by [`host_register`] and not yet unregistered.
+    pub(crate) unsafe fn try_host_unregister(p: *mut u8) -> Result<()> {
+        bind(0)?;
+        // SAFETY: obligation 1 of this function.
+        check(unsafe { sys::cuMemHostUnregister(p.cast()) })?;
+        Ok(())
     }
 
     /// `cuMemAllocManaged`. `size` must be nonzero.

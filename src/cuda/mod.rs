@@ -30,4 +30,6 @@ pub use memory::{
 };
 pub use module::{Kernel, Module};
 pub use peer::{can_access_peer, copy_async};
+#[cfg(feature = "cudarc")]
+pub(crate) use stream::{is_same, known, order_after};
 pub use stream::{Event, Stream, StreamId};

@@ -104,6 +104,14 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         self.ptr
     }
 
+    /// The device address as a reference into the buffer (which lives as long as the
+    /// borrow), for APIs that keep a pointer to a kernel argument and read it at launch:
+    /// cudarc's `LaunchArgs::arg` (the `cudarc` feature's `PushKernelArg` impl).
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) fn device_ptr_ref(&self) -> &u64 {
+        &self.ptr
+    }
+
     /// The stream the buffer was allocated on and is freed on.
     pub fn stream(&self) -> &Stream {
         &self.stream
