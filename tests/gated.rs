@@ -193,7 +193,12 @@ fn arena_drop_waits_for_recorded_uses() {
         gate_was_closed,
         "queuing took 10 s: the gate opened before the drop"
     );
-    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
 }
 
 #[test]

@@ -19,7 +19,9 @@ mod peer;
 mod stream;
 
 pub(crate) use driver::record_drop_error;
-pub use driver::{device_count, device_name, driver_available, drop_errors, mem_info, CudaError};
+pub use driver::{
+    device_count, device_name, driver_available, drop_errors, last_drop_error, mem_info, CudaError,
+};
 pub(crate) use event_pool::PooledEvent;
 #[doc(hidden)]
 pub use mem_pool::default_pool_reserved;

@@ -234,5 +234,10 @@ fn threads_with_their_own_streams_share_a_pool() {
             });
         }
     });
-    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
 }

@@ -36,7 +36,12 @@ fn pinned_vec_round_trip_through_device_is_bit_exact() {
         stream.synchronize().unwrap();
         assert!(src[..] == back[..], "round trip of {len} bytes differs");
     }
-    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
 }
 
 #[test]

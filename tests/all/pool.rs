@@ -642,7 +642,12 @@ fn auto_growth_registers_small_chunks_and_host_allocs_large_ones() {
         // allocated it, or the driver reports an error (counted in drop_errors).
         unsafe { s.deallocate(p, size) };
     }
-    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
 }
 
 /// Issue 11, item 2 (backpressure), on the GPU: a pool capped at 256 MiB, 200 staging

@@ -273,7 +273,12 @@ fn a_host_registration_waits_for_its_uses_before_unregistering() {
     let on_device = buf.to_vec().unwrap();
     assert_eq!(on_device[0], 1);
     assert!(on_device[1..].iter().all(|&b| b == 6));
-    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
 }
 
 #[test]
