@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use allocator_api2::vec::Vec;
 use cudalloc::arena::Arena;
 use cudalloc::cuda::Stream;
+use cudalloc::device::DevicePool;
 use cudalloc::pool::{Pool, PoolStats};
 use cudalloc::source::PinnedSource;
 use cudalloc::testing::DeviceMemory;
@@ -134,19 +135,23 @@ fn copy_helpers_record_uses_and_round_trip() {
     let pool = Pool::new(PinnedSource::default());
     let mut src: Vec<u32, _> = Vec::new_in(&pool);
     src.extend(0..1 << 20);
-    let mut dev = DeviceMemory::new(4 << 20, 0).unwrap();
+    let mut dev = DevicePool::get(0)
+        .unwrap()
+        .alloc_zeroed::<u32>(1 << 20, &stream)
+        .unwrap();
     let pending = pending_while_gated(&stream, &pool, || {
         // SAFETY: `src` is not written; dropping it early is what the pool protects.
-        unsafe { copy::host_to_device_async(&src[1..], &mut dev, 4, &stream) }.unwrap();
+        unsafe { copy::host_to_device_async(&src[1..], &mut dev, 1) }.unwrap();
         drop(src);
     });
     assert_eq!(pending, 1, "the freed block waits for the copy");
     let mut back: Vec<u32, _> = Vec::new_in(&pool);
     back.resize(1 << 20, 0);
     // SAFETY: `back` is not touched until the synchronize below.
-    unsafe { copy::device_to_host_async(&dev, 0, &mut back, &stream) }.unwrap();
+    unsafe { copy::device_to_host_async(&dev, 0, &mut back) }.unwrap();
     stream.synchronize().unwrap();
     assert!(back[1..].iter().enumerate().all(|(i, &x)| x == i as u32 + 1));
+    pool.collect_pending(); // stats() only reads
     assert_eq!(pool.stats().pending_blocks, 0);
     drop(back);
     pool.trim();
@@ -219,6 +224,7 @@ fn device_buffer_async_copies_keep_a_pooled_source_from_reuse() {
     assert_eq!(pending, 1, "the freed source waits for the copy");
     let back = buf.to_vec().unwrap();
     assert!(back.iter().enumerate().all(|(i, &x)| x == i as u32));
+    pool.collect_pending(); // stats() only reads
     assert_eq!(pool.stats().pending_blocks, 0);
 }
 

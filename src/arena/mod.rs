@@ -261,6 +261,10 @@ impl Hooks for ArenaHooks<'_> {
         if set.is_empty() {
             return true;
         }
+        // The memory is about to be reused or freed: every use of it was queued before
+        // this point, so fences fixed only at the free are sealed now (the contract of
+        // `Fence::seal`).
+        set.seal();
         let ok = set.wait(None);
         if !ok {
             self.uses.wait_errors.fetch_add(1, Ordering::Relaxed);

@@ -26,7 +26,7 @@ pub(crate) use event_pool::PooledEvent;
 #[doc(hidden)]
 pub use mem_pool::default_pool_reserved;
 pub(crate) use memory::raw;
-pub(crate) use memory::DeviceMemory;
+
 pub use memory::{
     memset_d8_async, pointer_info, HostAllocFlags, Location, ManagedAdvice, MemoryType, PointerInfo,
 };

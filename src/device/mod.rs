@@ -74,6 +74,7 @@ mod loom_models;
 
 pub use arena::{ArenaSlice, DeviceArena, DeviceArenaStats, DeviceCheckpoint};
 pub use buffer::DeviceBuffer;
+pub(crate) use buffer::{copy_from_host_async, copy_to_host_async};
 pub use pool::{DevicePool, DevicePoolConfig};
 pub use report::{report, DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
 

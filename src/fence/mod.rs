@@ -67,7 +67,9 @@ pub unsafe trait Fence: Send + Sync + 'static {
 
     /// The stream the fence was recorded on, if it is a point in one stream's order. A
     /// later fence of the same stream completes after an earlier one, so a set of uses keeps
-    /// only the latest per stream.
+    /// only the latest per stream. A fence whose point is fixed only later (by
+    /// [`Fence::seal`]) must return `None`: a fence of its stream recorded meanwhile may
+    /// lie before its point, and must not replace it.
     fn stream_id(&self) -> Option<StreamId> {
         None
     }

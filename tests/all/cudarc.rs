@@ -144,10 +144,10 @@ fn crate_apis_take_a_cudarc_stream_through_from_cudarc() {
     assert!(cudalloc::record_use(v.as_ptr(), &stream).unwrap());
     drop(v);
     // The copy helpers.
-    let mut dev = cudalloc::testing::DeviceMemory::new(4096, 0).unwrap();
+    let mut dev = DevicePool::get(0).unwrap().alloc::<u8>(4096, &stream).unwrap();
     let src = vec![1u8; 4096];
     // SAFETY: `src` is neither written nor freed before the stream is synchronized.
-    unsafe { cudalloc::copy::host_to_device_async(&src, &mut dev, 0, &stream) }.unwrap();
+    unsafe { cudalloc::copy::host_to_device_async(&src, &mut dev, 0) }.unwrap();
     theirs.synchronize().unwrap();
 }
 

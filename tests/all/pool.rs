@@ -536,7 +536,10 @@ fn reuse_race(pending_list: bool) -> usize {
         pending_list,
         "switching the pending list off needs the test-hooks feature"
     );
-    let mut dev = DeviceMemory::new(RACE_BYTES, 0).unwrap();
+    let mut dev = cudalloc::device::DevicePool::get(0)
+        .unwrap()
+        .alloc::<u8>(RACE_BYTES, &stream)
+        .unwrap();
     let mut back = vec![0u8; RACE_BYTES];
     let mut corrupted = 0;
     let mut reused = 0;
@@ -548,14 +551,14 @@ fn reuse_race(pending_list: bool) -> usize {
             .unwrap();
         // SAFETY: `a` is not written after this call (it is dropped: the pool keeps the
         // block from reuse until the copy completes, unless the test switched that off).
-        unsafe { copy::host_to_device_async(&a, &mut dev, 0, &stream) }.unwrap();
+        unsafe { copy::host_to_device_async(&a, &mut dev, 0) }.unwrap();
         let a_ptr = a.as_ptr();
         drop(a);
         let mut b: AVec<u8, _> = AVec::with_capacity_in(RACE_BYTES, &pool);
         reused += usize::from(b.as_ptr() == a_ptr);
         b.resize(RACE_BYTES, B);
         stream.synchronize().unwrap();
-        dev.copy_to_host(&mut back, &stream).unwrap();
+        dev.copy_to_host(&mut back).unwrap();
         corrupted += back.iter().filter(|&&x| x != A).count();
         drop(b);
     }

@@ -239,13 +239,16 @@ fn a_host_registration_waits_for_its_uses_before_unregistering() {
     let _one = one_at_a_time();
     let stream = Stream::new(0).unwrap();
     let mut frame = vec![6u8; 1 << 20];
-    let mut dev = cudalloc::testing::DeviceMemory::new(1 << 20, 0).unwrap();
+    let mut dev = cudalloc::device::DevicePool::get(0)
+        .unwrap()
+        .alloc::<u8>(1 << 20, &stream)
+        .unwrap();
     let dropping = Arc::new(AtomicBool::new(false));
     let (release, timer) = gate_released_after(&dropping, Duration::from_millis(50));
     let registration = HostRegistration::new(&mut frame[..]).unwrap();
     hold(&stream, &release, None);
     // SAFETY: the registration's drop waits for the copy before the buffer is usable.
-    unsafe { copy::host_to_device_async(&registration, &mut dev, 0, &stream) }.unwrap();
+    unsafe { copy::host_to_device_async(&registration, &mut dev, 0) }.unwrap();
     assert_eq!(registration.pending_uses(), 1, "the copy helper recorded its use");
     let gate_was_closed = !release.load(Ordering::Acquire);
     dropping.store(true, Ordering::Release);
