@@ -11,6 +11,12 @@
 //! explicit ring, and the raw reference (`cuMemHostAlloc` + `cuMemAlloc`). The code is in
 //! `examples/common/pipeline.rs`; each variant is a few lines there.
 //!
+//! The issuing thread waits only for what it is about to reuse (a lane's input buffer:
+//! the H2D that read it; its output buffer: the D2H that filled it, then the check), so
+//! every stream has its next batch queued before the current one ends. The report puts
+//! each row next to the hand-written CUDA C++ pipeline that issue 11 quotes (table
+//! `pipeline_cpp`, and the `vs C++` column).
+//!
 //! Every batch's output is checked against the host's reference; a wrong element, or a
 //! variant that cannot run, makes the program exit with status 1. Without a GPU it says
 //! why and exits 0.
@@ -24,6 +30,10 @@
 //!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring (all)
 //!   --samples N            positions checked per batch besides the first and last (256)
 //!   --verify-all           write and check every element (slow)
+//!   --fill-threads N       threads that write a whole batch (half the cores, at most 8)
+//!   --unchained            order each lane's copies by its own stream only (as the C++
+//!                          reference does), not also after the previous batch's copy in
+//!                          the same direction
 //!   --no-warmup            time first use too
 //!   --pinned-limit SIZE    cap the pinned pools (PinnedAlloc::set_limit) before running
 //!   --fresh-headroom SIZE  while the fresh-Vec rows run, cap the pinned pools at what they
@@ -82,6 +92,14 @@ fn parse_args() -> Result<Args, String> {
             "--variants" => names = Some(value()?.split(',').map(str::to_string).collect()),
             "--samples" => cfg.samples = value()?.parse().map_err(|e| format!("--samples: {e}"))?,
             "--verify-all" => cfg.verify_all = true,
+            "--fill-threads" => {
+                cfg.fill_threads = value()?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--fill-threads: not a count")?
+            }
+            "--unchained" => cfg.chain_copies = false,
             "--no-warmup" => cfg.warmup = false,
             "--fresh-headroom" => {
                 cfg.fresh_headroom = Some(parse_size(&value()?).ok_or("--fresh-headroom: not a size")?)

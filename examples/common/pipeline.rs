@@ -15,9 +15,22 @@
 //! Fixed-buffer variants (pageable, pinned, double, raw) write a batch's input at its
 //! checked positions only ("stamp"): like the hand-written reference, they measure the
 //! pipeline, not the host's memory bandwidth. Staging variants (arena, fresh, ring) take a
-//! new buffer per batch and so write all of it: their ideal includes that host fill,
-//! measured alone. Every batch's output is checked against the host's reference
-//! ([`hash_rounds`]): at sampled positions in the benchmark, everywhere with `verify_all`.
+//! new buffer per batch and so write all of it, with [`Config::fill_threads`] threads:
+//! their ideal includes that host fill, measured alone the same way. Every batch's output
+//! is checked against the host's reference ([`hash_rounds`]): at sampled positions in the
+//! benchmark, everywhere with `verify_all`.
+//!
+//! Issue order ([`plan`]): the issuing thread blocks only where a buffer it is about to
+//! touch may still be in use, and only just before touching it. Batch b's input waits for
+//! the H2D copy of the last batch that used the buffer (not for that batch's D2H); its H2D
+//! copy and kernel are queued at once; only then does the thread wait for the D2H of the
+//! batch that last used the output buffer, check that output, and queue batch b's D2H.
+//! So every stream has its next batch queued before its current one ends, and the host's
+//! check runs while the GPU copies and computes. With `chain_copies`, each copy also
+//! waits (on the GPU, through an event) for the previous batch's copy in the same
+//! direction: one copy per direction at a time, at full speed, lanes staggered so that
+//! H2D and D2H overlap. [`simulate`] runs an issue order against a model of the GPU; the
+//! tests use it to show that the order never writes a buffer a queued copy may still use.
 //!
 //! Timing: six timed events per batch (H2D, kernel and D2H start and end) give the
 //! intervals; the GPU busy share is the *union* of kernel intervals over the GPU's wall
@@ -68,9 +81,12 @@ pub fn input_value(batch: usize, i: usize) -> u32 {
 pub enum Regime {
     /// One round: the kernel takes a small fraction of a copy's time.
     TransferBound,
-    /// As many rounds as make a kernel take as long as one batch's copy (one way).
+    /// As many rounds as make a kernel take as long as one batch's copy takes in a
+    /// pipeline, where H2D and D2H run at once and share the link (on the H200: 1.33 ms
+    /// at 101 GB/s both ways, against 1.22 ms for one direction alone). The stages are
+    /// then equal where it counts, as in the C++ reference (1.3 ms).
     Balanced,
-    /// Four times a copy's time.
+    /// Four times a copy's time (one direction alone).
     ComputeBound,
     /// A fixed number of rounds.
     Rounds(u32),
@@ -219,6 +235,22 @@ pub struct Config {
     /// many bytes (`None`: leave the cap alone): shows what a staging loop does when the
     /// pool reaches its cap while blocks wait for their copies.
     pub fresh_headroom: Option<usize>,
+    /// Threads that write a whole batch on the host (the staging rows, and every row with
+    /// `verify_all`): filling is part of what a staging pipeline does, and one thread
+    /// writes 64 MiB several times slower than a copy moves it.
+    pub fill_threads: usize,
+    /// Make each copy wait, through an event, for the previous batch's copy in the same
+    /// direction: one H2D and one D2H at a time, each at full speed, lanes staggered.
+    /// Off: a lane's copies are ordered by its own stream only, as in the C++ reference.
+    pub chain_copies: bool,
+}
+
+/// Fill threads by default: half the cores, at most 8. One thread took 8.7 ms to write
+/// 64 MiB on the H200 machine, seven times as long as a copy of it.
+pub fn default_fill_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get() / 2)
+        .clamp(1, 8)
 }
 
 impl Config {
@@ -233,6 +265,8 @@ impl Config {
             verify_all: false,
             warmup: true,
             fresh_headroom: None,
+            fill_threads: default_fill_threads(),
+            chain_copies: true,
         }
     }
 
@@ -263,8 +297,104 @@ pub struct Baseline {
     pub d2h_ms: f64,
     /// GB/s moved by H2D and D2H copies running at the same time (both directions).
     pub bidir_gbps: f64,
-    /// Writing one whole batch on the host.
+    /// Writing one whole batch on the host, with `fill_threads` threads.
     pub fill_ms: f64,
+    pub fill_threads: usize,
+}
+
+impl Baseline {
+    /// One batch's copies both ways when both directions run at once (they share the
+    /// link: 2 x batch / the concurrent rate), in ms.
+    fn both_ways_ms(&self, batch_bytes: usize) -> f64 {
+        if self.bidir_gbps > 0.0 {
+            2.0 * batch_bytes as f64 / (self.bidir_gbps * 1e9) * 1e3
+        } else {
+            0.0
+        }
+    }
+}
+
+/// A row of the hand-written CUDA C++ pipeline that issue 11 quotes: the same H200
+/// machine, 64 batches of 64 MiB, one pinned in/out buffer pair and one device pair per
+/// stream. Its kernel is not ours: about 0.05, 1.3 and 5.1 ms per batch in the three
+/// regimes, against ours calibrated in the run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CppRow {
+    pub regime: Regime,
+    /// Pageable host memory (else pinned).
+    pub pageable: bool,
+    /// The stream counts the row stands for (`2..=usize::MAX`: "2+ streams").
+    pub min_streams: usize,
+    pub max_streams: usize,
+    pub kernel_ms: f64,
+    pub wall_ms: f64,
+    /// Against the reference's own ideal (its own stages measured alone).
+    pub vs_ideal: f64,
+    pub gpu_busy_pct: Option<f64>,
+}
+
+const fn cpp(
+    regime: Regime,
+    pageable: bool,
+    streams: (usize, usize),
+    kernel_ms: f64,
+    wall_ms: f64,
+    vs_ideal: f64,
+    gpu_busy_pct: Option<f64>,
+) -> CppRow {
+    CppRow {
+        regime,
+        pageable,
+        min_streams: streams.0,
+        max_streams: streams.1,
+        kernel_ms,
+        wall_ms,
+        vs_ideal,
+        gpu_busy_pct,
+    }
+}
+
+/// The C++ reference as issue 11 quotes it.
+pub const CPP_REFERENCE: [CppRow; 9] = {
+    use Regime::{Balanced as B, ComputeBound as C, TransferBound as T};
+    [
+        cpp(T, true, (1, 1), 0.05, 1076.0, 13.6, None),
+        cpp(T, false, (1, 1), 0.05, 160.0, 2.0, None),
+        cpp(T, false, (2, 2), 0.05, 88.0, 1.10, None),
+        cpp(T, false, (4, 4), 0.05, 87.0, 1.10, None),
+        cpp(T, false, (8, 8), 0.05, 88.0, 1.10, None),
+        cpp(B, false, (1, 1), 1.3, 240.0, 2.9, Some(35.0)),
+        cpp(B, false, (4, 4), 1.3, 89.0, 1.06, Some(95.0)),
+        cpp(C, false, (1, 1), 5.1, 485.0, 1.5, Some(68.0)),
+        cpp(C, false, (2, usize::MAX), 5.1, 309.0, 0.94, None),
+    ]
+};
+
+impl CppRow {
+    /// `pageable, 1 stream`, `pinned, 2+ streams`, ...
+    pub fn label(&self) -> String {
+        let memory = if self.pageable { "pageable" } else { "pinned" };
+        match (self.min_streams, self.max_streams) {
+            (1, 1) => format!("{memory}, 1 stream"),
+            (a, b) if a == b => format!("{memory}, {a} streams"),
+            (a, _) => format!("{memory}, {a}+ streams"),
+        }
+    }
+}
+
+impl Variant {
+    /// The C++ reference row for this variant in `regime`, where the issue quotes one:
+    /// matched by memory (pageable or pinned) and stream count. Staging rows match too
+    /// (they are pipelines with as many streams), though they also write every input.
+    pub fn cpp_reference(self, regime: Regime) -> Option<&'static CppRow> {
+        let (pageable, streams) = match self {
+            Variant::Pageable => (true, 1),
+            v => (false, v.streams()),
+        };
+        CPP_REFERENCE.iter().find(|r| {
+            r.regime == regime && r.pageable == pageable && (r.min_streams..=r.max_streams).contains(&streams)
+        })
+    }
 }
 
 /// One variant's measurements in one regime.
@@ -276,6 +406,10 @@ pub struct Measured {
     pub gpu_busy: f64,
     pub exposed_transfer: f64,
     pub copy_gbps: f64,
+    /// Share of the wall time the issuing thread spent blocked on the GPU (event
+    /// waits, an arena's reset): near 1 when the GPU is the bottleneck, near 0 when the
+    /// host is.
+    pub issuer_blocked: f64,
     /// Pinned allocations the process-wide pools had to take from the driver during the
     /// timed run (0: every staging buffer came from the cache).
     pub pinned_source_allocs: u64,
@@ -297,6 +431,15 @@ pub struct RegimeResult {
     pub rounds: u32,
     pub kernel_ms: f64,
     pub rows: Vec<Row>,
+}
+
+impl RegimeResult {
+    fn measured(&self, v: Variant) -> Option<&Measured> {
+        self.rows
+            .iter()
+            .find(|r| r.variant == v)
+            .and_then(|r| r.outcome.as_ref().ok())
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -326,7 +469,8 @@ impl Results {
             .flat_map(|g| g.rows.iter().map(move |r| (g, r)))
     }
 
-    /// The results as report tables: the stages alone, the regimes, the variants.
+    /// The results as report tables: the stages alone, the regimes, the variants, and
+    /// the variants next to the C++ reference.
     pub fn tables(&self) -> Vec<Table> {
         let c = &self.config;
         let b = &self.baseline;
@@ -342,7 +486,8 @@ impl Results {
         .col("d2h_ms", "D2H", Unit::Millis)
         .col("d2h_gbps", "D2H", Unit::GBps)
         .col("bidir_gbps", "H2D + D2H at once", Unit::GBps)
-        .col("fill_ms", "host fill", Unit::Millis);
+        .col("fill_ms", "host fill", Unit::Millis)
+        .col("fill_threads", "fill threads", Unit::Count);
         base.push(vec![
             c.batch_bytes.into(),
             b.h2d_ms.into(),
@@ -351,9 +496,14 @@ impl Results {
             gbps(b.d2h_ms).into(),
             b.bidir_gbps.into(),
             b.fill_ms.into(),
+            b.fill_threads.into(),
         ]);
-        base.note("Pinned (PinnedAlloc) buffers; each stage timed alone with events, in the same run.");
+        base.note(
+            "Pinned (PinnedAlloc) buffers; each stage timed alone with events, in the same run; \
+             host fill: writing a whole batch with that many threads, as the staging rows do.",
+        );
 
+        let both_ways = b.both_ways_ms(c.batch_bytes);
         let mut regimes = Table::new(
             "pipeline_regimes",
             "pipeline",
@@ -363,20 +513,25 @@ impl Results {
         .col("rounds", "rounds per element", Unit::Count)
         .col("kernel_ms", "kernel per batch", Unit::Millis)
         .col("ideal_ms", "ideal (fixed buffers)", Unit::Millis)
-        .col("ideal_staged_ms", "ideal (staging)", Unit::Millis);
+        .col("ideal_staged_ms", "ideal (staging)", Unit::Millis)
+        .col("floor_ms", "floor (copies share the link)", Unit::Millis);
         for g in &self.regimes {
             let n = c.batches as f64;
+            let stage = b.h2d_ms.max(b.d2h_ms).max(g.kernel_ms);
             regimes.push(vec![
                 g.regime.name().into(),
                 (g.rounds as usize).into(),
                 g.kernel_ms.into(),
-                (n * b.h2d_ms.max(b.d2h_ms).max(g.kernel_ms)).into(),
-                (n * b.h2d_ms.max(b.d2h_ms).max(g.kernel_ms).max(b.fill_ms)).into(),
+                (n * stage).into(),
+                (n * stage.max(b.fill_ms)).into(),
+                (n * stage.max(both_ways)).into(),
             ]);
         }
         regimes.note(
             "ideal = batches x max(H2D, D2H, kernel), each measured alone (staging variants also \
-             max with the host fill, which they do per batch).",
+             max with the host fill, which they do per batch); floor = batches x max(kernel, both \
+             copies at the rate the two directions reach together), what a pipeline whose H2D and \
+             D2H overlap can reach before its first and last batch.",
         );
 
         let mut t = Table::new(
@@ -397,9 +552,12 @@ impl Results {
         .col("vs_ideal", "vs ideal", Unit::Ratio)
         .col("bound", "ideal bound by", Unit::Label)
         .col("vs_raw", "vs raw", Unit::Ratio)
+        .col("cpp_wall_ms", "C++ ref", Unit::Millis)
+        .col("vs_cpp", "vs C++", Unit::Ratio)
         .col("gpu_busy_pct", "GPU busy", Unit::Percent)
         .col("exposed_transfer_pct", "transfer only", Unit::Percent)
         .col("copy_gbps", "H2D+D2H", Unit::GBps)
+        .col("issuer_blocked_pct", "issuer blocked", Unit::Percent)
         .col("pinned_source_allocs", "new pinned blocks", Unit::Count)
         .col("batches_checked", "batches checked", Unit::Count)
         .col("elements_checked", "elements checked", Unit::Count)
@@ -408,13 +566,6 @@ impl Results {
         .chart("key", "regime", "vs_ideal", true)
         .skip_in_markdown(&["key", "streams", "batches_checked"]);
         for g in &self.regimes {
-            let raw_wall = |v: Variant| {
-                g.rows
-                    .iter()
-                    .find(|r| r.variant == v)
-                    .and_then(|r| r.outcome.as_ref().ok())
-                    .map(|m| m.wall_ms)
-            };
             for r in &g.rows {
                 let mut row: Vec<Value> = vec![
                     g.regime.name().into(),
@@ -424,16 +575,24 @@ impl Results {
                 ];
                 match &r.outcome {
                     Ok(m) => {
-                        let vs_raw = r.variant.reference().and_then(raw_wall).map(|w| m.wall_ms / w);
+                        let vs_raw = r
+                            .variant
+                            .reference()
+                            .and_then(|v| g.measured(v))
+                            .map(|raw| m.wall_ms / raw.wall_ms);
+                        let cpp = r.variant.cpp_reference(g.regime).map(|x| x.wall_ms);
                         row.extend([
                             m.wall_ms.into(),
                             m.ideal_ms.into(),
                             (m.wall_ms / m.ideal_ms).into(),
                             m.bound.into(),
                             vs_raw.into(),
+                            cpp.into(),
+                            cpp.map(|w| m.wall_ms / w).into(),
                             (100.0 * m.gpu_busy).into(),
                             (100.0 * m.exposed_transfer).into(),
                             m.copy_gbps.into(),
+                            (100.0 * m.issuer_blocked).into(),
                             (m.pinned_source_allocs as usize).into(),
                             m.batches_checked.into(),
                             m.elements_checked.into(),
@@ -442,19 +601,104 @@ impl Results {
                         ]);
                     }
                     Err(e) => {
-                        row.extend(std::iter::repeat_n(Value::Missing, 12));
+                        row.extend(std::iter::repeat_n(Value::Missing, 15));
                         row.push(e.clone().into());
                     }
                 }
                 t.push(row);
             }
         }
-        t.note(
+        t.note(format!(
             "GPU busy: union of kernel intervals over the GPU's wall time; transfer only: time a copy \
              runs and no kernel does; H2D+D2H: bytes both ways over the union of copy intervals; vs \
-             raw: wall time against the raw reference with as many streams.",
+             raw: wall time against the raw reference with as many streams; C++ ref: the hand-written \
+             CUDA C++ pipeline with as many streams that issue 11 quotes (its own kernel; staging \
+             rows also write every input); issuer blocked: share of the wall the issuing thread \
+             waited for the GPU. Copies chained per direction: {}.",
+            if c.chain_copies { "yes" } else { "no" }
+        ));
+        vec![base, regimes, t, self.cpp_table()]
+    }
+
+    /// Our PinnedAlloc, pageable and raw rows next to each row of the C++ reference.
+    fn cpp_table(&self) -> Table {
+        let mut t = Table::new(
+            "pipeline_cpp",
+            "pipeline",
+            "Pipeline against the CUDA C++ reference (issue 11, same machine)",
+        )
+        .col("regime", "regime", Unit::Label)
+        .col("variant", "variant", Unit::Label)
+        .col("cpp_kernel_ms", "C++ kernel", Unit::Millis)
+        .col("kernel_ms", "our kernel", Unit::Millis)
+        .col("cpp_wall_ms", "C++ wall", Unit::Millis)
+        .col("cpp_vs_ideal", "C++ vs ideal", Unit::Ratio)
+        .col("cpp_gpu_busy_pct", "C++ GPU busy", Unit::Percent)
+        .col("wall_ms", "our wall", Unit::Millis)
+        .col("vs_ideal", "vs ideal", Unit::Ratio)
+        .col("gpu_busy_pct", "GPU busy", Unit::Percent)
+        .col("vs_cpp", "vs C++", Unit::Ratio)
+        .col("raw_wall_ms", "raw wall", Unit::Millis)
+        .col("raw_vs_cpp", "raw vs C++", Unit::Ratio);
+        for g in &self.regimes {
+            for cpp in CPP_REFERENCE.iter().filter(|r| r.regime == g.regime) {
+                let ours: Vec<(Variant, Option<Variant>)> = if cpp.pageable {
+                    vec![(Variant::Pageable, None)]
+                } else {
+                    let mut s: Vec<usize> = g
+                        .rows
+                        .iter()
+                        .filter_map(|r| match r.variant {
+                            Variant::Pinned(s) | Variant::Raw(s) => Some(s),
+                            _ => None,
+                        })
+                        .filter(|s| (cpp.min_streams..=cpp.max_streams).contains(s))
+                        .collect();
+                    s.sort_unstable();
+                    s.dedup();
+                    s.into_iter()
+                        .map(|s| (Variant::Pinned(s), Some(Variant::Raw(s))))
+                        .collect()
+                };
+                for (v, raw) in ours {
+                    let m = g.measured(v);
+                    let raw = raw.and_then(|r| g.measured(r));
+                    if m.is_none() && raw.is_none() {
+                        continue;
+                    }
+                    let label = match v {
+                        Variant::Pageable => cpp.label(),
+                        v => format!(
+                            "pinned, {} stream{}",
+                            v.streams(),
+                            if v.streams() == 1 { "" } else { "s" }
+                        ),
+                    };
+                    t.push(vec![
+                        g.regime.name().into(),
+                        label.into(),
+                        cpp.kernel_ms.into(),
+                        g.kernel_ms.into(),
+                        cpp.wall_ms.into(),
+                        cpp.vs_ideal.into(),
+                        cpp.gpu_busy_pct.into(),
+                        m.map(|m| m.wall_ms).into(),
+                        m.map(|m| m.wall_ms / m.ideal_ms).into(),
+                        m.map(|m| 100.0 * m.gpu_busy).into(),
+                        m.map(|m| m.wall_ms / cpp.wall_ms).into(),
+                        raw.map(|r| r.wall_ms).into(),
+                        raw.map(|r| r.wall_ms / cpp.wall_ms).into(),
+                    ]);
+                }
+            }
+        }
+        t.note(
+            "C++ columns as issue 11 quotes them (one pinned in/out pair and one device pair per \
+             stream; its compute-bound row is for 2+ streams). The kernels differ: compare the \
+             kernel columns before the walls. our wall: PinnedAlloc buffers (a pageable Vec on the \
+             pageable row); raw: cuMemHostAlloc + cuMemAlloc buffers in this process, same loop and kernel.",
         );
-        vec![base, regimes, t]
+        t
     }
 }
 
@@ -595,6 +839,43 @@ unsafe fn launch_hash(
 
 // ----- the host's side of the data ------------------------------------------------------
 
+/// `hash_rounds` of 16 values at once: 16 independent chains the CPU (or its vector
+/// unit) interleaves, several times faster than one chain after another. The check of a
+/// compute-bound batch (258 positions x 2390 rounds) takes a few tens of microseconds
+/// this way instead of about a millisecond.
+fn hash_rounds_16(xs: &mut [u32; 16], rounds: u32) {
+    for _ in 0..rounds {
+        for x in xs.iter_mut() {
+            *x = x.wrapping_mul(0x9E37_79B1).wrapping_add(0x7F4A_7C15);
+            *x ^= *x >> 15;
+        }
+    }
+}
+
+/// Runs `f(offset, chunk)` over up to `threads` contiguous chunks of `data`, on scoped
+/// threads (the calling thread takes the first chunk). Small data stays on one thread.
+fn par_chunks<T: Send>(data: &mut [T], threads: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    // Below this many elements per thread, starting a thread costs more than it saves.
+    const MIN_CHUNK: usize = 1 << 16;
+    let threads = threads.clamp(1, data.len().div_ceil(MIN_CHUNK).max(1));
+    if threads == 1 {
+        f(0, data);
+        return;
+    }
+    let chunk = data.len().div_ceil(threads);
+    let f = &f;
+    std::thread::scope(|scope| {
+        let mut parts = data.chunks_mut(chunk).enumerate();
+        let first = parts.next();
+        for (i, part) in parts {
+            scope.spawn(move || f(i * chunk, part));
+        }
+        if let Some((_, part)) = first {
+            f(0, part);
+        }
+    });
+}
+
 /// Where a batch's input is written and its output checked.
 pub(crate) struct Checker {
     pub(crate) n: usize,
@@ -631,24 +912,36 @@ impl Checker {
 
     /// Writes all of batch `b`'s input.
     pub(crate) fn fill(b: usize, input: &mut [u32]) {
-        for (i, x) in input.iter_mut().enumerate() {
-            *x = input_value(b, i);
-        }
+        Self::fill_with(b, input, 1);
     }
 
-    /// Fills a new staging `Vec` with batch `b`'s `n` elements (one pass, no zeroing).
-    /// A failed reservation returns `Err(())`: the caller says why.
-    fn fill_new<A: allocator_api2::alloc::Allocator>(
+    /// Writes all of batch `b`'s input with up to `threads` threads.
+    pub(crate) fn fill_with(b: usize, input: &mut [u32], threads: usize) {
+        par_chunks(input, threads, |offset, part| {
+            for (i, x) in part.iter_mut().enumerate() {
+                *x = input_value(b, offset + i);
+            }
+        });
+    }
+
+    /// Fills a new staging `Vec` with batch `b`'s `n` elements (one pass, no zeroing, up
+    /// to `threads` threads). A failed reservation returns `Err(())`: the caller says why.
+    pub(crate) fn fill_new<A: allocator_api2::alloc::Allocator>(
         b: usize,
         n: usize,
         v: &mut PVec<u32, A>,
+        threads: usize,
     ) -> std::result::Result<(), ()> {
         v.clear();
         v.try_reserve_exact(n).map_err(|_| ())?;
-        for (i, slot) in v.spare_capacity_mut()[..n].iter_mut().enumerate() {
-            slot.write(input_value(b, i));
-        }
-        // SAFETY: the first `n` elements were written just above, within the capacity.
+        par_chunks(&mut v.spare_capacity_mut()[..n], threads, |offset, part| {
+            for (i, slot) in part.iter_mut().enumerate() {
+                slot.write(input_value(b, offset + i));
+            }
+        });
+        // SAFETY: all `n` elements were written just above (every chunk of the first `n`
+        // spare slots, each by one thread, joined before `par_chunks` returned), within
+        // the capacity.
         unsafe { v.set_len(n) };
         Ok(())
     }
@@ -656,16 +949,29 @@ impl Checker {
     /// Checks batch `b`'s output against the host's reference.
     pub(crate) fn check(&self, b: usize, rounds: u32, output: &[u32], tally: &mut Tally) {
         tally.batches_checked += 1;
-        for p in self.positions(b) {
-            tally.elements_checked += 1;
-            let want = hash_rounds(input_value(b, p), rounds);
-            if output[p] != want {
-                tally.mismatches += 1;
-                if tally.first_mismatch.is_none() {
-                    tally.first_mismatch = Some(format!(
-                        "batch {b} element {p}: got {:#010x}, want {want:#010x}",
-                        output[p]
-                    ));
+        let mut positions = self.positions(b);
+        loop {
+            let (mut at, mut want) = ([0usize; 16], [0u32; 16]);
+            let mut k = 0;
+            for p in positions.by_ref().take(16) {
+                at[k] = p;
+                want[k] = input_value(b, p);
+                k += 1;
+            }
+            if k == 0 {
+                break;
+            }
+            hash_rounds_16(&mut want, rounds);
+            for (&p, &want) in at[..k].iter().zip(&want[..k]) {
+                tally.elements_checked += 1;
+                if output[p] != want {
+                    tally.mismatches += 1;
+                    if tally.first_mismatch.is_none() {
+                        tally.first_mismatch = Some(format!(
+                            "batch {b} element {p}: got {:#010x}, want {want:#010x}",
+                            output[p]
+                        ));
+                    }
                 }
             }
         }
@@ -678,6 +984,18 @@ pub(crate) struct Tally {
     pub(crate) elements_checked: usize,
     pub(crate) mismatches: usize,
     pub(crate) first_mismatch: Option<String>,
+    /// Seconds the issuing thread spent blocked on the GPU.
+    pub(crate) blocked_s: f64,
+}
+
+impl Tally {
+    /// Runs `wait` (a blocking wait for the GPU) and adds its time to `blocked_s`.
+    fn blocked<T>(&mut self, wait: impl FnOnce() -> Result<T>) -> Result<T> {
+        let t = Instant::now();
+        let out = wait();
+        self.blocked_s += t.elapsed().as_secs_f64();
+        out
+    }
 }
 
 // ----- timing ---------------------------------------------------------------------------
@@ -753,6 +1071,205 @@ fn timeline(events: &[BatchEvents], t0: &Event) -> Result<Timeline> {
         exposed_transfer: (all_union - kernel_union) / wall.max(f64::MIN_POSITIVE),
         copy_union,
     })
+}
+
+// ----- the issue order ------------------------------------------------------------------
+
+/// One step of the thread that issues the pipeline's work, in the order [`plan`] gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Block until batch `p`'s H2D copy has read its input, so that its host buffer can
+    /// take a later batch's input (the staging variants' own buffers have their own
+    /// guards: an arena's reset, a ring slot's event, the pool).
+    AwaitInputRead(usize),
+    /// Write batch `b`'s input, queue its H2D copy and then its kernel.
+    QueueIn(usize),
+    /// Block until batch `p`'s D2H copy has landed, then check its output.
+    CheckOut(usize),
+    /// Queue batch `b`'s D2H copy.
+    QueueOut(usize),
+}
+
+/// The issue order for `batches` batches whose buffers are reused every `reuse` batches
+/// (the lanes, or double buffering's two slots), the output side `skew` batches behind
+/// the input side (`skew < reuse`, so that batch b's kernel may wait for the D2H of
+/// batch b - reuse, queued before it).
+///
+/// Per batch b: wait until the H2D of b - reuse has read the input buffer (not for its
+/// kernel or D2H); write b's input; queue b's H2D and kernel; then (for batch o = b -
+/// skew) wait for the D2H of o - reuse, check that output, queue o's D2H. The GPU thus
+/// always holds the next batch of every stream before the current one ends, and the host
+/// checks an output while the GPU copies and computes the batches after it.
+pub(crate) fn plan(batches: usize, reuse: usize, skew: usize) -> Vec<Step> {
+    assert!(
+        skew < reuse,
+        "the output side must stay less than `reuse` batches behind"
+    );
+    let mut steps = Vec::with_capacity(4 * batches);
+    for i in 0..batches + skew {
+        if i < batches {
+            if let Some(p) = i.checked_sub(reuse) {
+                steps.push(Step::AwaitInputRead(p));
+            }
+            steps.push(Step::QueueIn(i));
+        }
+        if let Some(o) = i.checked_sub(skew) {
+            if let Some(p) = o.checked_sub(reuse) {
+                steps.push(Step::CheckOut(p));
+            }
+            steps.push(Step::QueueOut(o));
+        }
+    }
+    steps.extend((batches.saturating_sub(reuse)..batches).map(Step::CheckOut));
+    steps
+}
+
+/// How a pipeline lays its batches out on streams and buffers, for [`simulate`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// Batch b on lane b % S: one stream and one buffer set per lane.
+    Lanes(usize),
+    /// Two buffer slots, one stream per stage ([`run_double`]).
+    Double,
+}
+
+impl Layout {
+    fn reuse(self) -> usize {
+        match self {
+            Layout::Lanes(s) => s,
+            Layout::Double => 2,
+        }
+    }
+}
+
+/// Per-batch costs for [`simulate`], in ms: the GPU's stages, and the issuing thread's
+/// time to write an input (`write`), queue a step's work (`queue`) and check an output
+/// (`check`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Costs {
+    pub(crate) h2d: f64,
+    pub(crate) kernel: f64,
+    pub(crate) d2h: f64,
+    pub(crate) write: f64,
+    pub(crate) queue: f64,
+    pub(crate) check: f64,
+}
+
+/// What [`simulate`] found.
+#[derive(Debug)]
+pub(crate) struct Simulation {
+    /// When the last D2H copy ends.
+    pub(crate) wall: f64,
+    /// Every place where the steps would let the host or the GPU touch a buffer still in
+    /// use, wait for work never queued, or skip or repeat a batch (empty: none).
+    pub(crate) hazards: Vec<String>,
+}
+
+/// Runs `steps` against a model of the GPU: each stage has one engine (one H2D copy, one
+/// kernel and one D2H copy at a time, each in the order queued), an operation starts when
+/// it is queued, its engine is free, and what it waits for has ended (its stream's
+/// previous operation, and the events the executors wait on). The issuing thread's
+/// clock advances by the host costs and jumps forward to the end of what it waits for.
+///
+/// Besides the time, the model checks the order: the host writes an input only after
+/// every H2D that read the buffer before has ended; a D2H is queued only after the output
+/// it overwrites has been checked; each batch is queued and checked exactly once, and
+/// nothing waits for work not yet queued.
+pub(crate) fn simulate(steps: &[Step], layout: Layout, batches: usize, c: Costs) -> Simulation {
+    let reuse = layout.reuse();
+    let mut hazards = Vec::new();
+    let (mut he, mut ke, mut de) = (vec![None; batches], vec![None; batches], vec![None; batches]);
+    let mut checked: Vec<Option<f64>> = vec![None; batches];
+    let mut checks = vec![0usize; batches];
+    let mut host: f64 = 0.0;
+    let (mut h_free, mut k_free, mut d_free) = (0.0f64, 0.0f64, 0.0f64);
+    let at = |v: &[Option<f64>], b: usize, what: &str, hazards: &mut Vec<String>| -> f64 {
+        v[b].unwrap_or_else(|| {
+            hazards.push(format!("waits for the {what} of batch {b}, not queued yet"));
+            f64::INFINITY
+        })
+    };
+    for &step in steps {
+        match step {
+            Step::AwaitInputRead(p) => host = host.max(at(&he, p, "H2D", &mut hazards)),
+            Step::CheckOut(p) => {
+                host = host.max(at(&de, p, "D2H", &mut hazards)) + c.check;
+                checked[p] = Some(host);
+                checks[p] += 1;
+            }
+            Step::QueueIn(b) => {
+                if he[b].is_some() {
+                    hazards.push(format!("batch {b} queued twice"));
+                }
+                // The host writes the input buffer now: the last H2D that read it (and so,
+                // in engine order, every earlier one) must have ended.
+                if let Some(p) = b.checked_sub(reuse) {
+                    if !he[p].is_some_and(|e| e <= host) {
+                        hazards.push(format!(
+                            "input of batch {b} written while the H2D of batch {p} may read it"
+                        ));
+                    }
+                }
+                host += c.write + c.queue;
+                // H2D: after its stream's previous operation and the engine.
+                let mut start = host.max(h_free);
+                match layout {
+                    Layout::Lanes(s) => {
+                        if let Some(p) = b.checked_sub(s) {
+                            start = start.max(at(&de, p, "D2H", &mut hazards));
+                        }
+                    }
+                    // The slot's device input is free once the kernel two batches back ends.
+                    Layout::Double => {
+                        if let Some(p) = b.checked_sub(2) {
+                            start = start.max(at(&ke, p, "kernel", &mut hazards));
+                        }
+                    }
+                }
+                let h_end = start + c.h2d;
+                he[b] = Some(h_end);
+                h_free = h_end;
+                // Kernel: after its input landed (and for double buffering, once the
+                // slot's output was copied out).
+                let mut start = h_end.max(k_free);
+                if layout == Layout::Double {
+                    if let Some(p) = b.checked_sub(2) {
+                        start = start.max(at(&de, p, "D2H", &mut hazards));
+                    }
+                }
+                let k_end = start + c.kernel;
+                ke[b] = Some(k_end);
+                k_free = k_end;
+            }
+            Step::QueueOut(b) => {
+                if de[b].is_some() {
+                    hazards.push(format!("the D2H of batch {b} queued twice"));
+                }
+                if let Some(p) = b.checked_sub(reuse) {
+                    if checked[p].is_none() {
+                        hazards.push(format!(
+                            "the D2H of batch {b} queued before batch {p}'s output, in the same buffer, was checked"
+                        ));
+                    }
+                }
+                host += c.queue;
+                let start = host.max(d_free).max(at(&ke, b, "kernel", &mut hazards));
+                let d_end = start + c.d2h;
+                de[b] = Some(d_end);
+                d_free = d_end;
+            }
+        }
+    }
+    for b in 0..batches {
+        if he[b].is_none() || de[b].is_none() {
+            hazards.push(format!("batch {b} never queued"));
+        }
+        if checks[b] != 1 {
+            hazards.push(format!("batch {b} checked {} times", checks[b]));
+        }
+    }
+    let wall = de.iter().flatten().fold(0.0f64, |a, &b| a.max(b));
+    Simulation { wall, hazards }
 }
 
 // ----- the pipelines --------------------------------------------------------------------
@@ -874,6 +1391,8 @@ struct Ctx<'a> {
     checker: &'a Checker,
     rounds: u32,
     n: usize,
+    fill_threads: usize,
+    chain_copies: bool,
 }
 
 impl Ctx<'_> {
@@ -887,10 +1406,41 @@ impl Ctx<'_> {
         }
         Ok(())
     }
+
+    /// Writes batch `b`'s input into a fixed buffer: all of it when `full`, else its
+    /// checked positions.
+    fn write_input(&self, b: usize, input: &mut [u32], full: bool) {
+        if full {
+            Checker::fill_with(b, input, self.fill_threads);
+        } else {
+            self.checker.stamp(b, input);
+        }
+    }
+
+    /// Blocks until batch `p`'s D2H copy has landed, then checks its output.
+    fn check_out(&self, p: usize, output: &[u32], tally: &mut Tally) -> Result<()> {
+        tally.blocked(|| self.events[p].d1.synchronize())?;
+        self.checker.check(p, self.rounds, output, tally);
+        Ok(())
+    }
 }
 
-/// Runs `batches` batches over `lanes` (batch b on lane b % lanes), staging inputs as
-/// `staging` says. Returns the tally of checked outputs.
+/// Runs `batches` batches over `lanes` (batch b on lane b % lanes) in the order of
+/// [`plan`], staging inputs as `staging` says. Returns the tally of checked outputs.
+///
+/// Why each buffer is safe (stream order: operations on one stream run in order):
+/// - the lane's host input is written for batch b only after the H2D of b - S (the last
+///   copy that read it) has completed (`AwaitInputRead`); staging buffers wait on their
+///   own guards (an arena's reset, a ring slot's `h1`, the pool's recorded use);
+/// - the lane's device input is written by the H2D of b after the kernel of b - S has
+///   read it, and its device output by the kernel of b after the D2H of b - S has read
+///   it: both earlier on the lane's stream;
+/// - the lane's host output is overwritten by the D2H of b, which is queued only after
+///   the host has waited for the D2H of b - S and checked that output (`CheckOut`).
+///
+/// With `chain_copies`, each copy also waits (`cuStreamWaitEvent`) for the previous
+/// batch's copy in the same direction, recorded earlier in this run: an added order,
+/// never a cycle (it points to an earlier batch, which points to earlier ones).
 fn run_lanes(
     ctx: &Ctx<'_>,
     lanes: &mut [Lane],
@@ -900,108 +1450,140 @@ fn run_lanes(
 ) -> Result<Tally> {
     let s = lanes.len();
     let mut tally = Tally::default();
-    let mut in_flight: Vec<Option<usize>> = vec![None; s];
     ctx.start(lanes.iter().map(|l| &l.stream))?;
-    for b in 0..batches {
-        let l = b % s;
-        let ev = &ctx.events[b];
-        // A new staging buffer is filled before waiting for the lane: the host writes
-        // batch b while the GPU still works on earlier batches.
-        let staged = match staging {
-            Staging::Lane => Staged::Lane,
-            Staging::Arena(arenas) => {
-                let arena = &mut arenas[l];
-                arena.reset(); // waits for the copy recorded on this arena S batches ago
-                let arena = &*arena;
-                let mut v = PVec::new_in(arena);
-                Checker::fill_new(b, ctx.n, &mut v)
-                    .map_err(|()| Error::OutOfMemory { requested: ctx.n * 4 })?;
-                Staged::Arena(v, arena)
-            }
-            Staging::Fresh => {
-                // `try_reserve` rather than `with_capacity`: a pool at its byte cap waits for
-                // the oldest pending copies (backpressure, up to 10 s) and then refuses; a
-                // refusal must not abort the process.
-                let mut v = PVec::new_in(PinnedAlloc);
-                Checker::fill_new(b, ctx.n, &mut v).map_err(|()| Error::LimitExceeded {
-                    requested: ctx.n * 4,
-                    held: PinnedAlloc::stats().source_bytes,
-                    limit: PinnedAlloc::limit().unwrap_or(usize::MAX),
-                })?;
-                Staged::Fresh(v)
-            }
-            Staging::Ring { slots, last } => {
-                let k = b % slots.len();
-                if let Some(prev) = last[k] {
-                    ctx.events[prev].h1.synchronize()?; // its last copy has read it
+    let chain = ctx.chain_copies && s > 1;
+    for step in plan(batches, s, 0) {
+        match step {
+            Step::AwaitInputRead(p) => {
+                if matches!(staging, Staging::Lane) {
+                    tally.blocked(|| ctx.events[p].h1.synchronize())?;
                 }
-                Checker::fill(b, &mut slots[k]);
-                last[k] = Some(b);
-                Staged::Ring(&slots[k])
             }
-        };
-        let lane = &mut lanes[l];
-        // The lane's buffers are free once its previous batch is done; check that batch.
-        if let Some(prev) = in_flight[l].take() {
-            ctx.events[prev].d1.synchronize()?;
-            ctx.checker.check(prev, ctx.rounds, &lane.host_out, &mut tally);
-        }
-        let Lane {
-            stream,
-            dev_in,
-            dev_out,
-            host_in,
-            host_out,
-        } = lane;
-        let input: &[u32] = match &staged {
-            Staged::Lane => {
-                if full {
-                    Checker::fill(b, host_in);
-                } else {
-                    ctx.checker.stamp(b, host_in);
+            Step::QueueIn(b) => {
+                let lane = &mut lanes[b % s];
+                let ev = &ctx.events[b];
+                let staged = stage(ctx, staging, b, b % s, &mut tally)?;
+                let Lane {
+                    stream,
+                    dev_in,
+                    dev_out,
+                    host_in,
+                    ..
+                } = lane;
+                let input: &[u32] = match &staged {
+                    Staged::Lane => {
+                        ctx.write_input(b, host_in, full);
+                        host_in
+                    }
+                    Staged::Arena(v, _) => v,
+                    Staged::Fresh(v) => v,
+                    Staged::Ring(v) => v,
+                };
+                if chain && b > 0 {
+                    stream.wait(&ctx.events[b - 1].h1)?;
                 }
-                host_in
+                ev.h0.record(stream)?;
+                // SAFETY: the input is not written until the copy is done: the lane's buffer
+                // is rewritten only after this batch's `h1` (AwaitInputRead, S batches on);
+                // an arena block only after its reset, which waits for the use recorded
+                // below; a fresh Vec is pooled memory (the copy records its use, so dropping
+                // it early is allowed); a ring slot only after `h1`.
+                unsafe { dev_in.upload(input, stream) }?;
+                ev.h1.record(stream)?;
+                if let Staged::Arena(v, arena) = &staged {
+                    // The copy helper recorded the use already (the arena is registered);
+                    // saying so explicitly costs one event record and shows the API.
+                    arena.record_use(v.as_ptr().cast(), stream)?;
+                }
+                drop(staged); // a fresh Vec goes back to the pool here, its copy still queued
+                ev.k0.record(stream)?;
+                // SAFETY: both device buffers hold `n` u32s, live in `lanes` until the end of
+                // the run, and are used only on this lane's stream, in its order.
+                unsafe { launch_hash(ctx.kernel, stream, dev_in.ptr(), dev_out.ptr(), ctx.n, ctx.rounds) }?;
+                ev.k1.record(stream)?;
             }
-            Staged::Arena(v, _) => v,
-            Staged::Fresh(v) => v,
-            Staged::Ring(v) => v,
-        };
-        ev.h0.record(stream)?;
-        // SAFETY: the input is not written until the copy is done: the lane's buffer is
-        // rewritten only after this batch's `d1`; an arena block only after its reset,
-        // which waits for the use recorded below; a fresh Vec is pooled memory (the copy
-        // records its use, so dropping it early is allowed); a ring slot only after `h1`.
-        unsafe { dev_in.upload(input, stream) }?;
-        ev.h1.record(stream)?;
-        if let Staged::Arena(v, arena) = &staged {
-            // The copy helper recorded the use already (the arena is registered); saying
-            // so explicitly costs one event record and shows the API.
-            arena.record_use(v.as_ptr().cast(), stream)?;
-        }
-        drop(staged); // a fresh Vec goes back to the pool here, its copy still queued
-        ev.k0.record(stream)?;
-        // SAFETY: both device buffers hold `n` u32s, live in `lanes` until the end of the
-        // run, and are used only on this lane's stream.
-        unsafe { launch_hash(ctx.kernel, stream, dev_in.ptr(), dev_out.ptr(), ctx.n, ctx.rounds) }?;
-        ev.k1.record(stream)?;
-        ev.d0.record(stream)?;
-        // SAFETY: `host_out` is read only after this batch's `d1` has completed.
-        unsafe { dev_out.download(host_out, stream) }?;
-        ev.d1.record(stream)?;
-        in_flight[l] = Some(b);
-    }
-    for (l, prev) in in_flight.iter().enumerate() {
-        if let Some(prev) = *prev {
-            ctx.events[prev].d1.synchronize()?;
-            ctx.checker
-                .check(prev, ctx.rounds, &lanes[l].host_out, &mut tally);
+            Step::CheckOut(p) => ctx.check_out(p, &lanes[p % s].host_out, &mut tally)?,
+            Step::QueueOut(b) => {
+                let Lane {
+                    stream,
+                    dev_out,
+                    host_out,
+                    ..
+                } = &mut lanes[b % s];
+                let ev = &ctx.events[b];
+                if chain && b > 0 {
+                    stream.wait(&ctx.events[b - 1].d1)?;
+                }
+                ev.d0.record(stream)?;
+                // SAFETY: `host_out` was last read by the check of batch b - S, done before
+                // this step; it is read again only after this batch's `d1` (CheckOut).
+                unsafe { dev_out.download(host_out, stream) }?;
+                ev.d1.record(stream)?;
+            }
         }
     }
     Ok(tally)
 }
 
+/// Gets batch `b`'s input (lane `l`) from `staging`, written whole: the staging
+/// variants' part of `Step::QueueIn`.
+fn stage<'s>(
+    ctx: &Ctx<'_>,
+    staging: &'s mut Staging<'_>,
+    b: usize,
+    l: usize,
+    tally: &mut Tally,
+) -> Result<Staged<'s>> {
+    let threads = ctx.fill_threads;
+    Ok(match staging {
+        Staging::Lane => Staged::Lane,
+        Staging::Arena(arenas) => {
+            let arena = &mut arenas[l];
+            // Waits for the copy recorded on this arena S batches ago.
+            tally.blocked(|| {
+                arena.reset();
+                Ok(())
+            })?;
+            let arena = &*arena;
+            let mut v = PVec::new_in(arena);
+            Checker::fill_new(b, ctx.n, &mut v, threads)
+                .map_err(|()| Error::OutOfMemory { requested: ctx.n * 4 })?;
+            Staged::Arena(v, arena)
+        }
+        Staging::Fresh => {
+            // `try_reserve` rather than `with_capacity`: a pool at its byte cap waits for
+            // the oldest pending copies (backpressure, up to 10 s) and then refuses; a
+            // refusal must not abort the process.
+            let mut v = PVec::new_in(PinnedAlloc);
+            Checker::fill_new(b, ctx.n, &mut v, threads).map_err(|()| Error::LimitExceeded {
+                requested: ctx.n * 4,
+                held: PinnedAlloc::stats().source_bytes,
+                limit: PinnedAlloc::limit().unwrap_or(usize::MAX),
+            })?;
+            Staged::Fresh(v)
+        }
+        Staging::Ring { slots, last } => {
+            let k = b % slots.len();
+            if let Some(prev) = last[k] {
+                tally.blocked(|| ctx.events[prev].h1.synchronize())?; // its last copy has read it
+            }
+            Checker::fill_with(b, &mut slots[k], threads);
+            last[k] = Some(b);
+            Staged::Ring(&slots[k])
+        }
+    })
+}
+
 /// Double buffering: slot b % 2, H2D on one stream, the kernel on a second, D2H on a
-/// third, ordered by events; the host waits only for what it reuses.
+/// third, ordered by events, in the order of [`plan`] with the output side one batch
+/// behind: the H2D and kernel of b are queued before the host waits for anything the D2H
+/// of b - 1 needs.
+///
+/// Why each buffer is safe: the slot's host input is written for b after the H2D of
+/// b - 2 completed (`AwaitInputRead`); its device input is overwritten by the H2D of b,
+/// which waits for the kernel of b - 2 (`k1`); its device output is overwritten by the
+/// kernel of b, which waits for the D2H of b - 2 (`d1`, queued one step earlier); its host
+/// output is overwritten by the D2H of b, queued only after the host checked b - 2.
 fn run_double(ctx: &Ctx<'_>, db: &mut Double, batches: usize, full: bool) -> Result<Tally> {
     let mut tally = Tally::default();
     let Double {
@@ -1011,56 +1593,54 @@ fn run_double(ctx: &Ctx<'_>, db: &mut Double, batches: usize, full: bool) -> Res
         slots,
     } = db;
     ctx.start([&*s_in, &*s_kernel, &*s_out])?;
-    for b in 0..batches {
-        let slot = &mut slots[b % 2];
-        let ev = &ctx.events[b];
-        let prev = b.checked_sub(2).map(|p| &ctx.events[p]);
-        if let Some(p) = prev {
-            p.h1.synchronize()?; // the slot's host input has been read
-            s_in.wait(&p.k1)?; // and its device input: the kernel two batches ago is done
+    for step in plan(batches, 2, 1) {
+        match step {
+            Step::AwaitInputRead(p) => tally.blocked(|| ctx.events[p].h1.synchronize())?,
+            Step::QueueIn(b) => {
+                let slot = &mut slots[b % 2];
+                let ev = &ctx.events[b];
+                let prev = b.checked_sub(2).map(|p| &ctx.events[p]);
+                ctx.write_input(b, &mut slot.host_in, full);
+                if let Some(p) = prev {
+                    s_in.wait(&p.k1)?; // the slot's device input: the kernel two batches ago is done
+                }
+                ev.h0.record(s_in)?;
+                // SAFETY: the slot's host input is rewritten only after this batch's `h1`.
+                unsafe { slot.dev_in.upload(&slot.host_in, s_in) }?;
+                ev.h1.record(s_in)?;
+                s_kernel.wait(&ev.h1)?;
+                if let Some(p) = prev {
+                    s_kernel.wait(&p.d1)?; // the slot's device output has been copied out
+                }
+                ev.k0.record(s_kernel)?;
+                // SAFETY: the device input is written on `s_in` before `h1`, which the kernel
+                // waits for; the output is free once `d1` two batches ago is done (waited
+                // above; plan(.., 2, 1) queues that D2H before this step); the next writer
+                // of the input waits for `k1`.
+                unsafe {
+                    launch_hash(
+                        ctx.kernel,
+                        s_kernel,
+                        slot.dev_in.ptr(),
+                        slot.dev_out.ptr(),
+                        ctx.n,
+                        ctx.rounds,
+                    )
+                }?;
+                ev.k1.record(s_kernel)?;
+            }
+            Step::CheckOut(p) => ctx.check_out(p, &slots[p % 2].host_out, &mut tally)?,
+            Step::QueueOut(b) => {
+                let slot = &mut slots[b % 2];
+                let ev = &ctx.events[b];
+                s_out.wait(&ev.k1)?;
+                ev.d0.record(s_out)?;
+                // SAFETY: the slot's host output was last read by the check of b - 2, done
+                // before this step; it is read again only after this batch's `d1`.
+                unsafe { slot.dev_out.download(&mut slot.host_out, s_out) }?;
+                ev.d1.record(s_out)?;
+            }
         }
-        if full {
-            Checker::fill(b, &mut slot.host_in);
-        } else {
-            ctx.checker.stamp(b, &mut slot.host_in);
-        }
-        ev.h0.record(s_in)?;
-        // SAFETY: the slot's host input is rewritten only after this batch's `h1`.
-        unsafe { slot.dev_in.upload(&slot.host_in, s_in) }?;
-        ev.h1.record(s_in)?;
-        s_kernel.wait(&ev.h1)?;
-        if let Some(p) = prev {
-            s_kernel.wait(&p.d1)?; // the slot's device output has been copied out
-        }
-        ev.k0.record(s_kernel)?;
-        // SAFETY: the device input is written on `s_in` before `h1`, which the kernel
-        // waits for; the output is free once `d1` two batches ago is done (waited above);
-        // the next writer of the input waits for `k1`.
-        unsafe {
-            launch_hash(
-                ctx.kernel,
-                s_kernel,
-                slot.dev_in.ptr(),
-                slot.dev_out.ptr(),
-                ctx.n,
-                ctx.rounds,
-            )
-        }?;
-        ev.k1.record(s_kernel)?;
-        if let Some(p) = b.checked_sub(2) {
-            ctx.events[p].d1.synchronize()?;
-            ctx.checker.check(p, ctx.rounds, &slot.host_out, &mut tally);
-        }
-        s_out.wait(&ev.k1)?;
-        ev.d0.record(s_out)?;
-        // SAFETY: the slot's host output is read only after this batch's `d1`.
-        unsafe { slot.dev_out.download(&mut slot.host_out, s_out) }?;
-        ev.d1.record(s_out)?;
-    }
-    for p in batches.saturating_sub(2)..batches {
-        ctx.events[p].d1.synchronize()?;
-        ctx.checker
-            .check(p, ctx.rounds, &slots[p % 2].host_out, &mut tally);
     }
     Ok(tally)
 }
@@ -1229,8 +1809,8 @@ fn kernel_ms(kernel: &Kernel, lane: &Lane, n: usize, rounds: u32, reps: usize) -
     })
 }
 
-/// Measures H2D, D2H, both at once, and the host fill, each alone.
-fn baseline(lanes: &mut [Lane], n: usize, reps: usize) -> Result<Baseline> {
+/// Measures H2D, D2H, both at once, and the host fill (with `fill_threads`), each alone.
+fn baseline(lanes: &mut [Lane], n: usize, reps: usize, fill_threads: usize) -> Result<Baseline> {
     let bytes = (n * 4) as f64;
     let [a, b, ..] = lanes else {
         return Err(Error::InvalidArgument("the stages alone need two streams"));
@@ -1264,7 +1844,7 @@ fn baseline(lanes: &mut [Lane], n: usize, reps: usize) -> Result<Baseline> {
     let mut fills: Vec<f64> = (0..3)
         .map(|i| {
             let t = Instant::now();
-            Checker::fill(i, &mut a.host_in);
+            Checker::fill_with(i, &mut a.host_in, fill_threads);
             t.elapsed().as_secs_f64() * 1e3
         })
         .collect();
@@ -1274,6 +1854,7 @@ fn baseline(lanes: &mut [Lane], n: usize, reps: usize) -> Result<Baseline> {
         d2h_ms,
         bidir_gbps,
         fill_ms: fills[1],
+        fill_threads,
     })
 }
 
@@ -1316,16 +1897,18 @@ pub fn run(cfg: &Config, progress: &dyn Fn(&str)) -> Result<Results> {
     res.synchronize();
     let reps = cfg.batches.clamp(1, 8);
     progress("timing the stages alone");
-    let base = baseline(&mut res.pinned, n, reps);
+    let fill_threads = cfg.fill_threads.max(1);
+    let base = baseline(&mut res.pinned, n, reps, fill_threads);
     res.synchronize();
     let base = base?;
     let copy_ms = base.h2d_ms.max(base.d2h_ms);
+    let pipelined_copy_ms = copy_ms.max(base.both_ways_ms(cfg.batch_bytes));
     let mut regimes = Vec::new();
     for &regime in &cfg.regimes {
         let rounds = match regime {
             Regime::TransferBound => 1,
             Regime::Rounds(r) => r,
-            Regime::Balanced => calibrate(&kernel, &res.pinned[0], n, copy_ms)?,
+            Regime::Balanced => calibrate(&kernel, &res.pinned[0], n, pipelined_copy_ms)?,
             Regime::ComputeBound => calibrate(&kernel, &res.pinned[0], n, 4.0 * copy_ms)?,
         };
         let kernel_ms = kernel_ms(&kernel, &res.pinned[0], n, rounds, reps)?;
@@ -1337,6 +1920,8 @@ pub fn run(cfg: &Config, progress: &dyn Fn(&str)) -> Result<Results> {
             checker: &checker,
             rounds,
             n,
+            fill_threads,
+            chain_copies: cfg.chain_copies,
         };
         let mut rows = Vec::new();
         for &variant in &cfg.variants {
@@ -1408,6 +1993,7 @@ fn measure(
         gpu_busy: tl.gpu_busy,
         exposed_transfer: tl.exposed_transfer,
         copy_gbps: moved / tl.copy_union.max(1e-9) / 1e9,
+        issuer_blocked: (tally.blocked_s / wall.max(1e-9)).min(1.0),
         pinned_source_allocs: after.misses.saturating_sub(before.misses),
         batches_checked: tally.batches_checked,
         elements_checked: tally.elements_checked,
