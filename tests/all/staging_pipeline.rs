@@ -449,5 +449,10 @@ fn every_variant_delivers_every_element_of_every_batch() {
         let t = tables.iter().find(|t| t.id == "pipeline").unwrap();
         assert_eq!(t.rows.len(), 2 * cfg.variants.len());
     }
-    assert_eq!(cudalloc::cuda::drop_errors(), 0, "last: {:?}", cudalloc::cuda::last_drop_error());
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
 }
