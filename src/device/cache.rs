@@ -63,7 +63,8 @@ pub(crate) struct Settings {
     pub(crate) thread_max_class: Option<usize>,
     /// The most bytes one thread's cache keeps for this pool.
     pub(crate) thread_cache_bytes: usize,
-    /// The most bytes held from the backend (`usize::MAX`: no limit).
+    /// The most bytes held from the backend (`usize::MAX` for no limit: the arithmetic
+    /// needs no branch).
     pub(crate) limit: usize,
     /// Idle bytes a miss always tolerates (64 MiB by default).
     pub(crate) idle_floor: usize,
@@ -71,8 +72,9 @@ pub(crate) struct Settings {
 
 impl Settings {
     /// The settings of a cache keeping blocks up to `max_cached_bytes`, with thread caches
-    /// of `thread_cache_bytes` (0: none), holding at most `limit` bytes.
-    pub(crate) fn new(max_cached_bytes: usize, thread_cache_bytes: usize, limit: usize) -> Self {
+    /// of `thread_cache_bytes` (0: none), holding at most `limit` bytes (`None`: no
+    /// limit).
+    pub(crate) fn new(max_cached_bytes: usize, thread_cache_bytes: usize, limit: Option<usize>) -> Self {
         let max_cached_bytes = max_cached_bytes.min(MAX_CLASS_SIZE);
         let max_cached_bytes = match max_cached_bytes {
             0 => 0,
@@ -102,7 +104,7 @@ impl Settings {
             max_cached_bytes,
             thread_max_class,
             thread_cache_bytes,
-            limit: if limit == 0 { usize::MAX } else { limit },
+            limit: limit.unwrap_or(usize::MAX),
             idle_floor: 64 << 20,
         }
     }

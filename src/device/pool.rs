@@ -18,28 +18,33 @@ use crate::sync::global::{AtomicU64 as GlobalU64, OnceLock, Ordering as GlobalOr
 use crate::sync::Arc;
 
 /// How a [`DevicePool`] behaves. Start from [`DevicePoolConfig::default()`] and change
-/// fields.
+/// what you need with the `with_*` methods (the fields are public to read).
 ///
 /// ```
 /// use cudalloc::device::DevicePoolConfig;
 /// let c = DevicePoolConfig::default();
 /// assert_eq!(c.release_threshold, u64::MAX);
-/// assert_eq!(c.limit, 0);
+/// assert_eq!(c.limit, None);
 /// assert!(c.cache);
 /// assert_eq!(c.thread_cache_bytes, 256 << 20);
 /// assert_eq!(c.max_cached_block, 1 << 30);
-/// let uncached = DevicePoolConfig { cache: false, ..DevicePoolConfig::default() };
-/// # let _ = uncached;
+/// let small = DevicePoolConfig::default()
+///     .with_limit(64 << 20)           // hold at most 64 MiB from the device
+///     .with_thread_cache_bytes(0);    // every free block in the shared lists
+/// assert_eq!(small.limit, Some(64 << 20));
+/// let uncached = DevicePoolConfig::default().with_cache(false);
+/// assert!(!uncached.cache);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DevicePoolConfig {
     /// Freed bytes the driver pool keeps across synchronizations (default `u64::MAX`:
     /// all; the driver's default of 0 returns memory at every synchronization).
     pub release_threshold: u64,
-    /// The most bytes the pool holds from the device (0, the default: no limit beyond the
-    /// device's memory). The cache counts blocks at their class size; the driver pool is
-    /// capped at the same value.
-    pub limit: usize,
+    /// The most bytes the pool holds from the device (`None`, the default: no limit
+    /// beyond the device's memory). The cache counts blocks at their class size; the
+    /// driver pool is capped at the same value.
+    pub limit: Option<usize>,
     /// Whether freed blocks are cached by (stream, size class) in front of the driver
     /// pool (default true). `false` gives the plain stream-ordered driver pool: every
     /// allocation is a `cuMemAllocFromPoolAsync`, every free a `cuMemFreeAsync`.
@@ -57,10 +62,76 @@ impl Default for DevicePoolConfig {
     fn default() -> Self {
         Self {
             release_threshold: u64::MAX,
-            limit: 0,
+            limit: None,
             cache: true,
             thread_cache_bytes: 256 << 20,
             max_cached_block: 1 << 30,
+        }
+    }
+}
+
+impl DevicePoolConfig {
+    /// This configuration with the driver pool keeping `bytes` of freed memory across
+    /// synchronizations.
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_release_threshold(0);
+    /// assert_eq!(c.release_threshold, 0);
+    /// ```
+    pub const fn with_release_threshold(self, bytes: u64) -> Self {
+        Self {
+            release_threshold: bytes,
+            ..self
+        }
+    }
+
+    /// This configuration holding at most `bytes` from the device.
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_limit(1 << 30);
+    /// assert_eq!(c.limit, Some(1 << 30));
+    /// ```
+    pub const fn with_limit(self, bytes: usize) -> Self {
+        Self {
+            limit: Some(bytes),
+            ..self
+        }
+    }
+
+    /// This configuration with the cache on or off (off: the plain driver pool).
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_cache(false);
+    /// assert!(!c.cache);
+    /// ```
+    pub const fn with_cache(self, cache: bool) -> Self {
+        Self { cache, ..self }
+    }
+
+    /// This configuration with thread caches of at most `bytes` per thread (0: none).
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_thread_cache_bytes(0);
+    /// assert_eq!(c.thread_cache_bytes, 0);
+    /// ```
+    pub const fn with_thread_cache_bytes(self, bytes: usize) -> Self {
+        Self {
+            thread_cache_bytes: bytes,
+            ..self
+        }
+    }
+
+    /// This configuration caching requests of at most `bytes` (larger ones go to and from
+    /// the driver pool directly).
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_max_cached_block(4 << 20);
+    /// assert_eq!(c.max_cached_block, 4 << 20);
+    /// ```
+    pub const fn with_max_cached_block(self, bytes: usize) -> Self {
+        Self {
+            max_cached_block: bytes,
+            ..self
         }
     }
 }
@@ -98,7 +169,7 @@ impl Drop for Inner {
 /// ```
 /// use cudalloc::{cuda::Stream, device::{DevicePool, DevicePoolConfig}};
 /// if let Ok(stream) = Stream::new(0) {
-///     let pool = DevicePool::new(0, DevicePoolConfig { limit: 64 << 20, ..Default::default() }).unwrap();
+///     let pool = DevicePool::new(0, DevicePoolConfig::default().with_limit(64 << 20)).unwrap();
 ///     let a = pool.alloc_zeroed::<u32>(1 << 20, &stream).unwrap();
 ///     assert_eq!(a.len(), 1 << 20);
 ///     assert!(pool.alloc::<u8>(128 << 20, &stream).is_err(), "past the 64 MiB limit");
@@ -128,7 +199,9 @@ static NEXT_UID: GlobalU64 = GlobalU64::new(1);
 impl DevicePool {
     /// A new pool on device `device`, with a driver pool of its own.
     pub fn new(device: usize, config: DevicePoolConfig) -> Result<Self> {
-        let pool = MemPool::new(device, config.limit, config.release_threshold)?;
+        // The driver pool's maxSize of 0 is its default (the device's memory); a limit of
+        // 0 bytes is enforced by the cache, which then refuses every allocation.
+        let pool = MemPool::new(device, config.limit.unwrap_or(0), config.release_threshold)?;
         let (_, device_bytes) = mem_info(device)?;
         let settings = if config.cache {
             Settings::new(config.max_cached_block, config.thread_cache_bytes, config.limit)
@@ -163,13 +236,7 @@ impl DevicePool {
     /// }
     /// ```
     pub fn uncached(device: usize) -> Result<Self> {
-        Self::new(
-            device,
-            DevicePoolConfig {
-                cache: false,
-                ..DevicePoolConfig::default()
-            },
-        )
+        Self::new(device, DevicePoolConfig::default().with_cache(false))
     }
 
     /// The process-wide pool of device `device` (default configuration), created on
@@ -316,7 +383,7 @@ impl DevicePool {
         let e = Error::DeviceOutOfMemory {
             device: self.inner.device,
             requested,
-            memory: self.summary(),
+            memory: Box::new(self.summary()),
         };
         log::warn!("cudalloc: {e}");
         e
@@ -482,7 +549,7 @@ impl DevicePool {
             pending_bytes: s.pending_bytes,
             held_bytes: s.held_bytes,
             reserved_bytes: s.reserved_bytes,
-            limit_bytes: s.limit as u64,
+            limit_bytes: s.limit.map(|l| l as u64),
             device_free_bytes: s.device_free_bytes,
         }
     }

@@ -59,8 +59,8 @@ pub struct DevicePoolStats {
     pub used_bytes: u64,
     /// The most at once (`..._USED_MEM_HIGH`).
     pub peak_used_bytes: u64,
-    /// The configured limit (0: none).
-    pub limit: usize,
+    /// The configured limit (`None`: none).
+    pub limit: Option<usize>,
     /// Free memory of the device (`cuMemGetInfo`; 0 if the driver could not say).
     pub device_free_bytes: u64,
     /// Total memory of the device.
@@ -145,8 +145,8 @@ impl fmt::Display for DevicePoolStats {
             Bytes(self.peak_reserved_bytes)
         )?;
         match self.limit {
-            0 => writeln!(f, "no limit")?,
-            l => writeln!(f, "limit {}", Bytes(l as u64))?,
+            None => writeln!(f, "no limit")?,
+            Some(l) => writeln!(f, "limit {}", Bytes(l as u64))?,
         }
         if !self.per_stream.is_empty() {
             write!(f, "  cached by stream:")?;
@@ -193,8 +193,8 @@ pub struct DeviceMemorySummary {
     pub held_bytes: u64,
     /// Bytes the driver pool reserved from the device.
     pub reserved_bytes: u64,
-    /// The pool's limit (0: none).
-    pub limit_bytes: u64,
+    /// The pool's limit (`None`: none).
+    pub limit_bytes: Option<u64>,
     /// Free memory of the device.
     pub device_free_bytes: u64,
 }
@@ -211,8 +211,8 @@ impl fmt::Display for DeviceMemorySummary {
             Bytes(self.reserved_bytes)
         )?;
         match self.limit_bytes {
-            0 => write!(f, "no limit")?,
-            l => write!(f, "limit {}", Bytes(l))?,
+            None => write!(f, "no limit")?,
+            Some(l) => write!(f, "limit {}", Bytes(l))?,
         }
         write!(f, ", device free {}", Bytes(self.device_free_bytes))
     }

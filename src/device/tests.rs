@@ -18,7 +18,7 @@ type Tc = ThreadCache<FakeBackend, ()>;
 fn cache(limit: u64, thread_cache_bytes: usize) -> Cache<FakeBackend> {
     Cache::new(
         FakeBackend::new(limit),
-        Settings::new(1 << 30, thread_cache_bytes, usize::MAX),
+        Settings::new(1 << 30, thread_cache_bytes, None),
     )
 }
 
@@ -127,15 +127,15 @@ fn assert_balanced(c: &Cache<FakeBackend>, live_bytes: u64) {
 
 #[test]
 fn settings_round_to_classes() {
-    let s = Settings::new(1 << 30, 256 << 20, 0);
+    let s = Settings::new(1 << 30, 256 << 20, None);
     assert_eq!(s.max_cached_bytes, 1 << 30);
     assert_eq!(s.limit, usize::MAX);
     assert_eq!(class_size(s.thread_max_class.unwrap()), 256 << 20);
-    let s = Settings::new(1000, 100, 64);
+    let s = Settings::new(1000, 100, Some(64));
     assert_eq!(s.max_cached_bytes, 768, "the largest class not above 1000");
     assert_eq!(s.thread_max_class, None, "no class fits in 100 bytes");
-    assert_eq!(Settings::new(0, 1 << 20, 0).max_cached_bytes, 0);
-    assert_eq!(Settings::new(0, 1 << 20, 0).thread_max_class, None);
+    assert_eq!(Settings::new(0, 1 << 20, None).max_cached_bytes, 0);
+    assert_eq!(Settings::new(0, 1 << 20, None).thread_max_class, None);
 }
 
 #[test]
@@ -339,7 +339,7 @@ fn a_stream_that_cannot_be_marked_is_waited_for_on_the_host() {
 
 #[test]
 fn blocks_above_the_cached_size_go_straight_to_the_backend() {
-    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(1 << 20, 1 << 20, 0));
+    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(1 << 20, 1 << 20, None));
     let (s, u) = (FakeStream::new(), FakeStream::new());
     let p = c.alloc_slow::<()>(None, (1 << 20) + 1, &s).unwrap();
     assert_eq!(
@@ -359,7 +359,7 @@ fn blocks_above_the_cached_size_go_straight_to_the_backend() {
 
 #[test]
 fn uncached_settings_cache_nothing() {
-    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(0, 0, 0));
+    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(0, 0, None));
     let s = FakeStream::new();
     for _ in 0..10 {
         let p = c.alloc_slow::<()>(None, 4096, &s).unwrap();
@@ -409,7 +409,10 @@ fn out_of_memory_releases_the_cache_and_retries_then_fails_cleanly() {
 
 #[test]
 fn the_limit_is_a_limit_on_held_bytes() {
-    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(1 << 30, 0, 16 * MIB));
+    let c = Cache::new(
+        FakeBackend::new(u64::MAX),
+        Settings::new(1 << 30, 0, Some(16 * MIB)),
+    );
     let s = FakeStream::new();
     let a = c.alloc_slow::<()>(None, 10 * MIB, &s).unwrap();
     let e = c.alloc_slow::<()>(None, 10 * MIB, &s).unwrap_err();

@@ -200,11 +200,9 @@ fn release_threshold_zero_returns_memory_at_synchronization() {
     gpu!();
     let pool = DevicePool::new(
         0,
-        DevicePoolConfig {
-            release_threshold: 0,
-            cache: false,
-            ..Default::default()
-        },
+        DevicePoolConfig::default()
+            .with_release_threshold(0)
+            .with_cache(false),
     )
     .unwrap();
     let s = stream();
@@ -220,21 +218,14 @@ fn release_threshold_zero_returns_memory_at_synchronization() {
 #[test]
 fn bad_requests_fail_cleanly_and_the_pool_goes_on() {
     gpu!();
-    let pool = DevicePool::new(
-        0,
-        DevicePoolConfig {
-            limit: 64 * MIB,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let pool = DevicePool::new(0, DevicePoolConfig::default().with_limit(64 * MIB)).unwrap();
     let s = stream();
     // Past the pool's limit; past the device and past the address space (refused before
     // any driver allocation, which could fill the device for everyone while it tries).
     let e = pool.alloc::<u8>(128 * MIB, &s).unwrap_err();
     println!("past the limit: {e}");
     assert!(
-        matches!(e, Error::DeviceOutOfMemory { device: 0, requested, memory } if requested == 128 * MIB && memory.limit_bytes == 64 * MIB as u64),
+        matches!(&e, Error::DeviceOutOfMemory { device: 0, requested, memory } if *requested == 128 * MIB && memory.limit_bytes == Some(64 * MIB as u64)),
         "{e:?}"
     );
     assert!(e.to_string().contains("device 0"), "{e}");

@@ -20,10 +20,7 @@ const N: usize = 64 << 20;
 fn pool(thread_cache: bool) -> DevicePool {
     DevicePool::new(
         0,
-        DevicePoolConfig {
-            thread_cache_bytes: if thread_cache { 256 << 20 } else { 0 },
-            ..Default::default()
-        },
+        DevicePoolConfig::default().with_thread_cache_bytes(if thread_cache { 256 << 20 } else { 0 }),
     )
     .unwrap()
 }
