@@ -127,8 +127,9 @@ impl Backend for CudaBackend {
 /// A simulated GPU for CPU tests and loom models: each stream is a counter of the
 /// operations queued on it and of those completed; a mark is a position; a wait is
 /// remembered by the waiting stream. Tests ask [`FakeStream::covers`] whether a stream
-/// that received a block is ordered after the block's last use elsewhere.
-#[cfg(test)]
+/// that received a block is ordered after the block's last use elsewhere. Built outside
+/// tests too: the simulated pool of `sim.rs` (the `device_hit_sim` benchmark) runs on it.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod fake {
     use std::collections::BTreeMap;
 

@@ -59,12 +59,13 @@ mod arena;
 mod backend;
 mod buffer;
 mod cache;
+mod local;
 mod pool;
 mod report;
+#[doc(hidden)]
+pub mod sim;
 mod size_class;
 mod thread_cache;
-#[cfg(not(loom))]
-mod tls;
 
 #[cfg(test)]
 mod tests;

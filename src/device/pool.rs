@@ -6,16 +6,15 @@ use core::fmt;
 use super::backend::{is_out_of_memory, CudaBackend};
 use super::buffer::DeviceBuffer;
 use super::cache::{Cache, Settings};
+use super::local::{self, Core, LocalCache, Owned, PoolHandle};
 use super::report::{DeviceMemorySummary, DevicePoolStats, StreamCacheStats};
-use super::thread_cache::ThreadCache;
-#[cfg(not(loom))]
-use super::tls;
 use super::DeviceCopy;
 use crate::cuda::mem_pool::MemPool;
 use crate::cuda::{device_count, mem_info, memset_d8_async, Stream};
 use crate::error::{Error, Result};
-use crate::sync::global::{AtomicU64 as GlobalU64, OnceLock, Ordering as GlobalOrdering};
-use crate::sync::Arc;
+use crate::slot_table::{SlotBits, SlotTable};
+use crate::sync::global::OnceLock;
+use crate::sync::{thread_local_const, Arc};
 
 /// How a [`DevicePool`] behaves. Start from [`DevicePoolConfig::default()`] and change
 /// what you need with the `with_*` methods (the fields are public to read).
@@ -137,22 +136,34 @@ impl DevicePoolConfig {
 }
 
 pub(crate) struct Inner {
-    cache: Cache<CudaBackend>,
+    core: Core<CudaBackend>,
     device: usize,
     config: DevicePoolConfig,
-    /// Process-unique, to tell this pool's thread-cache entries from others'.
-    uid: u64,
-    /// The thread-local slot of this pool's thread caches (`None`: none).
-    #[cfg_attr(loom, allow(dead_code))]
-    slot: Option<usize>,
 }
 
-impl Drop for Inner {
-    fn drop(&mut self) {
-        #[cfg(not(loom))]
-        if let Some(slot) = self.slot {
-            tls::release_slot(slot);
-        }
+thread_local_const! {
+    /// This thread's caches of device pools, by the pools' slots.
+    static TABLE: SlotTable<LocalCache<DevicePool>> = SlotTable::new();
+}
+
+/// The slots of device pools in their thread-local tables.
+static SLOTS: SlotBits = SlotBits::new();
+
+impl PoolHandle for DevicePool {
+    type B = CudaBackend;
+
+    #[inline(always)]
+    fn core(&self) -> &Core<CudaBackend> {
+        &self.inner.core
+    }
+
+    #[inline(always)]
+    fn with_table<R>(f: impl FnOnce(&SlotTable<LocalCache<Self>>) -> R) -> Option<R> {
+        TABLE.try_with(f).ok()
+    }
+
+    fn slots() -> &'static SlotBits {
+        &SLOTS
     }
 }
 
@@ -188,13 +199,11 @@ impl fmt::Debug for DevicePool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DevicePool")
             .field("device", &self.inner.device)
-            .field("uid", &self.inner.uid)
+            .field("uid", &self.inner.core.uid)
             .field("config", &self.inner.config)
             .finish()
     }
 }
-
-static NEXT_UID: GlobalU64 = GlobalU64::new(1);
 
 impl DevicePool {
     /// A new pool on device `device`, with a driver pool of its own.
@@ -208,17 +217,11 @@ impl DevicePool {
         } else {
             Settings::new(0, 0, config.limit)
         };
-        #[cfg(not(loom))]
-        let slot = settings.thread_max_class.and_then(|_| tls::acquire_slot());
-        #[cfg(loom)]
-        let slot = None;
         Ok(Self {
             inner: Arc::new(Inner {
-                cache: Cache::new(CudaBackend { pool, device_bytes }, settings),
+                core: Core::new::<DevicePool>(Cache::new(CudaBackend { pool, device_bytes }, settings)),
                 device,
                 config,
-                uid: NEXT_UID.fetch_add(1, GlobalOrdering::Relaxed),
-                slot,
             }),
         })
     }
@@ -274,9 +277,8 @@ impl DevicePool {
         self.inner.config
     }
 
-    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn cache(&self) -> &Cache<CudaBackend> {
-        &self.inner.cache
+        &self.inner.core.cache
     }
 
     /// A buffer of `len` elements on `stream` (which must belong to the pool's device),
@@ -308,21 +310,8 @@ impl DevicePool {
         bytes: usize,
         stream: &Stream,
     ) -> Option<DeviceBuffer<T>> {
-        #[cfg(not(loom))]
-        {
-            let inner = &*self.inner;
-            let slot = inner.slot?;
-            let class = inner.cache.class_for(bytes)?;
-            let (ptr, s, p) = tls::with(slot, inner.uid, |e| e.cache.pop(stream.id(), class))??;
-            let stream = s.unwrap_or_else(|| stream.clone());
-            let pool = p.unwrap_or_else(|| self.clone());
-            Some(DeviceBuffer::from_parts(ptr, len, stream, pool))
-        }
-        #[cfg(loom)]
-        {
-            let _ = (len, bytes, stream);
-            None
-        }
+        let (ptr, stream, pool) = local::try_alloc_fast(self, bytes, stream)?;
+        Some(DeviceBuffer::from_parts(Owned::new(ptr, stream, pool), len))
     }
 
     #[cold]
@@ -333,18 +322,19 @@ impl DevicePool {
         bytes: usize,
         stream: &Stream,
     ) -> Result<DeviceBuffer<T>> {
-        let device_bytes = self.inner.cache.backend.device_bytes;
+        let device_bytes = self.cache().backend.device_bytes;
         if bytes > device_bytes {
-            self.inner.cache.count_failure();
+            self.cache().count_failure();
             return Err(Error::TooLarge {
                 requested: bytes,
                 limit: device_bytes,
             });
         }
-        let ptr = self
-            .with_thread_cache(|tc| self.inner.cache.alloc_slow(tc, bytes, stream))
-            .map_err(|e| self.out_of_memory(e, bytes))?;
-        Ok(DeviceBuffer::from_parts(ptr, len, stream.clone(), self.clone()))
+        let ptr = local::alloc_slow(self, bytes, stream).map_err(|e| self.out_of_memory(e, bytes))?;
+        Ok(DeviceBuffer::from_parts(
+            Owned::new(ptr, stream.clone(), self.clone()),
+            len,
+        ))
     }
 
     /// Zero bytes, a size that overflows, or a stream of another device.
@@ -360,13 +350,16 @@ impl DevicePool {
             return Err(Error::InvalidArgument("the stream belongs to another device"));
         }
         match bytes {
-            Some(0) => Ok(DeviceBuffer::from_parts(0, len, stream.clone(), self.clone())),
+            Some(0) => Ok(DeviceBuffer::from_parts(
+                Owned::new(0, stream.clone(), self.clone()),
+                len,
+            )),
             Some(bytes) => self.alloc_slow(len, bytes, stream),
             None => {
-                self.inner.cache.count_failure();
+                self.cache().count_failure();
                 Err(Error::TooLarge {
                     requested: usize::MAX,
-                    limit: self.inner.cache.backend.device_bytes,
+                    limit: self.cache().backend.device_bytes,
                 })
             }
         }
@@ -379,7 +372,7 @@ impl DevicePool {
         if !is_out_of_memory(&e) {
             return e;
         }
-        let requested = self.inner.cache.block_bytes(bytes).unwrap_or(bytes);
+        let requested = self.cache().block_bytes(bytes).unwrap_or(bytes);
         let e = Error::DeviceOutOfMemory {
             device: self.inner.device,
             requested,
@@ -387,77 +380,6 @@ impl DevicePool {
         };
         log::warn!("cudalloc: {e}");
         e
-    }
-
-    /// Runs `f` with this thread's cache for this pool (made if needed; `None` if the pool
-    /// has none or the thread's locals are gone). The cache is out of the thread-local
-    /// table meanwhile, so `f` may take long and call CUDA.
-    fn with_thread_cache<R>(
-        &self,
-        f: impl FnOnce(Option<&mut ThreadCache<CudaBackend, DevicePool>>) -> R,
-    ) -> R {
-        #[cfg(not(loom))]
-        if let Some(slot) = self.inner.slot {
-            let uid = self.inner.uid;
-            let mut entry = tls::take(slot, uid).or_else(|| {
-                let cache = self.inner.cache.new_thread_cache()?;
-                Some(Box::new(tls::Entry {
-                    uid,
-                    cache,
-                    owner: self.clone(),
-                }))
-            });
-            let r = f(entry.as_deref_mut().map(|e| &mut e.cache));
-            if let Some(e) = entry {
-                // Dropped after the table is released: dropping flushes into a pool.
-                drop(tls::put(slot, e));
-            }
-            return r;
-        }
-        f(None)
-    }
-
-    /// Takes a freed buffer's block back (called by `DeviceBuffer`'s drop, with its
-    /// handles): into this thread's bin for its stream and class when there is room,
-    /// else through the slow path.
-    #[inline]
-    pub(crate) fn release(self, ptr: u64, bytes: usize, stream: Stream, uses: Vec<Stream>) {
-        #[cfg(not(loom))]
-        if uses.is_empty() {
-            let inner = &*self.inner;
-            if let (Some(slot), Some(class)) = (inner.slot, inner.cache.class_for(bytes)) {
-                let (uid, id) = (inner.uid, stream.id());
-                let mut handles = Some((stream, self));
-                let kept = tls::with(slot, uid, |e| {
-                    let (s, p) = handles.take()?;
-                    match e.cache.push(id, class, ptr, s, p) {
-                        Ok(()) => Some(()),
-                        Err(back) => {
-                            handles = Some(back);
-                            None
-                        }
-                    }
-                });
-                if let Some(Some(())) = kept {
-                    return;
-                }
-                if let Some((stream, pool)) = handles {
-                    pool.release_slow(ptr, bytes, stream, uses);
-                }
-                return;
-            }
-        }
-        self.release_slow(ptr, bytes, stream, uses)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn release_slow(self, ptr: u64, bytes: usize, stream: Stream, uses: Vec<Stream>) {
-        self.with_thread_cache(|tc| {
-            self.inner
-                .cache
-                .free_slow::<DevicePool>(tc, ptr, bytes, stream, None, uses)
-        });
     }
 
     /// A buffer of `len` zeroed elements on `stream` (zeroed in stream order).
@@ -492,8 +414,8 @@ impl DevicePool {
     /// }
     /// ```
     pub fn stats(&self) -> DevicePoolStats {
-        let snap = self.inner.cache.snapshot();
-        let backend = &self.inner.cache.backend;
+        let snap = self.cache().snapshot();
+        let backend = &self.cache().backend;
         let usage = backend.pool.usage().unwrap_or_default();
         let (free, total) = mem_info(self.inner.device).unwrap_or((0, backend.device_bytes));
         let live_bytes = snap
@@ -572,7 +494,7 @@ impl DevicePool {
     /// }
     /// ```
     pub fn trim(&self) {
-        self.with_thread_cache(|tc| self.inner.cache.trim(tc));
+        local::with_thread_cache(self, |tc| self.cache().trim(tc));
     }
 
     /// Resets the peaks that [`stats`](Self::stats) reports (held bytes, and the driver
@@ -588,15 +510,15 @@ impl DevicePool {
     /// }
     /// ```
     pub fn reset_peaks(&self) {
-        self.inner.cache.reset_peak();
-        if let Err(e) = self.inner.cache.backend.pool.reset_highs() {
+        self.cache().reset_peak();
+        if let Err(e) = self.cache().backend.pool.reset_highs() {
             log::warn!("cudalloc: could not reset the driver pool's highs: {e}");
         }
     }
 
     /// Sets how many freed bytes the driver pool keeps across synchronizations.
     pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
-        self.inner.cache.backend.pool.set_release_threshold(bytes)
+        self.cache().backend.pool.set_release_threshold(bytes)
     }
 
     /// Lets kernels and copies on device `peer` read and write this pool's memory (every
@@ -623,7 +545,7 @@ impl DevicePool {
                 "the devices have no peer path: the peer cannot access this device's memory",
             ));
         }
-        self.inner.cache.backend.pool.set_access(peer, true)
+        self.cache().backend.pool.set_access(peer, true)
     }
 
     /// Whether device `peer` may access this pool's memory (always true for the pool's
@@ -632,7 +554,7 @@ impl DevicePool {
         if peer == self.inner.device {
             return Ok(true);
         }
-        self.inner.cache.backend.pool.access(peer)
+        self.cache().backend.pool.access(peer)
     }
 
     /// Test switch: with `false`, a stream takes blocks freed on another stream without
@@ -641,7 +563,7 @@ impl DevicePool {
     #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn set_event_guard(&self, on: bool) {
-        self.inner.cache.set_guard(on);
+        self.cache().set_guard(on);
     }
 }
 
