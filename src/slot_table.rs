@@ -9,6 +9,8 @@
 //! went away (in a thread that has not touched the slot since) is never taken for the
 //! entry of the pool that reuses the slot.
 
+use core::ptr::NonNull;
+
 use crate::sync::global::{AtomicU64, Ordering};
 use crate::sync::UnsafeCell;
 
@@ -67,6 +69,24 @@ impl<E: SlotEntry> SlotTable<E> {
             // within their own bodies, and `f` does not reach the table (obligation 1).
             match unsafe { &mut *p } {
                 Some(e) if e.uid() == uid => Some(f(e)),
+                _ => None,
+            }
+        })
+    }
+
+    /// The entry of pool `uid` in `slot`, as a pointer (`None` when the slot is empty or
+    /// holds another pool's entry). Entries are boxed, so the pointer stays valid while the
+    /// entry stays in the table: until [`take`](Self::take) or [`replace`](Self::replace)
+    /// moves it out, or the table is destroyed with its thread. Dereferencing it is the
+    /// caller's business (and `unsafe`): no other reference to the entry may be live, and
+    /// this table must not be reached while the reference is.
+    #[inline(always)]
+    pub(crate) fn entry_ptr(&self, slot: usize, uid: u64) -> Option<NonNull<E>> {
+        self.cell(slot).with_mut(|p| {
+            // SAFETY: as in `with`: one thread, no other borrow live; this borrow ends
+            // here, and only a pointer to the boxed entry leaves.
+            match unsafe { &mut *p } {
+                Some(e) if e.uid() == uid => Some(NonNull::from(&mut **e)),
                 _ => None,
             }
         })

@@ -424,9 +424,8 @@ impl<B: Backend> Cache<B> {
     /// Moves every block of a thread cache to the shared lists (its handles are dropped
     /// outside the lock).
     pub(crate) fn flush_thread<P>(&self, tc: &mut ThreadCache<B, P>) {
-        let (evicted, pools) = tc.take_all();
+        let evicted = tc.take_all();
         self.give_evicted(evicted);
-        drop(pools);
     }
 
     fn give_evicted(&self, evicted: impl IntoIterator<Item = Evicted<B>>) {
@@ -441,7 +440,6 @@ impl<B: Backend> Cache<B> {
                     }
                 }
                 handles.push(ev.stream);
-                handles.extend(ev.spares);
             }
             self.mirror(&sh);
         }
@@ -880,9 +878,20 @@ impl<B: Backend> Cache<B> {
                     let others = t.take_all_but(i, class);
                     self.give_evicted(others);
                 }
-                if t.put_block(i, class, ptr) {
-                    t.put_handles(i, stream, pool);
-                    return;
+                match pool {
+                    Some(p) => match t.put_block_with(i, class, ptr, stream, p) {
+                        Ok(()) => return,
+                        Err((s, p)) => {
+                            self.give_blocks(&s, class, vec![ptr]);
+                            drop((s, p));
+                            return;
+                        }
+                    },
+                    None => {
+                        if t.put_block(i, class, ptr) {
+                            return;
+                        }
+                    }
                 }
             }
         }

@@ -9,6 +9,7 @@
 //! differ only in their backend and in the thread-local table each declares.
 
 use core::mem::ManuallyDrop;
+use core::ptr::NonNull;
 
 use super::backend::Backend;
 use super::cache::Cache;
@@ -89,37 +90,56 @@ impl<P: PoolHandle> Drop for LocalCache<P> {
     }
 }
 
+/// This thread's cache of the pool of `uid` in `slot`, as a pointer: its entry is boxed
+/// and stays in the thread-local table until a slow path of this thread takes it out
+/// (`with_thread_cache`) or the thread exits, so the hot path may use it for the length of
+/// a call that reaches the table in no other way.
+#[inline(always)]
+fn local_cache<P: PoolHandle>(slot: usize, uid: u64) -> Option<NonNull<LocalCache<P>>> {
+    P::with_table(|t| t.entry_ptr(slot, uid)).flatten()
+}
+
 /// The allocation hit: a block of the class of `bytes` (nonzero) freed on `stream`, from
-/// this thread's bin, with the handles a buffer owns (the last freed buffer's, recycled,
-/// or clones). `None` on a miss.
+/// this thread's bin, owned with the handles of the buffer that freed it (recycled) or
+/// clones. `None` on a miss.
 #[inline(always)]
 pub(crate) fn try_alloc_fast<P: PoolHandle>(
     pool: &P,
     bytes: usize,
     stream: &StreamOf<P>,
-) -> Option<(u64, StreamOf<P>, P)> {
+) -> Option<Owned<P>> {
     let core = pool.core();
     let slot = core.slot?;
     let class = core.cache.class_for(bytes)?;
     let id = P::B::stream_id(stream);
-    let (ptr, s, p) = P::with_table(|t| {
-        // SAFETY: `pop` only moves blocks and handles within the thread's cache; it drops
-        // nothing and does not reach the table.
-        unsafe { t.with(slot, core.uid, |e| e.cache.pop(id, class)) }
-    })???;
-    Some((
+    let mut e = local_cache::<P>(slot, core.uid)?;
+    // SAFETY: the entry is this thread's and stays in its table during this call (see
+    // `local_cache`); this is the only reference to it, and `pop` does not reach the
+    // table (it moves a block and its handles out of the cache, dropping nothing).
+    let (ptr, handles) = unsafe { e.as_mut() }.cache.pop(id, class)?;
+    let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
+    Some(Owned {
         ptr,
-        s.unwrap_or_else(|| stream.clone()),
-        p.unwrap_or_else(|| pool.clone()),
-    ))
+        class,
+        stream: ManuallyDrop::new(stream),
+        pool: ManuallyDrop::new(pool),
+        uses: None,
+    })
 }
 
 /// The allocation slow path: a block for `bytes` (nonzero) on `stream`, through this
 /// thread's cache (made if needed) and the shared cache.
 #[cold]
 #[inline(never)]
-pub(crate) fn alloc_slow<P: PoolHandle>(pool: &P, bytes: usize, stream: &StreamOf<P>) -> crate::Result<u64> {
-    with_thread_cache(pool, |tc| pool.core().cache.alloc_slow(tc, bytes, stream))
+pub(crate) fn alloc_slow<P: PoolHandle>(
+    pool: &P,
+    bytes: usize,
+    stream: &StreamOf<P>,
+) -> crate::Result<Owned<P>> {
+    let cache = &pool.core().cache;
+    let ptr = with_thread_cache(pool, |tc| cache.alloc_slow(tc, bytes, stream))?;
+    let class = cache.class_for(bytes).unwrap_or(NOT_CACHED);
+    Ok(Owned::with_class(ptr, class, stream.clone(), pool.clone()))
 }
 
 /// Runs `f` with this thread's cache for `pool` (made if needed; `None` if the pool has
@@ -153,27 +173,39 @@ pub(crate) fn with_thread_cache<P: PoolHandle, R>(
     r
 }
 
-/// A block a buffer owns: its address, the handles of its stream and its pool (taken by
-/// [`release`](Self::release), which hands them to the pool's cache with the block, so a
-/// steady allocate/free cycle never touches a reference count), and the other streams
-/// that use it.
+/// The class of a block that no thread cache holds (too large to cache, or empty).
+const NOT_CACHED: usize = usize::MAX;
+
+/// A block a buffer owns: its address and size class, the handles of its stream and its
+/// pool (taken by [`release`](Self::release), which hands them to the pool's cache with
+/// the block, so a steady allocate/free cycle never touches a reference count), and the
+/// other streams that use it. Five words: the uses are boxed, since few buffers have any.
 pub(crate) struct Owned<P: PoolHandle> {
     ptr: u64,
+    /// The class the block serves in its pool ([`NOT_CACHED`]: none), so that the free
+    /// need not compute it again.
+    class: usize,
     stream: ManuallyDrop<StreamOf<P>>,
     pool: ManuallyDrop<P>,
-    /// Other streams whose work uses the block (`record_use`).
-    uses: Vec<StreamOf<P>>,
+    /// Other streams whose work uses the block (`record_use`). Boxed: one word in every
+    /// buffer rather than a `Vec`'s three, since few buffers record uses.
+    #[allow(clippy::box_collection)]
+    uses: Option<Box<Vec<StreamOf<P>>>>,
 }
 
 impl<P: PoolHandle> Owned<P> {
-    /// Owns `ptr` (0 for an empty buffer) with its handles.
-    #[inline(always)]
-    pub(crate) fn new(ptr: u64, stream: StreamOf<P>, pool: P) -> Self {
+    /// Owns an empty buffer (no block) with its handles.
+    pub(crate) fn empty(stream: StreamOf<P>, pool: P) -> Self {
+        Self::with_class(0, NOT_CACHED, stream, pool)
+    }
+
+    fn with_class(ptr: u64, class: usize, stream: StreamOf<P>, pool: P) -> Self {
         Self {
             ptr,
+            class,
             stream: ManuallyDrop::new(stream),
             pool: ManuallyDrop::new(pool),
-            uses: Vec::new(),
+            uses: None,
         }
     }
 
@@ -200,7 +232,7 @@ impl<P: PoolHandle> Owned<P> {
 
     /// The streams recorded as using the block.
     pub(crate) fn uses(&self) -> &[StreamOf<P>] {
-        &self.uses
+        self.uses.as_deref().map_or(&[], Vec::as_slice)
     }
 
     /// Records that work queued on `stream` uses the block (nothing for an empty buffer
@@ -209,11 +241,11 @@ impl<P: PoolHandle> Owned<P> {
         let id = P::B::stream_id(stream);
         if self.ptr == 0
             || id == P::B::stream_id(&self.stream)
-            || self.uses.iter().any(|u| P::B::stream_id(u) == id)
+            || self.uses().iter().any(|u| P::B::stream_id(u) == id)
         {
             return;
         }
-        self.uses.push(stream.clone());
+        self.uses.get_or_insert_with(Box::default).push(stream.clone());
     }
 
     /// Gives the block of `bytes` (what the buffer asked for) back to its pool, with the
@@ -235,38 +267,24 @@ impl<P: PoolHandle> Owned<P> {
         if self.ptr == 0 {
             return;
         }
-        let uses = core::mem::take(&mut self.uses);
-        if uses.is_empty() {
-            let core = pool.core();
-            if let (Some(slot), Some(class)) = (core.slot, core.cache.class_for(bytes)) {
-                let (uid, id) = (core.uid, P::B::stream_id(&stream));
-                let mut handles = Some((stream, pool));
-                let kept = P::with_table(|t| {
-                    // SAFETY: `push` only moves the block and the handles into the
-                    // thread's cache (or back out); it drops nothing and does not reach
-                    // the table.
-                    unsafe {
-                        t.with(slot, uid, |e| {
-                            let (s, p) = handles.take()?;
-                            match e.cache.push(id, class, self.ptr, s, p) {
-                                Ok(()) => Some(()),
-                                Err(back) => {
-                                    handles = Some(back);
-                                    None
-                                }
-                            }
-                        })
-                    }
-                });
-                if let Some(Some(Some(()))) = kept {
-                    return;
-                }
-                if let Some((stream, pool)) = handles {
-                    release_slow(pool, self.ptr, bytes, stream, uses);
+        let core = pool.core();
+        if let (None, Some(slot), true) = (&self.uses, core.slot, self.class != NOT_CACHED) {
+            let id = P::B::stream_id(&stream);
+            if let Some(mut e) = local_cache::<P>(slot, core.uid) {
+                // SAFETY: as in `try_alloc_fast`: the entry stays in the table during
+                // this statement, no other reference to it is live, and `push` does not
+                // reach the table (it moves the block and the handles into the cache, or
+                // gives the handles back).
+                let pushed = unsafe { e.as_mut() }
+                    .cache
+                    .push(id, self.class, self.ptr, stream, pool);
+                if let Err((stream, pool)) = pushed {
+                    release_slow(pool, self.ptr, bytes, stream, Vec::new());
                 }
                 return;
             }
         }
+        let uses = self.uses.take().map_or_else(Vec::new, |b| *b);
         release_slow(pool, self.ptr, bytes, stream, uses);
     }
 }

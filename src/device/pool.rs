@@ -310,8 +310,8 @@ impl DevicePool {
         bytes: usize,
         stream: &Stream,
     ) -> Option<DeviceBuffer<T>> {
-        let (ptr, stream, pool) = local::try_alloc_fast(self, bytes, stream)?;
-        Some(DeviceBuffer::from_parts(Owned::new(ptr, stream, pool), len))
+        let block = local::try_alloc_fast(self, bytes, stream)?;
+        Some(DeviceBuffer::from_parts(block, len))
     }
 
     #[cold]
@@ -330,11 +330,8 @@ impl DevicePool {
                 limit: device_bytes,
             });
         }
-        let ptr = local::alloc_slow(self, bytes, stream).map_err(|e| self.out_of_memory(e, bytes))?;
-        Ok(DeviceBuffer::from_parts(
-            Owned::new(ptr, stream.clone(), self.clone()),
-            len,
-        ))
+        let block = local::alloc_slow(self, bytes, stream).map_err(|e| self.out_of_memory(e, bytes))?;
+        Ok(DeviceBuffer::from_parts(block, len))
     }
 
     /// Zero bytes, a size that overflows, or a stream of another device.
@@ -351,7 +348,7 @@ impl DevicePool {
         }
         match bytes {
             Some(0) => Ok(DeviceBuffer::from_parts(
-                Owned::new(0, stream.clone(), self.clone()),
+                Owned::empty(stream.clone(), self.clone()),
                 len,
             )),
             Some(bytes) => self.alloc_slow(len, bytes, stream),

@@ -76,11 +76,8 @@ impl SimPool {
     #[inline]
     pub fn alloc(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer> {
         if bytes != 0 {
-            if let Some((ptr, s, p)) = local::try_alloc_fast(self, bytes, &stream.stream) {
-                return Ok(SimBuffer {
-                    block: Owned::new(ptr, s, p),
-                    bytes,
-                });
+            if let Some(block) = local::try_alloc_fast(self, bytes, &stream.stream) {
+                return Ok(SimBuffer { block, bytes });
             }
         }
         self.alloc_slow(bytes, stream)
@@ -89,14 +86,11 @@ impl SimPool {
     #[cold]
     #[inline(never)]
     fn alloc_slow(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer> {
-        let ptr = match bytes {
-            0 => 0,
+        let block = match bytes {
+            0 => Owned::empty(stream.stream.clone(), self.clone()),
             b => local::alloc_slow(self, b, &stream.stream)?,
         };
-        Ok(SimBuffer {
-            block: Owned::new(ptr, stream.stream.clone(), self.clone()),
-            bytes,
-        })
+        Ok(SimBuffer { block, bytes })
     }
 
     /// Allocations served from a thread's bin.

@@ -88,7 +88,7 @@ fn alloc(
     s: &FakeStream,
 ) -> Result<u64, Error> {
     if let (Some(t), Some(class)) = (tc.as_deref_mut(), c.class_for(bytes)) {
-        if let Some((p, _, _)) = t.pop(s.id, class) {
+        if let Some((p, _)) = t.pop(s.id, class) {
             return Ok(p);
         }
     }
