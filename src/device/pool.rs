@@ -456,6 +456,7 @@ impl DevicePool {
             failures: snap.failures,
             released: snap.released,
             oom_recoveries: snap.oom_recoveries,
+            trims: snap.trims,
             abandoned_bytes: snap.abandoned_bytes,
         }
     }

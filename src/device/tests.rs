@@ -644,27 +644,57 @@ fn random_workload(
     (peak_requested, c.snapshot().peak_held_bytes, tr.violations)
 }
 
-#[test]
-fn random_multi_stream_workload_holds_at_most_15_percent_more_than_it_requests() {
-    // RMM's parameters scaled down 16x in usage (1000 MiB instead of 16000) and count:
-    // sizes up to 64 MiB, 4 streams.
-    let c = cache(u64::MAX, 256 << 20);
+/// RMM's random workload (scaled down 16x in usage: 1000 MiB instead of 16000; sizes up
+/// to 64 MiB, 4 streams) on a cache with or without the reservation policy: (peak bytes
+/// requested, peak bytes held, peak bytes the simulated driver pool reserved).
+fn random_reservations(trim_backend: bool) -> (u64, u64, u64) {
+    let mut settings = Settings::new(1 << 30, 256 << 20, None);
+    settings.trim_backend = trim_backend;
+    let c = Cache::new(FakeBackend::new(u64::MAX), settings);
     let mut tc: Tc = c.new_thread_cache().unwrap();
     let (peak_requested, peak_held, violations) =
-        random_workload(&c, &mut tc, 20_000, 64 << 20, 1000 << 20, 4);
-    let ratio = peak_held as f64 / peak_requested as f64;
+        random_workload(&c, &mut tc, 20_000, 64 << 20, 16_000 << 20, 4);
+    assert_eq!(violations, 0);
+    let (_, peak_reserved) = c.backend.reservation();
     let s = c.snapshot();
     println!(
-        "random workload: peak requested {peak_requested}, peak held {peak_held}, ratio {ratio:.3}; \
-         {} hits, {} misses, {} steals, {} released",
-        s.hits, s.misses, s.steals, s.released
+        "random workload, reservation policy {}: peak requested {} MiB, held / requested {:.3}, \
+         reserved / requested {:.3}; {} hits, {} misses, {} steals, {} released, {} trims",
+        if trim_backend { "on" } else { "off" },
+        peak_requested >> 20,
+        peak_held as f64 / peak_requested as f64,
+        peak_reserved as f64 / peak_requested as f64,
+        s.hits,
+        s.misses,
+        s.steals,
+        s.released,
+        s.trims
     );
-    assert_eq!(violations, 0);
-    assert!(ratio <= 1.15, "peak held / peak requested = {ratio:.3}");
     c.retire_thread_cache(&mut tc);
     assert_balanced(&c, 0);
     c.trim::<()>(None);
     assert_eq!(c.backend.live_blocks(), 0);
+    assert_eq!(c.backend.reservation().0, 0, "trim gives every reservation back");
+    (peak_requested, peak_held, peak_reserved)
+}
+
+#[test]
+fn random_multi_stream_workload_reserves_at_most_15_percent_more_than_it_requests() {
+    // RMM's parameters (16000 MiB at most live, sizes up to 64 MiB, 4 streams), 20000
+    // allocations. The simulated driver pool fragments somewhat less than the H200's
+    // (without the policy: 1.21 here, 1.36 there before the idle bound was halved), so
+    // this proves the policy's mechanism, and the GPU benchmark the figure.
+    let (requested, held, reserved) = random_reservations(true);
+    let (held, reserved) = (held as f64 / requested as f64, reserved as f64 / requested as f64);
+    assert!(held <= 1.15, "peak held / peak requested = {held:.3}");
+    assert!(reserved <= 1.15, "peak reserved / peak requested = {reserved:.3}");
+    // Without the policy the simulated driver pool keeps the extents nothing fits into.
+    let (requested, _, reserved_off) = random_reservations(false);
+    let reserved_off = reserved_off as f64 / requested as f64;
+    assert!(
+        reserved_off > reserved + 0.05,
+        "the policy saves: {reserved_off:.3} -> {reserved:.3}"
+    );
 }
 
 #[test]
