@@ -7,7 +7,10 @@ use core::fmt;
 use crate::cuda::CudaError;
 
 /// Why an allocation or a CUDA operation failed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// Small (32 bytes), so that a `Result` of it costs little on allocation paths: the one
+/// variant with a report ([`Error::DeviceOutOfMemory`]) keeps it in a `Box`.
+#[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Error {
     /// No CUDA driver (libcuda) could be loaded, `cuInit` failed, or there is no device.
@@ -43,8 +46,8 @@ pub enum Error {
         device: usize,
         /// Bytes asked for (the block size the request rounds up to).
         requested: usize,
-        /// What the pool held.
-        memory: crate::device::DeviceMemorySummary,
+        /// What the pool held (boxed: it would make every `Result` of the crate larger).
+        memory: Box<crate::device::DeviceMemorySummary>,
     },
     /// An argument was invalid (a zero-size block where one is not allowed, an alignment
     /// this source cannot provide, a range outside the block, ...).
@@ -139,6 +142,9 @@ impl From<Error> for allocator_api2::alloc::AllocError {
         allocator_api2::alloc::AllocError
     }
 }
+
+// Every `Result<_, Error>` on an allocation path carries this much.
+const _: () = assert!(size_of::<Error>() <= 32, "Error stays small");
 
 /// Result with the crate's [`Error`].
 pub type Result<T, E = Error> = core::result::Result<T, E>;

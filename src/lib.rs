@@ -128,6 +128,7 @@ mod handle;
 pub mod interop;
 pub mod pool;
 mod registration;
+mod slot_table;
 pub mod source;
 mod sync;
 #[doc(hidden)]

@@ -108,6 +108,13 @@ impl MemPool {
         })
     }
 
+    /// Bytes reserved from the device now (one attribute query; the reservation policy of
+    /// the device cache reads it after releasing blocks).
+    pub(crate) fn reserved(&self) -> Result<u64> {
+        bind(self.device)?;
+        self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+    }
+
     /// Releases reserved memory beyond `keep` bytes that no allocation uses.
     pub(crate) fn trim_to(&self, keep: usize) -> Result<()> {
         bind(self.device)?;

@@ -37,9 +37,12 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// 1. `ptr` came from [`Backend::alloc`] of this backend with `bytes`, is freed once,
     ///    and every use of it is ordered before this point of `stream`.
     unsafe fn free(&self, ptr: u64, bytes: usize, stream: &Self::Stream);
-    /// Returns memory the backend holds but no allocation uses (frees that have
-    /// completed) to the device. Errors are counted, never raised.
-    fn trim(&self);
+    /// Returns memory the backend reserved from the device but no allocation uses (and
+    /// whose frees have completed) to the device, until it reserves less than `keep`
+    /// bytes or has nothing more it can give back. Errors are counted, never raised.
+    fn trim_to(&self, keep: usize);
+    /// Bytes the backend has reserved from the device (`None` if it cannot say).
+    fn reserved(&self) -> Option<usize>;
 }
 
 /// Whether `e` says that memory ran out (rather than that something is broken).
@@ -117,18 +120,23 @@ impl Backend for CudaBackend {
         unsafe { self.pool.free_async(ptr, stream) }
     }
 
-    fn trim(&self) {
-        if let Err(e) = self.pool.trim_to(0) {
+    fn trim_to(&self, keep: usize) {
+        if let Err(e) = self.pool.trim_to(keep) {
             crate::cuda::record_drop_error("cuMemPoolTrimTo", e);
         }
+    }
+
+    fn reserved(&self) -> Option<usize> {
+        usize::try_from(self.pool.reserved().ok()?).ok()
     }
 }
 
 /// A simulated GPU for CPU tests and loom models: each stream is a counter of the
 /// operations queued on it and of those completed; a mark is a position; a wait is
 /// remembered by the waiting stream. Tests ask [`FakeStream::covers`] whether a stream
-/// that received a block is ordered after the block's last use elsewhere.
-#[cfg(test)]
+/// that received a block is ordered after the block's last use elsewhere. Built outside
+/// tests too: the simulated pool of `sim.rs` (the `device_hit_sim` benchmark) runs on it.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod fake {
     use std::collections::BTreeMap;
 
@@ -201,20 +209,110 @@ pub(crate) mod fake {
         clock: BTreeMap<StreamId, u64>,
     }
 
-    /// A simulated device: addresses from a counter, a byte limit, a check that every
-    /// block is freed once with its size.
+    /// The simulated driver pool's reservations, after what the H200's driver showed
+    /// (`cuMemAllocFromPoolAsync`, release threshold at its maximum): memory is reserved
+    /// in chunks of at least 32 MiB (a 1 MiB block reserved 32 MiB; 256 B + 1 MiB +
+    /// 128 MiB reserved 160 MiB), a larger block gets a chunk of its own rounded up to
+    /// 2 MiB, and a block is carved from the smallest free extent of any chunk that holds
+    /// it (freed extents merge with their neighbours). Trimming gives back chunks with no
+    /// block in them. Frees count as completed at once (the simulated streams run nothing
+    /// that the driver would wait for).
+    #[derive(Debug, Default)]
+    pub(crate) struct PoolModel {
+        /// Per chunk (by id): its size and its free extents (offset -> length).
+        chunks: BTreeMap<u64, (u64, BTreeMap<u64, u64>)>,
+        next_chunk: u64,
+        /// Per block: (chunk id, offset, length).
+        blocks: BTreeMap<u64, (u64, u64, u64)>,
+        reserved: u64,
+        peak_reserved: u64,
+    }
+
+    /// The smallest chunk the model reserves, and the granule of larger ones.
+    const CHUNK: u64 = 32 << 20;
+    const GRANULE: u64 = 2 << 20;
+
+    impl PoolModel {
+        fn alloc(&mut self, ptr: u64, len: u64) {
+            let fit = self
+                .chunks
+                .iter()
+                .flat_map(|(&id, (_, free))| free.iter().map(move |(&off, &l)| (l, id, off)))
+                .filter(|&(l, _, _)| l >= len)
+                .min();
+            let (id, off, l) = match fit {
+                Some((l, id, off)) => (id, off, l),
+                None => {
+                    let size = len.div_ceil(GRANULE).max(1) * GRANULE;
+                    let size = size.max(CHUNK);
+                    let id = self.next_chunk;
+                    self.next_chunk += 1;
+                    self.chunks.insert(id, (size, BTreeMap::from([(0, size)])));
+                    self.reserved += size;
+                    self.peak_reserved = self.peak_reserved.max(self.reserved);
+                    (id, 0, size)
+                }
+            };
+            let free = &mut self.chunks.get_mut(&id).expect("the chunk fits").1;
+            free.remove(&off);
+            if l > len {
+                free.insert(off + len, l - len);
+            }
+            self.blocks.insert(ptr, (id, off, len));
+        }
+
+        fn free(&mut self, ptr: u64) {
+            let Some((id, mut off, mut len)) = self.blocks.remove(&ptr) else {
+                return;
+            };
+            let free = &mut self.chunks.get_mut(&id).expect("the block's chunk").1;
+            if let Some((&o, &l)) = free.range(..off).next_back() {
+                if o + l == off {
+                    free.remove(&o);
+                    off = o;
+                    len += l;
+                }
+            }
+            if let Some(l) = free.remove(&(off + len)) {
+                len += l;
+            }
+            free.insert(off, len);
+        }
+
+        fn trim_to(&mut self, keep: u64) {
+            let mut empty: Vec<(u64, u64)> = self
+                .chunks
+                .iter()
+                .filter(|(_, (size, free))| free.get(&0) == Some(size))
+                .map(|(&id, &(size, _))| (size, id))
+                .collect();
+            empty.sort_unstable();
+            while self.reserved >= keep.max(1) {
+                let Some((size, id)) = empty.pop() else { break };
+                self.chunks.remove(&id);
+                self.reserved -= size;
+            }
+        }
+    }
+
+    /// A simulated device: addresses from a counter (never reused, so that the tests'
+    /// checker can follow each block), a byte limit on what is allocated, a check that
+    /// every block is freed once with its size, and a model of the driver pool's
+    /// reservations ([`PoolModel`]).
     #[derive(Debug)]
     pub(crate) struct FakeBackend {
         next: AtomicU64,
         held: AtomicU64,
         limit: u64,
         live: Arc<Mutex<BTreeMap<u64, usize>>>,
+        pool: Mutex<PoolModel>,
         /// Marks fail (a broken stream) while set.
         pub(crate) fail_marks: AtomicBool,
         pub(crate) marks: AtomicU64,
         pub(crate) allocs: AtomicU64,
         pub(crate) frees: AtomicU64,
         pub(crate) syncs: AtomicU64,
+        pub(crate) trims: AtomicU64,
     }
 
     impl FakeBackend {
@@ -224,11 +322,13 @@ pub(crate) mod fake {
                 held: AtomicU64::new(0),
                 limit,
                 live: Arc::new(Mutex::new(BTreeMap::new())),
+                pool: Mutex::new(PoolModel::default()),
                 fail_marks: AtomicBool::new(false),
                 marks: AtomicU64::new(0),
                 allocs: AtomicU64::new(0),
                 frees: AtomicU64::new(0),
                 syncs: AtomicU64::new(0),
+                trims: AtomicU64::new(0),
             }
         }
 
@@ -245,6 +345,12 @@ pub(crate) mod fake {
         /// The blocks allocated and not freed, readable after the backend is gone.
         pub(crate) fn live_map(&self) -> Arc<Mutex<BTreeMap<u64, usize>>> {
             self.live.clone()
+        }
+
+        /// Bytes the simulated driver pool reserves now, and at most so far.
+        pub(crate) fn reservation(&self) -> (u64, u64) {
+            let m = lock(&self.pool);
+            (m.reserved, m.peak_reserved)
         }
     }
 
@@ -320,6 +426,7 @@ pub(crate) mod fake {
             }
             let ptr = self.next.fetch_add(b, Ordering::SeqCst);
             lock(&self.live).insert(ptr, bytes);
+            lock(&self.pool).alloc(ptr, b);
             self.allocs.fetch_add(1, Ordering::SeqCst);
             Ok(ptr)
         }
@@ -331,10 +438,18 @@ pub(crate) mod fake {
                 Some(bytes),
                 "fake: block {ptr:#x} freed twice or with a wrong size"
             );
+            lock(&self.pool).free(ptr);
             self.held.fetch_sub(bytes as u64, Ordering::SeqCst);
             self.frees.fetch_add(1, Ordering::SeqCst);
         }
 
-        fn trim(&self) {}
+        fn trim_to(&self, keep: usize) {
+            self.trims.fetch_add(1, Ordering::SeqCst);
+            lock(&self.pool).trim_to(keep as u64);
+        }
+
+        fn reserved(&self) -> Option<usize> {
+            Some(lock(&self.pool).reserved as usize)
+        }
     }
 }

@@ -4,10 +4,10 @@
 
 use core::fmt;
 use core::marker::PhantomData;
-use core::mem::ManuallyDrop;
 
 use zerocopy::IntoBytes;
 
+use super::local::Owned;
 use super::pool::DevicePool;
 use super::DeviceCopy;
 use crate::cuda::{copy_async, raw, PooledEvent, Stream};
@@ -46,38 +46,33 @@ use crate::error::{Error, Result};
 /// let first: u8 = buf[0];
 /// ```
 pub struct DeviceBuffer<T: DeviceCopy> {
-    ptr: u64,
+    /// The block, its stream and pool handles, and its recorded uses.
+    block: Owned<DevicePool>,
     len: usize,
-    /// Taken by `drop` (handed to the pool's cache with the block, so a steady
-    /// allocate/free cycle never touches a reference count); present until then.
-    stream: ManuallyDrop<Stream>,
-    pool: ManuallyDrop<DevicePool>,
-    /// Other streams whose work uses the buffer ([`DeviceBuffer::record_use`]).
-    uses: Vec<Stream>,
     _elements: PhantomData<T>,
 }
 
 impl<T: DeviceCopy> fmt::Debug for DeviceBuffer<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeviceBuffer")
-            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("ptr", &format_args!("{:#x}", self.block.ptr()))
             .field("len", &self.len)
-            .field("stream", &self.stream.id())
-            .field("device", &self.pool.device())
-            .field("uses", &self.uses.iter().map(Stream::id).collect::<Vec<_>>())
+            .field("stream", &self.stream().id())
+            .field("device", &self.pool().device())
+            .field(
+                "uses",
+                &self.block.uses().iter().map(Stream::id).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
 
 impl<T: DeviceCopy> DeviceBuffer<T> {
     #[inline(always)]
-    pub(crate) fn from_parts(ptr: u64, len: usize, stream: Stream, pool: DevicePool) -> Self {
+    pub(crate) fn from_parts(block: Owned<DevicePool>, len: usize) -> Self {
         Self {
-            ptr,
+            block,
             len,
-            stream: ManuallyDrop::new(stream),
-            pool: ManuallyDrop::new(pool),
-            uses: Vec::new(),
             _elements: PhantomData,
         }
     }
@@ -101,7 +96,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// kernels queued on [`stream`](Self::stream) (or on streams ordered after it by
     /// events, declared with [`record_use`](Self::record_use)).
     pub fn device_ptr(&self) -> u64 {
-        self.ptr
+        self.block.ptr()
     }
 
     /// The device address as a reference into the buffer (which lives as long as the
@@ -109,17 +104,17 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// cudarc's `LaunchArgs::arg` (the `cudarc` feature's `PushKernelArg` impl).
     #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
     pub(crate) fn device_ptr_ref(&self) -> &u64 {
-        &self.ptr
+        self.block.ptr_ref()
     }
 
     /// The stream the buffer was allocated on and is freed on.
     pub fn stream(&self) -> &Stream {
-        &self.stream
+        self.block.stream()
     }
 
     /// The pool it came from.
     pub fn pool(&self) -> &DevicePool {
-        &self.pool
+        self.block.pool()
     }
 
     /// Declares that work queued on `stream` (another stream than the buffer's) uses the
@@ -141,10 +136,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     /// }
     /// ```
     pub fn record_use(&mut self, stream: &Stream) {
-        if self.ptr == 0 || stream.id() == self.stream.id() || self.uses.iter().any(|u| u == stream) {
-            return;
-        }
-        self.uses.push(stream.clone());
+        self.block.record_use(stream);
     }
 
     /// Queues a copy of `src` (as long as the buffer) into the buffer on its stream and
@@ -158,7 +150,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     pub unsafe fn copy_from_host_async(&mut self, src: &[T]) -> Result<()> {
         // SAFETY: the range is this buffer's block, which `&mut self` lets us write;
         // obligation 1 passes to the caller.
-        unsafe { copy_from_host_async(self.ptr, self.len, src, &self.stream) }
+        unsafe { copy_from_host_async(self.device_ptr(), self.len, src, self.stream()) }
     }
 
     /// Queues a copy of the buffer into `dst` (as long as the buffer) on its stream and
@@ -171,21 +163,21 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
     ///    allowed.
     pub unsafe fn copy_to_host_async(&self, dst: &mut [T]) -> Result<()> {
         // SAFETY: the range is this buffer's block; obligation 1 passes to the caller.
-        unsafe { copy_to_host_async(self.ptr, self.len, dst, &self.stream) }
+        unsafe { copy_to_host_async(self.device_ptr(), self.len, dst, self.stream()) }
     }
 
     /// Copies `src` (as long as the buffer) into the buffer and waits for the copy.
     pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
         // SAFETY: the stream is synchronized before `src`'s borrow ends.
         unsafe { self.copy_from_host_async(src) }?;
-        self.stream.synchronize()
+        self.stream().synchronize()
     }
 
     /// Copies the buffer into `dst` (as long as the buffer) and waits for the copy.
     pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
         // SAFETY: the stream is synchronized before `dst`'s borrow ends.
         unsafe { self.copy_to_host_async(dst) }?;
-        self.stream.synchronize()
+        self.stream().synchronize()
     }
 
     /// The buffer's elements, copied into a new `Vec`.
@@ -219,7 +211,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         if bytes == 0 {
             return Ok(());
         }
-        let (dst_stream, src_stream) = (&*self.stream, src.stream());
+        let (dst_stream, src_stream) = (self.stream(), src.stream());
         let crossing = dst_stream != src_stream;
         if crossing {
             let ready = PooledEvent::record(src_stream)?;
@@ -232,10 +224,10 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         // earlier work by the wait above.
         unsafe {
             copy_async(
-                self.ptr,
-                self.pool.device(),
-                src.ptr,
-                src.pool.device(),
+                self.device_ptr(),
+                self.pool().device(),
+                src.device_ptr(),
+                src.pool().device(),
                 bytes,
                 dst_stream,
             )
@@ -255,20 +247,8 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
     #[inline]
     fn drop(&mut self) {
-        // SAFETY: both handles are taken once, here, and never touched again (the fields
-        // are `ManuallyDrop`, so nothing drops them after this).
-        let (stream, pool) = unsafe {
-            (
-                ManuallyDrop::take(&mut self.stream),
-                ManuallyDrop::take(&mut self.pool),
-            )
-        };
-        if self.ptr == 0 {
-            return;
-        }
-        let bytes = self.len * size_of::<T>();
-        let uses = core::mem::take(&mut self.uses);
-        pool.release(self.ptr, bytes, stream, uses);
+        // SAFETY: called once, here; the block is not used afterwards.
+        unsafe { self.block.release(self.len * size_of::<T>()) }
     }
 }
 

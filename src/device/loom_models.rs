@@ -17,7 +17,7 @@ type Tc = ThreadCache<FakeBackend, ()>;
 fn cache(thread_cache_bytes: usize) -> Arc<Cache<FakeBackend>> {
     Arc::new(Cache::new(
         FakeBackend::new(u64::MAX),
-        Settings::new(1 << 20, thread_cache_bytes, 0),
+        Settings::new(1 << 20, thread_cache_bytes, None),
     ))
 }
 

@@ -37,8 +37,10 @@
 //! - **Large blocks**: every cached block is a whole allocation of the driver pool, which
 //!   splits and merges extents itself in stream order; requests above
 //!   [`DevicePoolConfig::max_cached_block`] (1 GiB) bypass the cache. A miss that must
-//!   allocate releases idle blocks first while they exceed 1/16 of the live bytes (at
-//!   least 64 MiB), so a workload whose sizes change keeps its memory near its use.
+//!   allocate releases idle blocks first while they exceed 1/32 of the live bytes (at
+//!   least 64 MiB), so a workload whose sizes change keeps its memory near its use; and
+//!   when the driver pool then reserves more than 1/32 above what the cache holds, its
+//!   idle reservations go back to the device (`cuMemPoolTrimTo`).
 //! - **Out of memory**: the pool releases every cached block (each freed in its stream's
 //!   order), asks other threads for theirs, retries, then synchronizes, trims the driver
 //!   pool and retries once more; then it returns [`Error::DeviceOutOfMemory`] naming the
@@ -59,12 +61,13 @@ mod arena;
 mod backend;
 mod buffer;
 mod cache;
+mod local;
 mod pool;
 mod report;
+#[doc(hidden)]
+pub mod sim;
 mod size_class;
 mod thread_cache;
-#[cfg(not(loom))]
-mod tls;
 
 #[cfg(test)]
 mod tests;

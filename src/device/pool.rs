@@ -6,40 +6,44 @@ use core::fmt;
 use super::backend::{is_out_of_memory, CudaBackend};
 use super::buffer::DeviceBuffer;
 use super::cache::{Cache, Settings};
+use super::local::{self, Core, LocalCache, Owned, PoolHandle};
 use super::report::{DeviceMemorySummary, DevicePoolStats, StreamCacheStats};
-use super::thread_cache::ThreadCache;
-#[cfg(not(loom))]
-use super::tls;
 use super::DeviceCopy;
 use crate::cuda::mem_pool::MemPool;
 use crate::cuda::{device_count, mem_info, memset_d8_async, Stream};
 use crate::error::{Error, Result};
-use crate::sync::global::{AtomicU64 as GlobalU64, OnceLock, Ordering as GlobalOrdering};
-use crate::sync::Arc;
+use crate::slot_table::{SlotBits, SlotTable};
+use crate::sync::global::OnceLock;
+use crate::sync::{thread_local_const, Arc};
 
 /// How a [`DevicePool`] behaves. Start from [`DevicePoolConfig::default()`] and change
-/// fields.
+/// what you need with the `with_*` methods (the fields are public to read).
 ///
 /// ```
 /// use cudalloc::device::DevicePoolConfig;
 /// let c = DevicePoolConfig::default();
 /// assert_eq!(c.release_threshold, u64::MAX);
-/// assert_eq!(c.limit, 0);
+/// assert_eq!(c.limit, None);
 /// assert!(c.cache);
 /// assert_eq!(c.thread_cache_bytes, 256 << 20);
 /// assert_eq!(c.max_cached_block, 1 << 30);
-/// let uncached = DevicePoolConfig { cache: false, ..DevicePoolConfig::default() };
-/// # let _ = uncached;
+/// let small = DevicePoolConfig::default()
+///     .with_limit(64 << 20)           // hold at most 64 MiB from the device
+///     .with_thread_cache_bytes(0);    // every free block in the shared lists
+/// assert_eq!(small.limit, Some(64 << 20));
+/// let uncached = DevicePoolConfig::default().with_cache(false);
+/// assert!(!uncached.cache);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DevicePoolConfig {
     /// Freed bytes the driver pool keeps across synchronizations (default `u64::MAX`:
     /// all; the driver's default of 0 returns memory at every synchronization).
     pub release_threshold: u64,
-    /// The most bytes the pool holds from the device (0, the default: no limit beyond the
-    /// device's memory). The cache counts blocks at their class size; the driver pool is
-    /// capped at the same value.
-    pub limit: usize,
+    /// The most bytes the pool holds from the device (`None`, the default: no limit
+    /// beyond the device's memory). The cache counts blocks at their class size; the
+    /// driver pool is capped at the same value.
+    pub limit: Option<usize>,
     /// Whether freed blocks are cached by (stream, size class) in front of the driver
     /// pool (default true). `false` gives the plain stream-ordered driver pool: every
     /// allocation is a `cuMemAllocFromPoolAsync`, every free a `cuMemFreeAsync`.
@@ -57,7 +61,7 @@ impl Default for DevicePoolConfig {
     fn default() -> Self {
         Self {
             release_threshold: u64::MAX,
-            limit: 0,
+            limit: None,
             cache: true,
             thread_cache_bytes: 256 << 20,
             max_cached_block: 1 << 30,
@@ -65,23 +69,101 @@ impl Default for DevicePoolConfig {
     }
 }
 
-pub(crate) struct Inner {
-    cache: Cache<CudaBackend>,
-    device: usize,
-    config: DevicePoolConfig,
-    /// Process-unique, to tell this pool's thread-cache entries from others'.
-    uid: u64,
-    /// The thread-local slot of this pool's thread caches (`None`: none).
-    #[cfg_attr(loom, allow(dead_code))]
-    slot: Option<usize>,
+impl DevicePoolConfig {
+    /// This configuration with the driver pool keeping `bytes` of freed memory across
+    /// synchronizations.
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_release_threshold(0);
+    /// assert_eq!(c.release_threshold, 0);
+    /// ```
+    pub const fn with_release_threshold(self, bytes: u64) -> Self {
+        Self {
+            release_threshold: bytes,
+            ..self
+        }
+    }
+
+    /// This configuration holding at most `bytes` from the device.
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_limit(1 << 30);
+    /// assert_eq!(c.limit, Some(1 << 30));
+    /// ```
+    pub const fn with_limit(self, bytes: usize) -> Self {
+        Self {
+            limit: Some(bytes),
+            ..self
+        }
+    }
+
+    /// This configuration with the cache on or off (off: the plain driver pool).
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_cache(false);
+    /// assert!(!c.cache);
+    /// ```
+    pub const fn with_cache(self, cache: bool) -> Self {
+        Self { cache, ..self }
+    }
+
+    /// This configuration with thread caches of at most `bytes` per thread (0: none).
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_thread_cache_bytes(0);
+    /// assert_eq!(c.thread_cache_bytes, 0);
+    /// ```
+    pub const fn with_thread_cache_bytes(self, bytes: usize) -> Self {
+        Self {
+            thread_cache_bytes: bytes,
+            ..self
+        }
+    }
+
+    /// This configuration caching requests of at most `bytes` (larger ones go to and from
+    /// the driver pool directly).
+    ///
+    /// ```
+    /// let c = cudalloc::device::DevicePoolConfig::default().with_max_cached_block(4 << 20);
+    /// assert_eq!(c.max_cached_block, 4 << 20);
+    /// ```
+    pub const fn with_max_cached_block(self, bytes: usize) -> Self {
+        Self {
+            max_cached_block: bytes,
+            ..self
+        }
+    }
 }
 
-impl Drop for Inner {
-    fn drop(&mut self) {
-        #[cfg(not(loom))]
-        if let Some(slot) = self.slot {
-            tls::release_slot(slot);
-        }
+pub(crate) struct Inner {
+    core: Core<CudaBackend>,
+    device: usize,
+    config: DevicePoolConfig,
+}
+
+thread_local_const! {
+    /// This thread's caches of device pools, by the pools' slots.
+    static TABLE: SlotTable<LocalCache<DevicePool>> = SlotTable::new();
+}
+
+/// The slots of device pools in their thread-local tables.
+static SLOTS: SlotBits = SlotBits::new();
+
+impl PoolHandle for DevicePool {
+    type B = CudaBackend;
+
+    #[inline(always)]
+    fn core(&self) -> &Core<CudaBackend> {
+        &self.inner.core
+    }
+
+    #[inline(always)]
+    fn with_table<R>(f: impl FnOnce(&SlotTable<LocalCache<Self>>) -> R) -> Option<R> {
+        TABLE.try_with(f).ok()
+    }
+
+    fn slots() -> &'static SlotBits {
+        &SLOTS
     }
 }
 
@@ -98,7 +180,7 @@ impl Drop for Inner {
 /// ```
 /// use cudalloc::{cuda::Stream, device::{DevicePool, DevicePoolConfig}};
 /// if let Ok(stream) = Stream::new(0) {
-///     let pool = DevicePool::new(0, DevicePoolConfig { limit: 64 << 20, ..Default::default() }).unwrap();
+///     let pool = DevicePool::new(0, DevicePoolConfig::default().with_limit(64 << 20)).unwrap();
 ///     let a = pool.alloc_zeroed::<u32>(1 << 20, &stream).unwrap();
 ///     assert_eq!(a.len(), 1 << 20);
 ///     assert!(pool.alloc::<u8>(128 << 20, &stream).is_err(), "past the 64 MiB limit");
@@ -117,35 +199,29 @@ impl fmt::Debug for DevicePool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DevicePool")
             .field("device", &self.inner.device)
-            .field("uid", &self.inner.uid)
+            .field("uid", &self.inner.core.uid)
             .field("config", &self.inner.config)
             .finish()
     }
 }
 
-static NEXT_UID: GlobalU64 = GlobalU64::new(1);
-
 impl DevicePool {
     /// A new pool on device `device`, with a driver pool of its own.
     pub fn new(device: usize, config: DevicePoolConfig) -> Result<Self> {
-        let pool = MemPool::new(device, config.limit, config.release_threshold)?;
+        // The driver pool's maxSize of 0 is its default (the device's memory); a limit of
+        // 0 bytes is enforced by the cache, which then refuses every allocation.
+        let pool = MemPool::new(device, config.limit.unwrap_or(0), config.release_threshold)?;
         let (_, device_bytes) = mem_info(device)?;
         let settings = if config.cache {
             Settings::new(config.max_cached_block, config.thread_cache_bytes, config.limit)
         } else {
             Settings::new(0, 0, config.limit)
         };
-        #[cfg(not(loom))]
-        let slot = settings.thread_max_class.and_then(|_| tls::acquire_slot());
-        #[cfg(loom)]
-        let slot = None;
         Ok(Self {
             inner: Arc::new(Inner {
-                cache: Cache::new(CudaBackend { pool, device_bytes }, settings),
+                core: Core::new::<DevicePool>(Cache::new(CudaBackend { pool, device_bytes }, settings)),
                 device,
                 config,
-                uid: NEXT_UID.fetch_add(1, GlobalOrdering::Relaxed),
-                slot,
             }),
         })
     }
@@ -163,13 +239,7 @@ impl DevicePool {
     /// }
     /// ```
     pub fn uncached(device: usize) -> Result<Self> {
-        Self::new(
-            device,
-            DevicePoolConfig {
-                cache: false,
-                ..DevicePoolConfig::default()
-            },
-        )
+        Self::new(device, DevicePoolConfig::default().with_cache(false))
     }
 
     /// The process-wide pool of device `device` (default configuration), created on
@@ -207,9 +277,8 @@ impl DevicePool {
         self.inner.config
     }
 
-    #[cfg_attr(loom, allow(dead_code))]
     pub(crate) fn cache(&self) -> &Cache<CudaBackend> {
-        &self.inner.cache
+        &self.inner.core.cache
     }
 
     /// A buffer of `len` elements on `stream` (which must belong to the pool's device),
@@ -241,21 +310,8 @@ impl DevicePool {
         bytes: usize,
         stream: &Stream,
     ) -> Option<DeviceBuffer<T>> {
-        #[cfg(not(loom))]
-        {
-            let inner = &*self.inner;
-            let slot = inner.slot?;
-            let class = inner.cache.class_for(bytes)?;
-            let (ptr, s, p) = tls::with(slot, inner.uid, |e| e.cache.pop(stream.id(), class))??;
-            let stream = s.unwrap_or_else(|| stream.clone());
-            let pool = p.unwrap_or_else(|| self.clone());
-            Some(DeviceBuffer::from_parts(ptr, len, stream, pool))
-        }
-        #[cfg(loom)]
-        {
-            let _ = (len, bytes, stream);
-            None
-        }
+        let block = local::try_alloc_fast(self, bytes, stream)?;
+        Some(DeviceBuffer::from_parts(block, len))
     }
 
     #[cold]
@@ -266,18 +322,16 @@ impl DevicePool {
         bytes: usize,
         stream: &Stream,
     ) -> Result<DeviceBuffer<T>> {
-        let device_bytes = self.inner.cache.backend.device_bytes;
+        let device_bytes = self.cache().backend.device_bytes;
         if bytes > device_bytes {
-            self.inner.cache.count_failure();
+            self.cache().count_failure();
             return Err(Error::TooLarge {
                 requested: bytes,
                 limit: device_bytes,
             });
         }
-        let ptr = self
-            .with_thread_cache(|tc| self.inner.cache.alloc_slow(tc, bytes, stream))
-            .map_err(|e| self.out_of_memory(e, bytes))?;
-        Ok(DeviceBuffer::from_parts(ptr, len, stream.clone(), self.clone()))
+        let block = local::alloc_slow(self, bytes, stream).map_err(|e| self.out_of_memory(e, bytes))?;
+        Ok(DeviceBuffer::from_parts(block, len))
     }
 
     /// Zero bytes, a size that overflows, or a stream of another device.
@@ -293,13 +347,16 @@ impl DevicePool {
             return Err(Error::InvalidArgument("the stream belongs to another device"));
         }
         match bytes {
-            Some(0) => Ok(DeviceBuffer::from_parts(0, len, stream.clone(), self.clone())),
+            Some(0) => Ok(DeviceBuffer::from_parts(
+                Owned::empty(stream.clone(), self.clone()),
+                len,
+            )),
             Some(bytes) => self.alloc_slow(len, bytes, stream),
             None => {
-                self.inner.cache.count_failure();
+                self.cache().count_failure();
                 Err(Error::TooLarge {
                     requested: usize::MAX,
-                    limit: self.inner.cache.backend.device_bytes,
+                    limit: self.cache().backend.device_bytes,
                 })
             }
         }
@@ -312,85 +369,14 @@ impl DevicePool {
         if !is_out_of_memory(&e) {
             return e;
         }
-        let requested = self.inner.cache.block_bytes(bytes).unwrap_or(bytes);
+        let requested = self.cache().block_bytes(bytes).unwrap_or(bytes);
         let e = Error::DeviceOutOfMemory {
             device: self.inner.device,
             requested,
-            memory: self.summary(),
+            memory: Box::new(self.summary()),
         };
         log::warn!("cudalloc: {e}");
         e
-    }
-
-    /// Runs `f` with this thread's cache for this pool (made if needed; `None` if the pool
-    /// has none or the thread's locals are gone). The cache is out of the thread-local
-    /// table meanwhile, so `f` may take long and call CUDA.
-    fn with_thread_cache<R>(
-        &self,
-        f: impl FnOnce(Option<&mut ThreadCache<CudaBackend, DevicePool>>) -> R,
-    ) -> R {
-        #[cfg(not(loom))]
-        if let Some(slot) = self.inner.slot {
-            let uid = self.inner.uid;
-            let mut entry = tls::take(slot, uid).or_else(|| {
-                let cache = self.inner.cache.new_thread_cache()?;
-                Some(Box::new(tls::Entry {
-                    uid,
-                    cache,
-                    owner: self.clone(),
-                }))
-            });
-            let r = f(entry.as_deref_mut().map(|e| &mut e.cache));
-            if let Some(e) = entry {
-                // Dropped after the table is released: dropping flushes into a pool.
-                drop(tls::put(slot, e));
-            }
-            return r;
-        }
-        f(None)
-    }
-
-    /// Takes a freed buffer's block back (called by `DeviceBuffer`'s drop, with its
-    /// handles): into this thread's bin for its stream and class when there is room,
-    /// else through the slow path.
-    #[inline]
-    pub(crate) fn release(self, ptr: u64, bytes: usize, stream: Stream, uses: Vec<Stream>) {
-        #[cfg(not(loom))]
-        if uses.is_empty() {
-            let inner = &*self.inner;
-            if let (Some(slot), Some(class)) = (inner.slot, inner.cache.class_for(bytes)) {
-                let (uid, id) = (inner.uid, stream.id());
-                let mut handles = Some((stream, self));
-                let kept = tls::with(slot, uid, |e| {
-                    let (s, p) = handles.take()?;
-                    match e.cache.push(id, class, ptr, s, p) {
-                        Ok(()) => Some(()),
-                        Err(back) => {
-                            handles = Some(back);
-                            None
-                        }
-                    }
-                });
-                if let Some(Some(())) = kept {
-                    return;
-                }
-                if let Some((stream, pool)) = handles {
-                    pool.release_slow(ptr, bytes, stream, uses);
-                }
-                return;
-            }
-        }
-        self.release_slow(ptr, bytes, stream, uses)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn release_slow(self, ptr: u64, bytes: usize, stream: Stream, uses: Vec<Stream>) {
-        self.with_thread_cache(|tc| {
-            self.inner
-                .cache
-                .free_slow::<DevicePool>(tc, ptr, bytes, stream, None, uses)
-        });
     }
 
     /// A buffer of `len` zeroed elements on `stream` (zeroed in stream order).
@@ -425,8 +411,8 @@ impl DevicePool {
     /// }
     /// ```
     pub fn stats(&self) -> DevicePoolStats {
-        let snap = self.inner.cache.snapshot();
-        let backend = &self.inner.cache.backend;
+        let snap = self.cache().snapshot();
+        let backend = &self.cache().backend;
         let usage = backend.pool.usage().unwrap_or_default();
         let (free, total) = mem_info(self.inner.device).unwrap_or((0, backend.device_bytes));
         let live_bytes = snap
@@ -470,6 +456,7 @@ impl DevicePool {
             failures: snap.failures,
             released: snap.released,
             oom_recoveries: snap.oom_recoveries,
+            trims: snap.trims,
             abandoned_bytes: snap.abandoned_bytes,
         }
     }
@@ -482,7 +469,7 @@ impl DevicePool {
             pending_bytes: s.pending_bytes,
             held_bytes: s.held_bytes,
             reserved_bytes: s.reserved_bytes,
-            limit_bytes: s.limit as u64,
+            limit_bytes: s.limit.map(|l| l as u64),
             device_free_bytes: s.device_free_bytes,
         }
     }
@@ -505,7 +492,7 @@ impl DevicePool {
     /// }
     /// ```
     pub fn trim(&self) {
-        self.with_thread_cache(|tc| self.inner.cache.trim(tc));
+        local::with_thread_cache(self, |tc| self.cache().trim(tc));
     }
 
     /// Resets the peaks that [`stats`](Self::stats) reports (held bytes, and the driver
@@ -521,15 +508,15 @@ impl DevicePool {
     /// }
     /// ```
     pub fn reset_peaks(&self) {
-        self.inner.cache.reset_peak();
-        if let Err(e) = self.inner.cache.backend.pool.reset_highs() {
+        self.cache().reset_peak();
+        if let Err(e) = self.cache().backend.pool.reset_highs() {
             log::warn!("cudalloc: could not reset the driver pool's highs: {e}");
         }
     }
 
     /// Sets how many freed bytes the driver pool keeps across synchronizations.
     pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
-        self.inner.cache.backend.pool.set_release_threshold(bytes)
+        self.cache().backend.pool.set_release_threshold(bytes)
     }
 
     /// Lets kernels and copies on device `peer` read and write this pool's memory (every
@@ -556,7 +543,7 @@ impl DevicePool {
                 "the devices have no peer path: the peer cannot access this device's memory",
             ));
         }
-        self.inner.cache.backend.pool.set_access(peer, true)
+        self.cache().backend.pool.set_access(peer, true)
     }
 
     /// Whether device `peer` may access this pool's memory (always true for the pool's
@@ -565,7 +552,7 @@ impl DevicePool {
         if peer == self.inner.device {
             return Ok(true);
         }
-        self.inner.cache.backend.pool.access(peer)
+        self.cache().backend.pool.access(peer)
     }
 
     /// Test switch: with `false`, a stream takes blocks freed on another stream without
@@ -574,7 +561,7 @@ impl DevicePool {
     #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn set_event_guard(&self, on: bool) {
-        self.inner.cache.set_guard(on);
+        self.cache().set_guard(on);
     }
 }
 

@@ -59,8 +59,8 @@ pub struct DevicePoolStats {
     pub used_bytes: u64,
     /// The most at once (`..._USED_MEM_HIGH`).
     pub peak_used_bytes: u64,
-    /// The configured limit (0: none).
-    pub limit: usize,
+    /// The configured limit (`None`: none).
+    pub limit: Option<usize>,
     /// Free memory of the device (`cuMemGetInfo`; 0 if the driver could not say).
     pub device_free_bytes: u64,
     /// Total memory of the device.
@@ -83,6 +83,10 @@ pub struct DevicePoolStats {
     pub released: u64,
     /// Times the pool ran out of memory and released its cache to retry.
     pub oom_recoveries: u64,
+    /// Times the pool returned the driver pool's idle reservations to the device after
+    /// releasing blocks (when the driver pool reserved more than 1/32 above what the pool
+    /// held).
+    pub trims: u64,
     /// Bytes given up on (never reused, never freed) because waiting for the GPU failed.
     /// Nonzero means the GPU reported an error.
     pub abandoned_bytes: u64,
@@ -116,6 +120,7 @@ impl fmt::Display for Bytes {
 ///   held 11.5 GiB (peak 14.0 GiB), driver pool reserved 12.0 GiB (peak 14.2 GiB), no limit
 ///   cached by stream: stream#3 1.0 GiB in 50 blocks; stream#7 512.0 MiB in 27 blocks
 ///   allocations: 123456 hits, 1234 from the driver, 12 cross-stream takes (12 events), 0 failed
+///   released: 1200 blocks to the driver pool, 30 trims of its idle reservations
 /// ```
 impl fmt::Display for DevicePoolStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -145,8 +150,8 @@ impl fmt::Display for DevicePoolStats {
             Bytes(self.peak_reserved_bytes)
         )?;
         match self.limit {
-            0 => writeln!(f, "no limit")?,
-            l => writeln!(f, "limit {}", Bytes(l as u64))?,
+            None => writeln!(f, "no limit")?,
+            Some(l) => writeln!(f, "limit {}", Bytes(l as u64))?,
         }
         if !self.per_stream.is_empty() {
             write!(f, "  cached by stream:")?;
@@ -173,6 +178,13 @@ impl fmt::Display for DevicePoolStats {
         if self.abandoned_bytes > 0 {
             write!(f, ", {} abandoned after GPU errors", Bytes(self.abandoned_bytes))?;
         }
+        if self.released > 0 {
+            write!(
+                f,
+                "\n  released: {} blocks to the driver pool, {} trims of its idle reservations",
+                self.released, self.trims
+            )?;
+        }
         Ok(())
     }
 }
@@ -193,8 +205,8 @@ pub struct DeviceMemorySummary {
     pub held_bytes: u64,
     /// Bytes the driver pool reserved from the device.
     pub reserved_bytes: u64,
-    /// The pool's limit (0: none).
-    pub limit_bytes: u64,
+    /// The pool's limit (`None`: none).
+    pub limit_bytes: Option<u64>,
     /// Free memory of the device.
     pub device_free_bytes: u64,
 }
@@ -211,8 +223,8 @@ impl fmt::Display for DeviceMemorySummary {
             Bytes(self.reserved_bytes)
         )?;
         match self.limit_bytes {
-            0 => write!(f, "no limit")?,
-            l => write!(f, "limit {}", Bytes(l))?,
+            None => write!(f, "no limit")?,
+            Some(l) => write!(f, "limit {}", Bytes(l))?,
         }
         write!(f, ", device free {}", Bytes(self.device_free_bytes))
     }

@@ -18,7 +18,7 @@ type Tc = ThreadCache<FakeBackend, ()>;
 fn cache(limit: u64, thread_cache_bytes: usize) -> Cache<FakeBackend> {
     Cache::new(
         FakeBackend::new(limit),
-        Settings::new(1 << 30, thread_cache_bytes, usize::MAX),
+        Settings::new(1 << 30, thread_cache_bytes, None),
     )
 }
 
@@ -88,7 +88,7 @@ fn alloc(
     s: &FakeStream,
 ) -> Result<u64, Error> {
     if let (Some(t), Some(class)) = (tc.as_deref_mut(), c.class_for(bytes)) {
-        if let Some((p, _, _)) = t.pop(s.id, class) {
+        if let Some((p, _)) = t.pop(s.id, class) {
             return Ok(p);
         }
     }
@@ -127,15 +127,15 @@ fn assert_balanced(c: &Cache<FakeBackend>, live_bytes: u64) {
 
 #[test]
 fn settings_round_to_classes() {
-    let s = Settings::new(1 << 30, 256 << 20, 0);
+    let s = Settings::new(1 << 30, 256 << 20, None);
     assert_eq!(s.max_cached_bytes, 1 << 30);
     assert_eq!(s.limit, usize::MAX);
     assert_eq!(class_size(s.thread_max_class.unwrap()), 256 << 20);
-    let s = Settings::new(1000, 100, 64);
+    let s = Settings::new(1000, 100, Some(64));
     assert_eq!(s.max_cached_bytes, 768, "the largest class not above 1000");
     assert_eq!(s.thread_max_class, None, "no class fits in 100 bytes");
-    assert_eq!(Settings::new(0, 1 << 20, 0).max_cached_bytes, 0);
-    assert_eq!(Settings::new(0, 1 << 20, 0).thread_max_class, None);
+    assert_eq!(Settings::new(0, 1 << 20, None).max_cached_bytes, 0);
+    assert_eq!(Settings::new(0, 1 << 20, None).thread_max_class, None);
 }
 
 #[test]
@@ -339,7 +339,7 @@ fn a_stream_that_cannot_be_marked_is_waited_for_on_the_host() {
 
 #[test]
 fn blocks_above_the_cached_size_go_straight_to_the_backend() {
-    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(1 << 20, 1 << 20, 0));
+    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(1 << 20, 1 << 20, None));
     let (s, u) = (FakeStream::new(), FakeStream::new());
     let p = c.alloc_slow::<()>(None, (1 << 20) + 1, &s).unwrap();
     assert_eq!(
@@ -359,7 +359,7 @@ fn blocks_above_the_cached_size_go_straight_to_the_backend() {
 
 #[test]
 fn uncached_settings_cache_nothing() {
-    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(0, 0, 0));
+    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(0, 0, None));
     let s = FakeStream::new();
     for _ in 0..10 {
         let p = c.alloc_slow::<()>(None, 4096, &s).unwrap();
@@ -409,7 +409,10 @@ fn out_of_memory_releases_the_cache_and_retries_then_fails_cleanly() {
 
 #[test]
 fn the_limit_is_a_limit_on_held_bytes() {
-    let c = Cache::new(FakeBackend::new(u64::MAX), Settings::new(1 << 30, 0, 16 * MIB));
+    let c = Cache::new(
+        FakeBackend::new(u64::MAX),
+        Settings::new(1 << 30, 0, Some(16 * MIB)),
+    );
     let s = FakeStream::new();
     let a = c.alloc_slow::<()>(None, 10 * MIB, &s).unwrap();
     let e = c.alloc_slow::<()>(None, 10 * MIB, &s).unwrap_err();
@@ -641,27 +644,57 @@ fn random_workload(
     (peak_requested, c.snapshot().peak_held_bytes, tr.violations)
 }
 
-#[test]
-fn random_multi_stream_workload_holds_at_most_15_percent_more_than_it_requests() {
-    // RMM's parameters scaled down 16x in usage (1000 MiB instead of 16000) and count:
-    // sizes up to 64 MiB, 4 streams.
-    let c = cache(u64::MAX, 256 << 20);
+/// RMM's random workload (scaled down 16x in usage: 1000 MiB instead of 16000; sizes up
+/// to 64 MiB, 4 streams) on a cache with or without the reservation policy: (peak bytes
+/// requested, peak bytes held, peak bytes the simulated driver pool reserved).
+fn random_reservations(trim_backend: bool) -> (u64, u64, u64) {
+    let mut settings = Settings::new(1 << 30, 256 << 20, None);
+    settings.trim_backend = trim_backend;
+    let c = Cache::new(FakeBackend::new(u64::MAX), settings);
     let mut tc: Tc = c.new_thread_cache().unwrap();
     let (peak_requested, peak_held, violations) =
-        random_workload(&c, &mut tc, 20_000, 64 << 20, 1000 << 20, 4);
-    let ratio = peak_held as f64 / peak_requested as f64;
+        random_workload(&c, &mut tc, 20_000, 64 << 20, 16_000 << 20, 4);
+    assert_eq!(violations, 0);
+    let (_, peak_reserved) = c.backend.reservation();
     let s = c.snapshot();
     println!(
-        "random workload: peak requested {peak_requested}, peak held {peak_held}, ratio {ratio:.3}; \
-         {} hits, {} misses, {} steals, {} released",
-        s.hits, s.misses, s.steals, s.released
+        "random workload, reservation policy {}: peak requested {} MiB, held / requested {:.3}, \
+         reserved / requested {:.3}; {} hits, {} misses, {} steals, {} released, {} trims",
+        if trim_backend { "on" } else { "off" },
+        peak_requested >> 20,
+        peak_held as f64 / peak_requested as f64,
+        peak_reserved as f64 / peak_requested as f64,
+        s.hits,
+        s.misses,
+        s.steals,
+        s.released,
+        s.trims
     );
-    assert_eq!(violations, 0);
-    assert!(ratio <= 1.15, "peak held / peak requested = {ratio:.3}");
     c.retire_thread_cache(&mut tc);
     assert_balanced(&c, 0);
     c.trim::<()>(None);
     assert_eq!(c.backend.live_blocks(), 0);
+    assert_eq!(c.backend.reservation().0, 0, "trim gives every reservation back");
+    (peak_requested, peak_held, peak_reserved)
+}
+
+#[test]
+fn random_multi_stream_workload_reserves_at_most_15_percent_more_than_it_requests() {
+    // RMM's parameters (16000 MiB at most live, sizes up to 64 MiB, 4 streams), 20000
+    // allocations. The simulated driver pool fragments somewhat less than the H200's
+    // (without the policy: 1.21 here, 1.36 there before the idle bound was halved), so
+    // this proves the policy's mechanism, and the GPU benchmark the figure.
+    let (requested, held, reserved) = random_reservations(true);
+    let (held, reserved) = (held as f64 / requested as f64, reserved as f64 / requested as f64);
+    assert!(held <= 1.15, "peak held / peak requested = {held:.3}");
+    assert!(reserved <= 1.15, "peak reserved / peak requested = {reserved:.3}");
+    // Without the policy the simulated driver pool keeps the extents nothing fits into.
+    let (requested, _, reserved_off) = random_reservations(false);
+    let reserved_off = reserved_off as f64 / requested as f64;
+    assert!(
+        reserved_off > reserved + 0.05,
+        "the policy saves: {reserved_off:.3} -> {reserved:.3}"
+    );
 }
 
 #[test]

@@ -6,12 +6,19 @@
 //! after the new allocation runs after those uses.
 //!
 //! A [`ThreadCache`] is an algorithm core: its owner thread has `&mut` to it (through the
-//! thread-local table in `tls.rs`, or directly in CPU tests and loom models), and the
+//! thread-local table of `local.rs`, or directly in CPU tests and loom models), and the
 //! shared cache (`cache.rs`) takes its blocks when it overflows, when the thread exits,
-//! and when [`ThreadStats::reclaim`] asks for them. It also keeps spare handles: every
-//! buffer owns a clone of its stream and of its pool, and cloning those (`Arc`s) is an
-//! atomic increment. A freed buffer's handles are kept here and given to the next buffer,
-//! so a steady alloc/free cycle moves handles and never touches a reference count.
+//! and when [`ThreadStats::reclaim`] asks for them.
+//!
+//! Every buffer owns a handle of its stream and of its pool (`Arc`s: cloning one is an
+//! atomic increment). A block freed into a bin keeps the handles of the buffer that freed
+//! it, and the next buffer to take the block takes them too: a steady allocate/free cycle
+//! moves handles and never touches a reference count. Blocks that reach a bin from the
+//! shared lists carry no handles (the buffer that takes one clones its own).
+//!
+//! Handles in the bins are never the last of their stream or pool (the stream's entry in
+//! the table and the thread's table entry hold their own), so the slow paths here drop
+//! them freely: no drop in this file destroys a stream or a pool.
 
 use super::backend::Backend;
 use super::size_class::class_size;
@@ -20,10 +27,10 @@ use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering};
 
 /// Streams a thread keeps bins for; a further stream evicts the one holding least.
 pub(crate) const MAX_STREAMS: usize = 8;
-/// Spare handles kept per stream (and of the pool): enough for the buffers of a burst.
-const SPARE_HANDLES: usize = 64;
 /// The most blocks one bin keeps.
 const MAX_BIN: usize = 64;
+
+const _: () = assert!(MAX_STREAMS.is_power_of_two(), "slot indices are masked");
 
 /// One stream slot's published counters.
 #[derive(Debug, Default)]
@@ -51,42 +58,53 @@ pub(crate) struct ThreadStats {
     pub(crate) slots: [SlotStats; MAX_STREAMS],
 }
 
-/// A stream's bins in one thread's cache.
-pub(crate) struct StreamBins<B: Backend> {
-    pub(crate) id: StreamId,
-    /// A live handle of the stream (to record a mark on it when another stream takes its
-    /// blocks, and to free them to the driver in its order).
-    pub(crate) stream: B::Stream,
-    spares: Vec<B::Stream>,
-    /// Free blocks per class, most recently freed last.
-    bins: Box<[Vec<u64>]>,
-    // bytes == sum over bins of len * class size
-    bytes: usize,
-    // blocks == sum over bins of len
-    blocks: usize,
+/// The handles a freed buffer leaves with its block: its stream's and its pool's.
+pub(crate) type Handles<B, P> = (<B as Backend>::Stream, P);
+
+/// Free blocks of one class of one stream, most recently freed last.
+struct Bin<B: Backend, P> {
+    /// Each block with the handles of the buffer that freed it, if any. Its capacity is
+    /// the bin's (allocated at the first block, by a slow path): `len < capacity` is the
+    /// fast path's test for room.
+    entries: Vec<(u64, Option<Handles<B, P>>)>,
+    /// The class's block size.
+    size: usize,
 }
 
-/// What a thread cache gives back to the shared cache: a stream's handle (and spare
-/// handles, to be dropped outside any lock) and its blocks by class.
+/// What a thread cache gives back to the shared cache: a stream's handle and its blocks
+/// by class.
 pub(crate) struct Evicted<B: Backend> {
     pub(crate) stream: B::Stream,
-    pub(crate) spares: Vec<B::Stream>,
     pub(crate) blocks: Vec<(usize, Vec<u64>)>,
 }
 
-/// One thread's cache of free blocks for one pool. `P` is the pool handle buffers own
-/// (spares of it are kept like stream handles).
+/// One thread's cache of free blocks for one pool. `P` is the pool handle buffers own.
+///
+/// Laid out for the hot path's chain of loads: the stream ids sit in the cache itself,
+/// and the bins of every stream in one array, so a hit reads the table entry, the bin,
+/// and the block.
 pub(crate) struct ThreadCache<B: Backend, P> {
-    streams: Vec<StreamBins<B>>,
-    /// The index of the stream used last, tried first.
+    /// The stream in each slot (`None`: the slot is free). Slot `i` has the bins
+    /// `bins[i * classes..(i + 1) * classes]` and publishes to `stats.slots[i]`.
+    ids: [Option<StreamId>; MAX_STREAMS],
+    /// The slot used last, tried first.
     last: usize,
-    pool_spares: Vec<P>,
-    /// The most blocks each class's bin keeps (the classes this cache holds).
+    /// The bins of the slots made so far (grown a slot at a time).
+    bins: Vec<Bin<B, P>>,
+    /// Classes held (`0..classes`).
+    classes: usize,
+    /// A live handle of each slot's stream (to record a mark on it when another stream
+    /// takes its blocks, and to free them to the driver in its order).
+    streams: [Option<B::Stream>; MAX_STREAMS],
+    /// The most blocks each class's bin keeps.
     caps: Box<[u32]>,
-    // bytes == sum over streams of their bytes; bytes <= max_bytes
+    // bytes == sum over bins of len * size == sum over slots of stats.slots[i].bytes;
+    // bytes <= max_bytes
     bytes: usize,
     max_bytes: usize,
     hits: u64,
+    /// The published counters; the per-slot byte and block counts live only there (the
+    /// owner is their one writer).
     stats: Arc<ThreadStats>,
 }
 
@@ -95,9 +113,11 @@ impl<B: Backend, P> ThreadCache<B, P> {
     /// and at most `max_bytes` bytes.
     pub(crate) fn new(caps: Box<[u32]>, max_bytes: usize, stats: Arc<ThreadStats>) -> Self {
         Self {
-            streams: Vec::new(),
+            ids: [None; MAX_STREAMS],
             last: 0,
-            pool_spares: Vec::new(),
+            bins: Vec::new(),
+            classes: caps.len(),
+            streams: [const { None }; MAX_STREAMS],
             caps,
             bytes: 0,
             max_bytes,
@@ -136,59 +156,77 @@ impl<B: Backend, P> ThreadCache<B, P> {
         class < self.caps.len()
     }
 
-    /// The index of stream `id`'s bins.
+    /// The slot of stream `id`: the one used last, else a search.
     #[inline(always)]
     fn find(&mut self, id: StreamId) -> Option<usize> {
-        if let Some(s) = self.streams.get(self.last) {
-            if s.id == id {
-                return Some(self.last);
-            }
+        let last = self.last & (MAX_STREAMS - 1);
+        if self.ids[last] == Some(id) {
+            return Some(last);
         }
-        let i = self.streams.iter().position(|s| s.id == id)?;
+        self.search(id)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn search(&mut self, id: StreamId) -> Option<usize> {
+        let i = self.ids.iter().position(|&s| s == Some(id))?;
         self.last = i;
         Some(i)
     }
 
+    /// The bin of `class` of slot `i` (a class this cache holds, a slot made).
     #[inline(always)]
-    fn publish(&self, i: usize) {
-        let (s, slot) = (&self.streams[i], &self.stats.slots[i]);
-        slot.bytes.store(s.bytes as u64, Ordering::Relaxed);
-        slot.blocks.store(s.blocks as u64, Ordering::Relaxed);
+    fn bin(&mut self, i: usize, class: usize) -> Option<&mut Bin<B, P>> {
+        if class >= self.classes {
+            return None;
+        }
+        self.bins.get_mut(i * self.classes + class)
     }
 
-    /// The allocation fast path: a free block of `class` freed on stream `id`, with a
-    /// spare handle of that stream and of the pool when there are (`None`: the caller
-    /// clones its own). `None` on a miss, or when another thread asked for the blocks.
+    /// Adds `blocks` blocks of `size` bytes each (negative: removes) to slot `i`'s
+    /// published counts.
     #[inline(always)]
-    pub(crate) fn pop(&mut self, id: StreamId, class: usize) -> Option<(u64, Option<B::Stream>, Option<P>)> {
+    fn count(&mut self, i: usize, blocks: isize, size: usize) {
+        let bytes = blocks * size as isize;
+        self.bytes = self.bytes.wrapping_add_signed(bytes);
+        let slot = &self.stats.slots[i & (MAX_STREAMS - 1)];
+        let (b, n) = (
+            slot.bytes.load(Ordering::Relaxed),
+            slot.blocks.load(Ordering::Relaxed),
+        );
+        slot.bytes
+            .store(b.wrapping_add_signed(bytes as i64), Ordering::Relaxed);
+        slot.blocks
+            .store(n.wrapping_add_signed(blocks as i64), Ordering::Relaxed);
+    }
+
+    /// Bytes of free blocks of slot `i`.
+    fn slot_bytes(&self, i: usize) -> usize {
+        self.stats.slots[i].bytes.load(Ordering::Relaxed) as usize
+    }
+
+    /// The allocation fast path: a free block of `class` freed on stream `id`, with the
+    /// handles of the buffer that freed it if it left them. `None` on a miss, or when
+    /// another thread asked for the blocks.
+    #[inline(always)]
+    pub(crate) fn pop(&mut self, id: StreamId, class: usize) -> Option<(u64, Option<Handles<B, P>>)> {
         if self.reclaim_requested() {
             return None;
         }
         let i = self.find(id)?;
-        let ptr = self.take(i, class)?;
+        let bin = self.bin(i, class)?;
+        let (ptr, handles) = bin.entries.pop()?;
+        let size = bin.size;
+        self.count(i, -1, size);
         self.hits += 1;
         self.stats.hits.store(self.hits, Ordering::Relaxed);
-        let stream = self.streams[i].spares.pop();
-        Some((ptr, stream, self.pool_spares.pop()))
+        Some((ptr, handles))
     }
 
-    /// Takes a free block of `class` from the bins of stream index `i`.
-    #[inline(always)]
-    fn take(&mut self, i: usize, class: usize) -> Option<u64> {
-        let s = &mut self.streams[i];
-        let ptr = s.bins.get_mut(class)?.pop()?;
-        let size = class_size(class);
-        s.bytes -= size;
-        s.blocks -= 1;
-        self.bytes -= size;
-        self.publish(i);
-        Some(ptr)
-    }
-
-    /// The free fast path: keeps a freed block of `class` of stream `id`, and the freed
-    /// buffer's handles as spares. Gives the handles back when the block does not fit
-    /// (unknown stream, full bin, over budget, reclaim asked): the caller takes the slow
-    /// path.
+    /// The free fast path: keeps a freed block of `class` of stream `id` with the freed
+    /// buffer's handles. Gives the handles back when the block does not fit (unknown
+    /// stream, bin full or not yet allocated, over budget, reclaim asked): the caller
+    /// takes the slow path.
     #[inline(always)]
     pub(crate) fn push(
         &mut self,
@@ -197,144 +235,141 @@ impl<B: Backend, P> ThreadCache<B, P> {
         ptr: u64,
         stream: B::Stream,
         pool: P,
-    ) -> Result<(), (B::Stream, P)> {
+    ) -> Result<(), Handles<B, P>> {
         if self.reclaim_requested() {
             return Err((stream, pool));
         }
         let Some(i) = self.find(id) else {
             return Err((stream, pool));
         };
-        if !self.put(i, class, ptr) {
-            return Err((stream, pool));
+        let mut handles = Some((stream, pool));
+        if self.put(i, class, ptr, &mut handles) {
+            return Ok(());
         }
-        self.keep_handles(i, stream, pool);
-        Ok(())
+        handles.map_or(Ok(()), Err)
     }
 
-    /// Puts a block of `class` into the bins of stream index `i` if the bin and the
-    /// budget have room.
+    /// Puts a block of `class` into the bins of slot `i`, taking `handles` with it, if its
+    /// bin (allocated) and the budget have room; false (`handles` untouched) if not.
     #[inline(always)]
-    fn put(&mut self, i: usize, class: usize, ptr: u64) -> bool {
-        let size = class_size(class);
-        let Some(&cap) = self.caps.get(class) else {
+    fn put(&mut self, i: usize, class: usize, ptr: u64, handles: &mut Option<Handles<B, P>>) -> bool {
+        let room = self.max_bytes - self.bytes;
+        let Some(bin) = self.bin(i, class) else {
             return false;
         };
-        if self.bytes + size > self.max_bytes {
+        let size = bin.size;
+        if bin.entries.len() >= bin.entries.capacity() || size > room {
             return false;
         }
-        let s = &mut self.streams[i];
-        let bin = &mut s.bins[class];
-        if bin.len() >= cap as usize {
-            return false;
-        }
-        if bin.capacity() == 0 {
-            bin.reserve_exact(cap as usize);
-        }
-        bin.push(ptr);
-        s.bytes += size;
-        s.blocks += 1;
-        self.bytes += size;
-        self.publish(i);
+        bin.entries.push((ptr, handles.take()));
+        self.count(i, 1, size);
         true
-    }
-
-    /// Keeps a freed buffer's handles as spares (drops them when there are enough: the
-    /// stream's own handle in the table keeps it alive, so this drop never destroys it).
-    #[inline(always)]
-    fn keep_handles(&mut self, i: usize, stream: B::Stream, pool: P) {
-        let spares = &mut self.streams[i].spares;
-        if spares.len() < SPARE_HANDLES {
-            spares.push(stream);
-        }
-        if self.pool_spares.len() < SPARE_HANDLES {
-            self.pool_spares.push(pool);
-        }
     }
 
     // ---- slow paths (called by the shared cache) --------------------------------------
 
-    /// The index of `stream`'s bins, making them if needed. Making them in a full table
-    /// evicts the stream holding least; its contents come back for the shared cache.
+    /// The slot of `stream`, making it if needed. Making one in a full table evicts the
+    /// stream holding least; its contents come back for the shared cache.
     pub(crate) fn entry(&mut self, stream: &B::Stream) -> (usize, Option<Evicted<B>>) {
         let id = B::stream_id(stream);
         if let Some(i) = self.find(id) {
             return (i, None);
         }
-        let fresh = |bins: Box<[Vec<u64>]>| StreamBins {
-            id,
-            stream: stream.clone(),
-            spares: Vec::new(),
-            bins,
-            bytes: 0,
-            blocks: 0,
+        let (i, evicted) = match self.ids.iter().position(Option::is_none) {
+            Some(i) => (i, None),
+            None => {
+                let i = (0..MAX_STREAMS).min_by_key(|&i| self.slot_bytes(i)).unwrap_or(0);
+                let blocks = self.drain_where(i, |_| true);
+                self.ids[i] = None;
+                let old = self.streams[i].take();
+                (i, old.map(|stream| Evicted { stream, blocks }))
+            }
         };
-        let (i, evicted) = if self.streams.len() < MAX_STREAMS {
-            let bins = (0..self.caps.len()).map(|_| Vec::new()).collect();
-            self.streams.push(fresh(bins));
-            (self.streams.len() - 1, None)
-        } else {
-            let (i, _) = self
-                .streams
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, s)| s.bytes)
-                .expect("a full table has entries");
-            let mut ev = self.drain(i);
-            let bins = core::mem::take(&mut self.streams[i].bins);
-            let old = core::mem::replace(&mut self.streams[i], fresh(bins));
-            ev.stream = old.stream;
-            ev.spares = old.spares;
-            (i, Some(ev))
-        };
+        let made = (i + 1) * self.classes;
+        if self.bins.len() < made {
+            let classes = self.classes;
+            let from = self.bins.len();
+            self.bins.extend((from..made).map(|k| Bin {
+                entries: Vec::new(),
+                size: class_size(k % classes),
+            }));
+        }
+        self.ids[i] = Some(id);
+        self.streams[i] = Some(stream.clone());
         self.stats.slots[i].id.store(id.get(), Ordering::Relaxed);
-        self.publish(i);
         self.last = i;
         (i, evicted)
     }
 
-    /// Takes every block of stream index `i` (its handles stay; the returned `stream` is
-    /// a clone, and `spares` is empty).
-    fn drain(&mut self, i: usize) -> Evicted<B> {
-        let s = &mut self.streams[i];
-        let blocks: Vec<(usize, Vec<u64>)> = s
-            .bins
-            .iter_mut()
-            .enumerate()
-            .filter(|(_, b)| !b.is_empty())
-            .map(|(c, b)| (c, core::mem::take(b)))
-            .collect();
-        self.bytes -= s.bytes;
-        s.bytes = 0;
-        s.blocks = 0;
-        let ev = Evicted {
-            stream: s.stream.clone(),
-            spares: Vec::new(),
-            blocks,
-        };
-        self.publish(i);
-        ev
+    /// Takes the blocks of the bins of slot `i` (and drops their handles) for which
+    /// `take(class)` says so.
+    fn drain_where(&mut self, i: usize, mut take: impl FnMut(usize) -> bool) -> Vec<(usize, Vec<u64>)> {
+        let mut out = Vec::new();
+        for c in 0..self.classes {
+            let Some(bin) = self.bin(i, c) else { break };
+            if bin.entries.is_empty() || !take(c) {
+                continue;
+            }
+            let (n, size) = (bin.entries.len(), bin.size);
+            out.push((c, bin.entries.drain(..).map(|(p, _)| p).collect()));
+            self.count(i, -(n as isize), size);
+        }
+        out
     }
 
-    /// Takes one block of `class` of stream `stream` (slow path: no handles).
+    /// A handle of slot `i`'s stream.
+    fn stream_of(&self, i: usize) -> Option<B::Stream> {
+        self.streams[i].clone()
+    }
+
+    /// Takes one block of `class` of stream `stream` (slow path: its handles dropped).
     pub(crate) fn take_block(&mut self, stream: &B::Stream, class: usize) -> Option<u64> {
         let i = self.find(B::stream_id(stream))?;
-        self.take(i, class)
+        self.take(i, class).map(|(p, _)| p)
     }
 
-    /// Keeps a block of `class` for stream index `i`; false when it does not fit.
+    /// Takes the newest block of `class` of slot `i`.
+    fn take(&mut self, i: usize, class: usize) -> Option<(u64, Option<Handles<B, P>>)> {
+        let bin = self.bin(i, class)?;
+        let taken = bin.entries.pop()?;
+        let size = bin.size;
+        self.count(i, -1, size);
+        Some(taken)
+    }
+
+    /// Keeps a block of `class` for slot `i` (with no handles; allocating the bin if
+    /// needed); false when it does not fit.
     pub(crate) fn put_block(&mut self, i: usize, class: usize, ptr: u64) -> bool {
-        self.put(i, class, ptr)
+        self.reserve_bin(i, class);
+        self.put(i, class, ptr, &mut None)
     }
 
-    /// Keeps handles of a freed buffer as spares for stream index `i`.
-    pub(crate) fn put_handles(&mut self, i: usize, stream: B::Stream, pool: Option<P>) {
-        let spares = &mut self.streams[i].spares;
-        if spares.len() < SPARE_HANDLES {
-            spares.push(stream);
+    /// Keeps a block of `class` for slot `i` with the freed buffer's handles (allocating
+    /// the bin if needed); gives them back when it does not fit.
+    pub(crate) fn put_block_with(
+        &mut self,
+        i: usize,
+        class: usize,
+        ptr: u64,
+        stream: B::Stream,
+        pool: P,
+    ) -> Result<(), Handles<B, P>> {
+        self.reserve_bin(i, class);
+        let mut handles = Some((stream, pool));
+        if self.put(i, class, ptr, &mut handles) {
+            return Ok(());
         }
-        if let Some(p) = pool {
-            if self.pool_spares.len() < SPARE_HANDLES {
-                self.pool_spares.push(p);
+        handles.map_or(Ok(()), Err)
+    }
+
+    /// Allocates the bin of `class` of slot `i` at its capacity, if not yet.
+    fn reserve_bin(&mut self, i: usize, class: usize) {
+        let Some(&cap) = self.caps.get(class) else {
+            return;
+        };
+        if let Some(bin) = self.bin(i, class) {
+            if bin.entries.capacity() == 0 {
+                bin.entries.reserve_exact(cap as usize);
             }
         }
     }
@@ -349,57 +384,46 @@ impl<B: Backend, P> ThreadCache<B, P> {
         (cap as usize).div_ceil(2).min(by_bytes)
     }
 
-    /// Whether a block of `class` for stream index `i` would fit now.
+    /// The number of blocks in the bin of `class` of slot `i`, and its capacity.
+    fn fill(&self, i: usize, class: usize) -> Option<(usize, usize)> {
+        let cap = *self.caps.get(class)? as usize;
+        let n = self.bins.get(i * self.classes + class)?.entries.len();
+        Some((n, cap))
+    }
+
+    /// Whether a block of `class` for slot `i` would fit now.
     pub(crate) fn has_room(&self, i: usize, class: usize) -> bool {
-        match self.caps.get(class) {
-            Some(&cap) => {
-                self.streams[i].bins[class].len() < cap as usize
-                    && self.bytes + class_size(class) <= self.max_bytes
-            }
-            None => false,
-        }
+        self.fill(i, class)
+            .is_some_and(|(n, cap)| n < cap && self.bytes + class_size(class) <= self.max_bytes)
     }
 
-    /// Whether the bin of `class` of stream index `i` holds as many blocks as it may.
+    /// Whether the bin of `class` of slot `i` holds as many blocks as it may.
     pub(crate) fn bin_is_full(&self, i: usize, class: usize) -> bool {
-        match self.caps.get(class) {
-            Some(&cap) => self.streams[i].bins[class].len() >= cap as usize,
-            None => true,
-        }
+        self.fill(i, class).is_none_or(|(n, cap)| n >= cap)
     }
 
-    /// Takes the older half (at least one) of the bin of `class` of stream index `i`.
+    /// Takes the older half (at least one) of the bin of `class` of slot `i`.
     pub(crate) fn take_half(&mut self, i: usize, class: usize) -> Vec<u64> {
-        let s = &mut self.streams[i];
-        let bin = &mut s.bins[class];
-        let n = bin.len().div_ceil(2);
-        let taken: Vec<u64> = bin.drain(..n).collect();
-        let bytes = n * class_size(class);
-        s.bytes -= bytes;
-        s.blocks -= n;
-        self.bytes -= bytes;
-        self.publish(i);
+        let Some(bin) = self.bin(i, class) else {
+            return Vec::new();
+        };
+        let (n, size) = (bin.entries.len().div_ceil(2), bin.size);
+        let taken: Vec<u64> = bin.entries.drain(..n).map(|(p, _)| p).collect();
+        self.count(i, -(n as isize), size);
         taken
     }
 
-    /// Takes every block except those of `class` of stream index `keep`: makes room
-    /// for the working set when stale classes fill the budget.
+    /// Takes every block except those of `class` of slot `keep`: makes room for the
+    /// working set when stale classes fill the budget.
     pub(crate) fn take_all_but(&mut self, keep: usize, class: usize) -> Vec<Evicted<B>> {
         let mut out = Vec::new();
-        for i in 0..self.streams.len() {
-            let kept = (i == keep).then(|| core::mem::take(&mut self.streams[i].bins[class]));
-            let ev = self.drain(i);
-            if let Some(bin) = kept {
-                let s = &mut self.streams[i];
-                let bytes = bin.len() * class_size(class);
-                s.blocks += bin.len();
-                s.bytes += bytes;
-                self.bytes += bytes;
-                s.bins[class] = bin;
-                self.publish(i);
+        for i in 0..MAX_STREAMS {
+            if self.ids[i].is_none() {
+                continue;
             }
-            if !ev.blocks.is_empty() {
-                out.push(ev);
+            let blocks = self.drain_where(i, |c| i != keep || c != class);
+            if let (false, Some(stream)) = (blocks.is_empty(), self.stream_of(i)) {
+                out.push(Evicted { stream, blocks });
             }
         }
         out
@@ -414,23 +438,14 @@ impl<B: Backend, P> ThreadCache<B, P> {
         class: usize,
         n: usize,
     ) -> Option<(B::Stream, Vec<u64>)> {
-        if !self.holds_class(class) {
-            return None;
-        }
-        let i = self
-            .streams
-            .iter()
-            .position(|s| s.id != not && !s.bins[class].is_empty())?;
-        let s = &mut self.streams[i];
-        let bin = &mut s.bins[class];
-        let k = n.clamp(1, bin.len());
-        let taken: Vec<u64> = bin.drain(..k).collect();
-        let bytes = k * class_size(class);
-        s.bytes -= bytes;
-        s.blocks -= k;
-        self.bytes -= bytes;
-        let stream = s.stream.clone();
-        self.publish(i);
+        let i = (0..MAX_STREAMS).find(|&i| {
+            self.ids[i].is_some_and(|id| id != not) && self.fill(i, class).is_some_and(|(k, _)| k > 0)
+        })?;
+        let stream = self.stream_of(i)?;
+        let bin = self.bin(i, class)?;
+        let (k, size) = (n.clamp(1, bin.entries.len()), bin.size);
+        let taken: Vec<u64> = bin.entries.drain(..k).map(|(p, _)| p).collect();
+        self.count(i, -(k as isize), size);
         Some((stream, taken))
     }
 
@@ -438,13 +453,16 @@ impl<B: Backend, P> ThreadCache<B, P> {
     /// is empty): (a handle of the block's stream, class, block) each.
     pub(crate) fn take_largest(&mut self, mut excess: usize) -> Vec<(B::Stream, usize, u64)> {
         let mut out = Vec::new();
-        let mut class = self.caps.len();
+        let mut class = self.classes;
         while excess > 0 && self.bytes > 0 && class > 0 {
             class -= 1;
-            for i in 0..self.streams.len() {
+            for i in 0..MAX_STREAMS {
+                let Some(stream) = self.stream_of(i) else { continue };
                 while excess > 0 {
-                    let Some(ptr) = self.take(i, class) else { break };
-                    out.push((self.streams[i].stream.clone(), class, ptr));
+                    let Some((ptr, _)) = self.take(i, class) else {
+                        break;
+                    };
+                    out.push((stream.clone(), class, ptr));
                     excess = excess.saturating_sub(class_size(class));
                 }
             }
@@ -455,30 +473,19 @@ impl<B: Backend, P> ThreadCache<B, P> {
     /// Takes everything: every stream's blocks and handles, leaving the cache empty
     /// (the thread exits, or another thread asked for its blocks). Clears the reclaim
     /// flag.
-    pub(crate) fn take_all(&mut self) -> (Vec<Evicted<B>>, Vec<P>) {
-        let mut out = Vec::with_capacity(self.streams.len());
-        for (i, mut s) in self.streams.drain(..).enumerate() {
-            let slot = &self.stats.slots[i];
-            slot.id.store(0, Ordering::Relaxed);
-            slot.bytes.store(0, Ordering::Relaxed);
-            slot.blocks.store(0, Ordering::Relaxed);
-            let blocks = s
-                .bins
-                .iter_mut()
-                .enumerate()
-                .filter(|(_, b)| !b.is_empty())
-                .map(|(c, b)| (c, core::mem::take(b)))
-                .collect();
-            out.push(Evicted {
-                stream: s.stream,
-                spares: s.spares,
-                blocks,
-            });
+    pub(crate) fn take_all(&mut self) -> Vec<Evicted<B>> {
+        let mut out = Vec::new();
+        for i in 0..MAX_STREAMS {
+            let blocks = self.drain_where(i, |_| true);
+            self.ids[i] = None;
+            self.stats.slots[i].id.store(0, Ordering::Relaxed);
+            if let Some(stream) = self.streams[i].take() {
+                out.push(Evicted { stream, blocks });
+            }
         }
-        self.bytes = 0;
         self.last = 0;
         self.stats.reclaim.store(false, Ordering::Relaxed);
-        (out, core::mem::take(&mut self.pool_spares))
+        out
     }
 
     /// Checks the byte counts against the bins (debug builds).
@@ -486,15 +493,24 @@ impl<B: Backend, P> ThreadCache<B, P> {
     pub(crate) fn debug_check(&self) {
         if cfg!(debug_assertions) {
             let mut total = 0;
-            for s in &self.streams {
-                let bytes: usize = s
-                    .bins
-                    .iter()
-                    .enumerate()
-                    .map(|(c, b)| b.len() * class_size(c))
-                    .sum();
-                let blocks: usize = s.bins.iter().map(Vec::len).sum();
-                debug_assert_eq!((bytes, blocks), (s.bytes, s.blocks), "stream {} counts", s.id);
+            for i in 0..MAX_STREAMS {
+                let bins = self.bins.iter().skip(i * self.classes).take(self.classes);
+                let (bytes, blocks) = bins.fold((0, 0), |(b, n), bin| {
+                    (b + bin.entries.len() * bin.size, n + bin.entries.len())
+                });
+                assert!(
+                    self.ids[i].is_some() || blocks == 0,
+                    "slot {i} is free but holds blocks"
+                );
+                let slot = &self.stats.slots[i];
+                debug_assert_eq!(
+                    (bytes as u64, blocks as u64),
+                    (
+                        slot.bytes.load(Ordering::Relaxed),
+                        slot.blocks.load(Ordering::Relaxed)
+                    ),
+                    "slot {i} counts"
+                );
                 total += bytes;
             }
             debug_assert!(

@@ -179,19 +179,19 @@ unsafe impl Fence for AfterCopyFence {
             None => Ok(false),
             Some(Point::Recorded(event)) => event.is_complete(),
             Some(Point::Synchronized) => Ok(true),
-            Some(Point::Failed(e)) => Err(*e),
+            Some(Point::Failed(e)) => Err(e.clone()),
         }
     }
     fn wait(&self) -> Result<()> {
         match self.0.seal() {
             Point::Recorded(event) => event.synchronize(),
             Point::Synchronized => Ok(()),
-            Point::Failed(e) => Err(*e),
+            Point::Failed(e) => Err(e.clone()),
         }
     }
     fn seal(&self) -> Result<()> {
         match self.0.seal() {
-            Point::Failed(e) => Err(*e),
+            Point::Failed(e) => Err(e.clone()),
             _ => Ok(()),
         }
     }

@@ -304,7 +304,7 @@ impl<S: MemorySource> Shared<S> {
     /// A fresh segment of `room` bytes (at least `need`) with a block of `need` bytes
     /// aligned to `align` taken from its start.
     fn alloc_large_fresh(&self, need: usize, align: usize, room: usize) -> Result<LargeTaken> {
-        let too_large = Error::TooLarge {
+        let too_large = || Error::TooLarge {
             requested: room,
             limit: isize::MAX as usize,
         };
@@ -314,10 +314,10 @@ impl<S: MemorySource> Shared<S> {
         let mut total = if align <= self.source.align().max(PAGE_SIZE) {
             room
         } else {
-            room.checked_add(align).ok_or(too_large)?
+            room.checked_add(align).ok_or_else(too_large)?
         };
         if total > isize::MAX as usize {
-            return Err(too_large);
+            return Err(too_large());
         }
         let mut base = self.source_alloc(total)?;
         let fits = |base: BlockPtr, total: usize| {
@@ -326,7 +326,7 @@ impl<S: MemorySource> Shared<S> {
         if !fits(base, total) {
             // SAFETY: allocated just above and never handed out.
             unsafe { self.source_free(base, total) };
-            total = room.checked_add(align).ok_or(too_large)?;
+            total = room.checked_add(align).ok_or_else(too_large)?;
             base = self.source_alloc(total)?;
             if !fits(base, total) {
                 // SAFETY: as above.

@@ -282,11 +282,8 @@ impl CacheCore {
 /// The thread-local table of caches, one per pool slot.
 pub(crate) mod tls {
     use super::{CacheCore, ThreadStats};
-    use crate::sync::global::{AtomicU64, Ordering};
-    use crate::sync::{thread_local_const, Arc, UnsafeCell};
-
-    /// Pools that get a thread cache; later ones (while 64 are alive) use shared lists.
-    pub(crate) const SLOTS: usize = 64;
+    use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
+    use crate::sync::{thread_local_const, Arc};
 
     /// The shared state a cache flushes into: its pool's, type-erased.
     pub(crate) trait CacheOwner: Send + Sync {
@@ -310,39 +307,18 @@ pub(crate) mod tls {
         }
     }
 
-    struct Table {
-        slots: [UnsafeCell<Option<Box<CacheEntry>>>; SLOTS],
-    }
-
-    impl Drop for Table {
-        fn drop(&mut self) {
-            for slot in &self.slots {
-                // SAFETY: the table is being destroyed on its own thread; no borrow of a
-                // slot is live (borrows never outlive `with_entry`/`swap`).
-                let entry = slot.with_mut(|p| unsafe { (*p).take() });
-                drop(entry);
-            }
-        }
-    }
-
-    impl Table {
-        #[cfg(not(loom))]
-        const fn new() -> Self {
-            Self {
-                slots: [const { UnsafeCell::new(None) }; SLOTS],
-            }
-        }
-        #[cfg(loom)]
-        fn new() -> Self {
-            Self {
-                slots: core::array::from_fn(|_| UnsafeCell::new(None)),
-            }
+    impl SlotEntry for CacheEntry {
+        fn uid(&self) -> u64 {
+            self.uid
         }
     }
 
     thread_local_const! {
-        static TABLE: Table = Table::new();
+        static TABLE: SlotTable<CacheEntry> = SlotTable::new();
     }
+
+    /// The slots of host pools (64: later ones, while 64 are alive, use shared lists).
+    static SLOTS: SlotBits = SlotBits::new();
 
     /// Runs `f` on this thread's cache for the pool `uid` in `slot`, if there is one.
     /// `None` when the slot is empty or holds another pool's cache, or while the thread's
@@ -355,15 +331,8 @@ pub(crate) mod tls {
     pub(crate) fn with_entry<R>(slot: usize, uid: u64, f: impl FnOnce(&mut CacheCore) -> R) -> Option<R> {
         TABLE
             .try_with(|t| {
-                t.slots[slot].with_mut(|p| {
-                    // SAFETY: the table is thread-local, so only this thread reaches the
-                    // slot, and no other borrow of it is live: borrows are confined to
-                    // this function and `swap`, whose closures do not re-enter the table.
-                    match unsafe { &mut *p } {
-                        Some(e) if e.uid == uid => Some(f(&mut e.core)),
-                        _ => None,
-                    }
-                })
+                // SAFETY: `f` does not reach the table (this function's contract, above).
+                unsafe { t.with(slot, uid, |e| f(&mut e.core)) }
             })
             .ok()
             .flatten()
@@ -374,10 +343,7 @@ pub(crate) mod tls {
     /// entry, or `entry` itself while the thread's locals are being destroyed.
     pub(crate) fn swap(slot: usize, entry: Option<Box<CacheEntry>>) -> Option<Box<CacheEntry>> {
         let mut entry = Some(entry);
-        let swapped = TABLE.try_with(|t| {
-            // SAFETY: as in `with_entry`: thread-local, no other borrow live.
-            t.slots[slot].with_mut(|p| core::mem::replace(unsafe { &mut *p }, entry.take().flatten()))
-        });
+        let swapped = TABLE.try_with(|t| t.replace(slot, entry.take().flatten()));
         swapped.unwrap_or_else(|_| entry.flatten())
     }
 
@@ -386,31 +352,13 @@ pub(crate) mod tls {
         with_entry(slot, uid, |_| ()).is_some()
     }
 
-    static SLOT_BITS: AtomicU64 = AtomicU64::new(0);
-    const _: () = assert!(SLOTS == 64, "one bit per slot in SLOT_BITS");
-
     /// Takes a free slot, if any.
     pub(crate) fn acquire_slot() -> Option<usize> {
-        let mut bits = SLOT_BITS.load(Ordering::Relaxed);
-        loop {
-            let free = (!bits).trailing_zeros() as usize;
-            if free >= SLOTS {
-                return None;
-            }
-            match SLOT_BITS.compare_exchange_weak(
-                bits,
-                bits | 1 << free,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Some(free),
-                Err(now) => bits = now,
-            }
-        }
+        SLOTS.acquire()
     }
 
     /// Gives a slot back (its stale entries in other threads are found by their uid).
     pub(crate) fn release_slot(slot: usize) {
-        SLOT_BITS.fetch_and(!(1 << slot), Ordering::Relaxed);
+        SLOTS.release(slot);
     }
 }

@@ -1,5 +1,8 @@
 //! Typed device buffers from stream-ordered device pools.
 
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
 use cudalloc::cuda::Stream;
 use cudalloc::device::{DeviceBuffer, DevicePool, DevicePoolConfig};
 use cudalloc::Error;
@@ -10,12 +13,76 @@ pub fn stream() -> Stream {
     Stream::new(0).unwrap()
 }
 
-/// Queues `ms` milliseconds of delay on `stream` (a host function that sleeps): work
-/// queued after it runs that much later, so a race test can show a copy landing late.
-pub fn delay(stream: &Stream, ms: u64) {
-    stream
-        .launch_host_fn(move || std::thread::sleep(std::time::Duration::from_millis(ms)))
-        .unwrap();
+/// A host function queued on a stream that holds the stream until the gate is opened:
+/// work queued on the stream behind it waits, and so does work on other streams ordered
+/// after it by events. A race test queues the late access behind a gate, queues the
+/// conflicting access on another stream, lets that stream run (or sees that it cannot),
+/// and only then opens the gate: the outcome does not depend on timing.
+///
+/// Never hangs the GPU: dropping the gate (a failing test included) opens it, and the
+/// host function gives up waiting after 10 s.
+pub struct Gate {
+    open: Arc<(Mutex<bool>, Condvar)>,
+}
+
+impl Gate {
+    /// Queues a closed gate on `stream`.
+    pub fn hold(stream: &Stream) -> Gate {
+        let open = Arc::new((Mutex::new(false), Condvar::new()));
+        let held = open.clone();
+        stream
+            .launch_host_fn(move || {
+                let (lock, cv) = &*held;
+                let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = cv.wait_timeout_while(guard, Duration::from_secs(10), |open| !*open);
+            })
+            .unwrap();
+        Gate { open }
+    }
+
+    /// Opens the gate: the stream goes on.
+    pub fn open(&self) {
+        let (lock, cv) = &*self.open;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cv.notify_all();
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
+/// Whether all work queued on `stream` completes within `timeout` (polled, never a
+/// blocking synchronize: the stream may be held behind a closed [`Gate`]).
+pub fn finishes_within(stream: &Stream, timeout: Duration) -> bool {
+    let t0 = Instant::now();
+    loop {
+        if stream.is_idle().unwrap() {
+            return true;
+        }
+        if t0.elapsed() >= timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// How long a race test lets the conflicting stream run before it opens the gate: ample
+/// for a 64 MiB memset (tens of microseconds on the H200) on a loaded machine.
+pub const RUN_FOR: Duration = Duration::from_millis(500);
+
+/// Queues a fill of the `len` bytes at `ptr` with `value` on `stream` (`cuMemsetD8Async`:
+/// a device operation, ordered only by streams and events, unlike a copy from pageable
+/// host memory, which the driver may serialize with other streams).
+///
+/// # Safety
+/// 1. `ptr..ptr + len` is device memory of the stream's device that stays allocated until
+///    the fill has run (a block the caller owns, or one whose reuse the test studies).
+pub unsafe fn fill(ptr: u64, value: u8, len: usize, stream: &Stream) {
+    // SAFETY: obligation 1; the host never touches device memory.
+    unsafe { cudalloc::cuda::memset_d8_async(ptr, value, len, stream) }.unwrap();
 }
 
 /// How many bytes of `data` differ from `expected`.
@@ -133,11 +200,9 @@ fn release_threshold_zero_returns_memory_at_synchronization() {
     gpu!();
     let pool = DevicePool::new(
         0,
-        DevicePoolConfig {
-            release_threshold: 0,
-            cache: false,
-            ..Default::default()
-        },
+        DevicePoolConfig::default()
+            .with_release_threshold(0)
+            .with_cache(false),
     )
     .unwrap();
     let s = stream();
@@ -153,21 +218,14 @@ fn release_threshold_zero_returns_memory_at_synchronization() {
 #[test]
 fn bad_requests_fail_cleanly_and_the_pool_goes_on() {
     gpu!();
-    let pool = DevicePool::new(
-        0,
-        DevicePoolConfig {
-            limit: 64 * MIB,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let pool = DevicePool::new(0, DevicePoolConfig::default().with_limit(64 * MIB)).unwrap();
     let s = stream();
     // Past the pool's limit; past the device and past the address space (refused before
     // any driver allocation, which could fill the device for everyone while it tries).
     let e = pool.alloc::<u8>(128 * MIB, &s).unwrap_err();
     println!("past the limit: {e}");
     assert!(
-        matches!(e, Error::DeviceOutOfMemory { device: 0, requested, memory } if requested == 128 * MIB && memory.limit_bytes == 64 * MIB as u64),
+        matches!(&e, Error::DeviceOutOfMemory { device: 0, requested, memory } if *requested == 128 * MIB && memory.limit_bytes == Some(64 * MIB as u64)),
         "{e:?}"
     );
     assert!(e.to_string().contains("device 0"), "{e}");
@@ -218,7 +276,9 @@ fn bad_requests_fail_cleanly_and_the_pool_goes_on() {
 #[test]
 fn threads_with_their_own_streams_share_a_pool() {
     gpu!();
-    let pool = DevicePool::get(0).unwrap();
+    // A pool of its own: the process-wide pool and the global drop-error counter are
+    // shared with tests running at the same time (fault-injection tests count errors).
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
     std::thread::scope(|sc| {
         for t in 0..8u32 {
             let pool = pool.clone();
@@ -234,6 +294,14 @@ fn threads_with_their_own_streams_share_a_pool() {
             });
         }
     });
+    let st = pool.stats();
+    println!("{st}");
+    // Each thread's sizes cross at most one class boundary: at most two allocations per
+    // thread are not hits from its own bin.
+    assert!(st.hits >= 8 * 48, "{st:?}");
+    assert_eq!((st.failures, st.abandoned_bytes), (0, 0), "{st:?}");
+    assert_eq!((st.live_buffers, st.live_bytes), (0, 0), "{st:?}");
+    assert_eq!(st.held_bytes, st.cached_bytes + st.pending_bytes, "{st:?}");
     assert_eq!(
         cudalloc::cuda::drop_errors(),
         0,

@@ -5,7 +5,7 @@ use cudalloc::cuda::copy_async;
 use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
-use crate::device::{delay, mismatches, stream};
+use crate::device::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
 
 const N: usize = 16 << 20;
 
@@ -71,9 +71,11 @@ fn a_same_stream_reset_waits_for_nothing_and_reuses_the_memory() {
     assert_eq!(pool.stats().misses, 1, "one chunk from the driver pool, once");
 }
 
-/// A slice read on T behind a delay, the arena reset, the memory reused on the arena's
-/// stream and overwritten: returns the bytes T read wrong.
-fn foreign_use_race(guard: bool) -> usize {
+/// A slice read on T behind a gate, the arena reset, the memory reused on the arena's
+/// stream and overwritten (device operations on both streams, ordered by nothing but the
+/// arena's events): returns the bytes T read wrong and whether the arena's stream finished
+/// its write before T's read could run.
+fn foreign_use_race(guard: bool) -> (usize, bool) {
     let pool = pool();
     let (s, t) = (stream(), stream());
     let mut arena = DeviceArena::new(&pool, &s).unwrap();
@@ -82,10 +84,13 @@ fn foreign_use_race(guard: bool) -> usize {
     #[cfg(not(feature = "test-hooks"))]
     assert!(guard, "the negative control needs the test-hooks feature");
     let z = pool.alloc::<u8>(N, &t).unwrap();
+    let gate;
     let old = {
-        let mut a = arena.alloc::<u8>(N).unwrap();
-        a.copy_from_host(&vec![0xAAu8; N]).unwrap();
-        delay(&t, 20);
+        let a = arena.alloc::<u8>(N).unwrap();
+        // SAFETY: the slice's memory, on the arena's stream.
+        unsafe { fill(a.device_ptr(), 0xAA, N, &s) };
+        s.synchronize().unwrap(); // T reads it after this
+        gate = Gate::hold(&t);
         // SAFETY: both are N-byte ranges of device 0; the arena is told of the use on `t`
         // below, so its memory is reused only after this copy (with the guard on).
         unsafe { copy_async(z.device_ptr(), 0, a.device_ptr(), 0, N, &t) }.unwrap();
@@ -94,33 +99,39 @@ fn foreign_use_race(guard: bool) -> usize {
     };
     assert_eq!(arena.stats().foreign_streams, 1);
     arena.reset();
-    let mut b = arena.alloc::<u8>(N).unwrap();
+    let b = arena.alloc::<u8>(N).unwrap();
     assert_eq!(b.device_ptr(), old);
-    b.copy_from_host(&vec![0xBBu8; N]).unwrap();
+    // SAFETY: the slice's memory, on the arena's stream (after the reset's waits).
+    unsafe { fill(b.device_ptr(), 0xBB, N, &s) };
+    let ran_ahead = finishes_within(&s, RUN_FOR);
+    gate.open();
     t.synchronize().unwrap();
+    s.synchronize().unwrap();
     let bad = mismatches(&z.to_vec().unwrap(), 0xAA);
     println!(
-        "arena reset after a use on another stream (event {}): {bad} of {N} bytes read wrong; {:?}",
+        "arena reset after a use on another stream (event {}): the arena's stream finished \
+         before T's read: {ran_ahead}; {bad} of {N} bytes read wrong; {:?}",
         if guard { "on" } else { "off" },
         arena.stats()
     );
-    bad
+    (bad, ran_ahead)
 }
 
 #[test]
 fn a_reset_after_a_foreign_use_waits_for_it() {
     gpu!();
-    assert_eq!(foreign_use_race(true), 0);
+    let (bad, ran_ahead) = foreign_use_race(true);
+    assert!(!ran_ahead, "the arena's stream waited for T's read");
+    assert_eq!(bad, 0);
 }
 
 #[cfg(feature = "test-hooks")]
 #[test]
 fn without_the_event_a_reset_after_a_foreign_use_corrupts() {
     gpu!();
-    assert!(
-        foreign_use_race(false) > 0,
-        "negative control: no corruption without the event"
-    );
+    let (bad, ran_ahead) = foreign_use_race(false);
+    assert!(ran_ahead, "nothing held the arena's stream");
+    assert_eq!(bad, N, "negative control: every byte read wrong");
 }
 
 #[test]
@@ -130,10 +141,13 @@ fn dropping_an_arena_orders_its_free_after_foreign_uses() {
     let (s, t) = (stream(), stream());
     let z = pool.alloc::<u8>(N, &t).unwrap();
     let arena = DeviceArena::with_chunk_size(&pool, &s, N).unwrap();
+    let gate;
     let old = {
-        let mut a = arena.alloc::<u8>(N).unwrap();
-        a.copy_from_host(&vec![0xAAu8; N]).unwrap();
-        delay(&t, 20);
+        let a = arena.alloc::<u8>(N).unwrap();
+        // SAFETY: the slice's memory, on the arena's stream.
+        unsafe { fill(a.device_ptr(), 0xAA, N, &s) };
+        s.synchronize().unwrap();
+        gate = Gate::hold(&t);
         // SAFETY: as above; the arena's drop orders the chunk's free after this copy.
         unsafe { copy_async(z.device_ptr(), 0, a.device_ptr(), 0, N, &t) }.unwrap();
         a.record_use(&t);
@@ -141,10 +155,15 @@ fn dropping_an_arena_orders_its_free_after_foreign_uses() {
     };
     drop(arena);
     // The chunk went back to the pool on S: the next allocation of its size on S gets it.
-    let mut w = pool.alloc::<u8>(N, &s).unwrap();
+    let w = pool.alloc::<u8>(N, &s).unwrap();
     assert_eq!(w.device_ptr(), old);
-    w.copy_from_host(&vec![0xBBu8; N]).unwrap();
+    // SAFETY: w's block, on its own stream (ordered after T's read by the arena's drop).
+    unsafe { fill(w.device_ptr(), 0xBB, N, &s) };
+    let ran_ahead = finishes_within(&s, RUN_FOR);
+    gate.open();
     t.synchronize().unwrap();
+    s.synchronize().unwrap();
+    assert!(!ran_ahead, "S waited for T's read");
     assert_eq!(mismatches(&z.to_vec().unwrap(), 0xAA), 0);
 }
 

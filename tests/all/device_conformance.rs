@@ -17,14 +17,7 @@ fn pools() -> Vec<(&'static str, DevicePool)> {
         ("cached", DevicePool::new(0, DevicePoolConfig::default()).unwrap()),
         (
             "shared lists only",
-            DevicePool::new(
-                0,
-                DevicePoolConfig {
-                    thread_cache_bytes: 0,
-                    ..Default::default()
-                },
-            )
-            .unwrap(),
+            DevicePool::new(0, DevicePoolConfig::default().with_thread_cache_bytes(0)).unwrap(),
         ),
         ("uncached", DevicePool::uncached(0).unwrap()),
     ]

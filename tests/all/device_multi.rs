@@ -6,7 +6,7 @@ use cudalloc::cuda::{can_access_peer, copy_async, Stream};
 use cudalloc::device::{DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
-use crate::device::{delay, gpus, mismatches};
+use crate::device::{fill, finishes_within, gpus, mismatches, Gate, RUN_FOR};
 
 const MIB: usize = 1 << 20;
 
@@ -83,7 +83,7 @@ fn peer_copies_are_correct_both_ways() {
 }
 
 #[test]
-fn a_peer_copy_behind_a_delay_still_reads_the_old_contents() {
+fn a_peer_copy_behind_a_gate_still_reads_the_old_contents() {
     two_gpus!();
     let (p0, p1) = (DevicePool::get(0).unwrap(), DevicePool::get(1).unwrap());
     if can_access_peer(0, 1).unwrap() {
@@ -91,16 +91,25 @@ fn a_peer_copy_behind_a_delay_still_reads_the_old_contents() {
     }
     let (s0, s1) = (Stream::new(0).unwrap(), Stream::new(1).unwrap());
     let n = 64 * MIB;
-    let src = p1.from_host(&vec![0xAAu8; n], &s1).unwrap();
+    let src = p1.alloc::<u8>(n, &s1).unwrap();
+    // SAFETY: src's block, on its own stream.
+    unsafe { fill(src.device_ptr(), 0xAA, n, &s1) };
     let mut dst = p0.alloc::<u8>(n, &s0).unwrap();
-    delay(&s0, 20);
+    let gate = Gate::hold(&s0);
     dst.copy_from_device(&src).unwrap();
     let old = src.device_ptr();
     drop(src);
-    let mut w = p1.alloc::<u8>(n, &s1).unwrap();
+    let w = p1.alloc::<u8>(n, &s1).unwrap();
     assert_eq!(w.device_ptr(), old);
-    w.copy_from_host(&vec![0xBBu8; n]).unwrap();
-    assert_eq!(mismatches(&dst.to_vec().unwrap(), 0xAA), 0);
+    // SAFETY: w's block, on its own stream (which waits for the peer copy first).
+    unsafe { fill(w.device_ptr(), 0xBB, n, &s1) };
+    let ran_ahead = finishes_within(&s1, RUN_FOR);
+    gate.open();
+    let bad = mismatches(&dst.to_vec().unwrap(), 0xAA);
+    s1.synchronize().unwrap();
+    println!("peer copy behind a gate: device 1's stream finished first: {ran_ahead}; {bad} of {n} bytes read wrong");
+    assert!(!ran_ahead, "device 1's stream waited for the copy");
+    assert_eq!(bad, 0);
 }
 
 #[test]
@@ -112,16 +121,24 @@ fn a_buffer_read_by_a_peer_is_declared_and_waited_for() {
     }
     let (s0, s1) = (Stream::new(0).unwrap(), Stream::new(1).unwrap());
     let n = 16 * MIB;
-    let mut x = p0.from_host(&vec![0xAAu8; n], &s0).unwrap();
+    let mut x = p0.alloc::<u8>(n, &s0).unwrap();
+    // SAFETY: x's block, on its own stream.
+    unsafe { fill(x.device_ptr(), 0xAA, n, &s0) };
+    s0.synchronize().unwrap(); // s1 reads x after this
     let z = p1.alloc::<u8>(n, &s1).unwrap();
-    delay(&s1, 20);
+    let gate = Gate::hold(&s1);
     // SAFETY: x (device 0) and z (device 1) are n bytes; x is declared used on s1 below,
     // so its block is reused only after this copy.
     unsafe { copy_async(z.device_ptr(), 1, x.device_ptr(), 0, n, &s1) }.unwrap();
     x.record_use(&s1);
+    let old = x.device_ptr();
     drop(x);
-    let mut w = p0.alloc::<u8>(n, &s0).unwrap();
-    w.copy_from_host(&vec![0xBBu8; n]).unwrap();
+    let w = p0.alloc::<u8>(n, &s0).unwrap();
+    assert_ne!(w.device_ptr(), old, "x's block waits for device 1's read");
+    // SAFETY: w's block, on its own stream.
+    unsafe { fill(w.device_ptr(), 0xBB, n, &s0) };
+    gate.open();
     s1.synchronize().unwrap();
+    s0.synchronize().unwrap();
     assert_eq!(mismatches(&z.to_vec().unwrap(), 0xAA), 0);
 }

@@ -1,57 +1,81 @@
 //! Cross-stream reuse races, with the device pool's events and (under the `test-hooks`
-//! feature) without them as negative controls. Each test queues ~20 ms of delay ahead of
-//! the copy that uses the old block, so that without the event the new owner's write
-//! lands first: with nothing queued ahead, the DMA outruns the host and no race shows.
+//! feature) without them as negative controls.
+//!
+//! Every recipe is two device operations on two streams that nothing orders but the
+//! pool's events: the late access queued behind a closed [`Gate`] on one stream, the
+//! conflicting write (`cuMemsetD8Async`) on the other. The test lets the other stream run
+//! for a while, then opens the gate. Without the event the write runs at once and the late
+//! access lands after it: every byte is corrupted. With the event the other stream cannot
+//! run until the gate opens (the test checks that it did not), and no byte is. Nothing
+//! depends on timing, and nothing copies from pageable host memory, which the driver may
+//! serialize with other streams (that hid the races in the first version of these tests).
 
 use cudalloc::cuda::{copy_async, Stream};
 use cudalloc::device::{DevicePool, DevicePoolConfig};
 
-use crate::device::{delay, mismatches, stream};
+use crate::device::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
 
 const N: usize = 64 << 20;
 
 fn pool(thread_cache: bool) -> DevicePool {
     DevicePool::new(
         0,
-        DevicePoolConfig {
-            thread_cache_bytes: if thread_cache { 256 << 20 } else { 0 },
-            ..Default::default()
-        },
+        DevicePoolConfig::default().with_thread_cache_bytes(if thread_cache { 256 << 20 } else { 0 }),
     )
     .unwrap()
 }
 
-/// A block written on S behind a delay, freed, then taken by T and written there: returns
-/// the bytes of T's data that S's late write destroyed.
-fn steal_race(pool: &DevicePool, guard: bool) -> usize {
+fn set_guard(pool: &DevicePool, guard: bool) {
     #[cfg(feature = "test-hooks")]
     pool.set_event_guard(guard);
     #[cfg(not(feature = "test-hooks"))]
-    assert!(guard, "the negative control needs the test-hooks feature");
+    assert!(
+        guard,
+        "the negative control needs the test-hooks feature: {pool:?}"
+    );
+}
+
+/// What a race recipe saw.
+struct Race {
+    /// Bytes that ended up wrong.
+    bad: usize,
+    /// Whether the stream of the conflicting write finished before the gate opened.
+    ran_ahead: bool,
+}
+
+/// S writes 0xAA into its block behind a gate and frees it; T takes the block and writes
+/// 0xBB. T's data is corrupted if S's late write lands after it.
+fn steal_race(pool: &DevicePool, guard: bool) -> Race {
+    set_guard(pool, guard);
     let (s, t) = (stream(), stream());
-    let a = pool.from_host(&vec![0xAAu8; N], &s).unwrap();
-    let mut x = pool.alloc::<u8>(N, &s).unwrap();
-    delay(&s, 20);
-    x.copy_from_device(&a).unwrap(); // lands on x's block 20 ms from now
+    let x = pool.alloc::<u8>(N, &s).unwrap();
+    let gate = Gate::hold(&s);
+    // SAFETY: x's block, written on its own stream; the pool frees it in S's order.
+    unsafe { fill(x.device_ptr(), 0xAA, N, &s) };
     let old = x.device_ptr();
     drop(x);
-    let mut y = pool.alloc::<u8>(N, &t).unwrap();
+    let y = pool.alloc::<u8>(N, &t).unwrap();
     assert_eq!(
         y.device_ptr(),
         old,
         "T must take S's block for the test to mean anything"
     );
-    y.copy_from_host(&vec![0xBBu8; N]).unwrap();
+    // SAFETY: y's block, written on its own stream.
+    unsafe { fill(y.device_ptr(), 0xBB, N, &t) };
+    let ran_ahead = finishes_within(&t, RUN_FOR);
+    gate.open();
     s.synchronize().unwrap();
+    t.synchronize().unwrap();
     let bad = mismatches(&y.to_vec().unwrap(), 0xBB);
     let st = pool.stats();
     println!(
-        "cross-stream take (event {}): {bad} of {N} bytes corrupted; {} takes, {} events",
+        "cross-stream take (event {}): T finished before S's late write: {ran_ahead}; {bad} of {N} \
+         bytes corrupted; {} takes, {} events",
         if guard { "on" } else { "off" },
         st.steals,
         st.events
     );
-    bad
+    Race { bad, ran_ahead }
 }
 
 #[test]
@@ -59,7 +83,12 @@ fn a_block_freed_on_one_stream_is_taken_by_another_only_after_its_work() {
     gpu!();
     for thread_cache in [true, false] {
         let pool = pool(thread_cache);
-        assert_eq!(steal_race(&pool, true), 0, "thread cache: {thread_cache}");
+        let race = steal_race(&pool, true);
+        assert!(
+            !race.ran_ahead,
+            "T waited for S's work (thread cache: {thread_cache})"
+        );
+        assert_eq!(race.bad, 0, "thread cache: {thread_cache}");
         assert_eq!(pool.stats().steals, 1);
         assert_eq!(
             pool.stats().events,
@@ -75,25 +104,28 @@ fn without_the_event_a_taken_block_is_corrupted() {
     gpu!();
     for thread_cache in [true, false] {
         let pool = pool(thread_cache);
-        let bad = steal_race(&pool, false);
-        assert!(
-            bad > 0,
-            "negative control: no corruption without the event (thread cache: {thread_cache})"
+        let race = steal_race(&pool, false);
+        assert!(race.ran_ahead, "nothing held T (thread cache: {thread_cache})");
+        assert_eq!(
+            race.bad, N,
+            "negative control: every byte corrupted (thread cache: {thread_cache})"
         );
     }
 }
 
-/// A block read on T behind a delay (declared with `record_use` when `declare`), freed on
-/// S, then reused on S and overwritten: returns the bytes T read wrong.
-fn record_use_race(pool: &DevicePool, guard: bool) -> (usize, bool) {
-    #[cfg(feature = "test-hooks")]
-    pool.set_event_guard(guard);
-    #[cfg(not(feature = "test-hooks"))]
-    assert!(guard, "the negative control needs the test-hooks feature");
+/// S's block x holds 0xAA; T copies it into z behind a gate (declared with `record_use`);
+/// x is freed and the next allocation on S writes 0xBB into what it gets. T reads wrong
+/// bytes if it is x's block and S's write lands first. Also returns whether the block was
+/// gated after the free and whether S reused it at once.
+fn record_use_race(pool: &DevicePool, guard: bool) -> (Race, u64, bool) {
+    set_guard(pool, guard);
     let (s, t) = (stream(), stream());
-    let mut x = pool.from_host(&vec![0xAAu8; N], &s).unwrap();
+    let mut x = pool.alloc::<u8>(N, &s).unwrap();
+    // SAFETY: x's block, on its own stream.
+    unsafe { fill(x.device_ptr(), 0xAA, N, &s) };
+    s.synchronize().unwrap(); // T reads x after this
     let z = pool.alloc::<u8>(N, &t).unwrap();
-    delay(&t, 20);
+    let gate = Gate::hold(&t);
     // SAFETY: both are N-byte blocks of device 0; `x` is declared used on `t` below, so
     // its block is not reused before this copy (with the guard on); `z` lives on `t`.
     unsafe { copy_async(z.device_ptr(), 0, x.device_ptr(), 0, N, &t) }.unwrap();
@@ -101,25 +133,33 @@ fn record_use_race(pool: &DevicePool, guard: bool) -> (usize, bool) {
     let old = x.device_ptr();
     drop(x);
     let pending = pool.stats().pending_blocks;
-    let mut w = pool.alloc::<u8>(N, &s).unwrap();
+    let w = pool.alloc::<u8>(N, &s).unwrap();
     let reused = w.device_ptr() == old;
-    w.copy_from_host(&vec![0xBBu8; N]).unwrap();
+    // SAFETY: w's block, on its own stream.
+    unsafe { fill(w.device_ptr(), 0xBB, N, &s) };
+    let ran_ahead = finishes_within(&s, RUN_FOR);
+    gate.open();
     t.synchronize().unwrap();
+    s.synchronize().unwrap();
     let bad = mismatches(&z.to_vec().unwrap(), 0xAA);
     println!(
-        "record_use (event {}): block pending after the free: {pending}, reused at once: {reused}, {bad} of {N} bytes read wrong",
+        "record_use (event {}): block pending after the free: {pending}, reused at once: {reused}, \
+         S finished before T's read: {ran_ahead}; {bad} of {N} bytes read wrong",
         if guard { "on" } else { "off" }
     );
-    (bad, reused)
+    (Race { bad, ran_ahead }, pending, reused)
 }
 
 #[test]
 fn a_block_used_on_another_stream_is_reused_after_that_work() {
     gpu!();
     let pool = pool(true);
-    let (bad, reused) = record_use_race(&pool, true);
-    assert_eq!(bad, 0);
+    let (race, pending, reused) = record_use_race(&pool, true);
+    // T's read is held by the gate, so its event cannot have completed at the allocation:
+    // the block must still be waiting, and S gets another one.
+    assert_eq!(pending, 1, "the freed block waits for T");
     assert!(!reused, "the block waited for the other stream");
+    assert_eq!(race.bad, 0);
     // Once the use completed, the next miss moves the block back to its stream's list.
     let st = pool.stats();
     assert_eq!(st.pending_blocks, 1, "stats() has no side effect: {st:?}");
@@ -133,29 +173,38 @@ fn a_block_used_on_another_stream_is_reused_after_that_work() {
 fn without_the_event_a_block_used_on_another_stream_is_corrupted() {
     gpu!();
     let pool = pool(true);
-    let (bad, reused) = record_use_race(&pool, false);
+    let (race, pending, reused) = record_use_race(&pool, false);
+    assert_eq!(pending, 0);
     assert!(reused);
-    assert!(bad > 0, "negative control: no corruption without the event");
+    assert!(race.ran_ahead, "nothing held S");
+    assert_eq!(race.bad, N, "negative control: every byte read wrong");
 }
 
 #[test]
 fn a_device_copy_orders_both_streams() {
     gpu!();
-    // dst on T copies from src on S behind a delay; src is dropped at once and its block
-    // reused on S and overwritten: the copy must still read the old contents.
+    // dst on T copies from src on S behind a gate; src is dropped at once and its block
+    // reused on S and overwritten: S must wait for the copy, which reads the old contents.
     let pool = pool(true);
     let (s, t) = (stream(), stream());
-    let src = pool.from_host(&vec![0xAAu8; N], &s).unwrap();
+    let src = pool.alloc::<u8>(N, &s).unwrap();
+    // SAFETY: src's block, on its own stream.
+    unsafe { fill(src.device_ptr(), 0xAA, N, &s) };
     let mut dst = pool.alloc::<u8>(N, &t).unwrap();
-    delay(&t, 20);
+    let gate = Gate::hold(&t);
     dst.copy_from_device(&src).unwrap();
     let old = src.device_ptr();
     drop(src);
-    let mut w = pool.alloc::<u8>(N, &s).unwrap();
+    let w = pool.alloc::<u8>(N, &s).unwrap();
     assert_eq!(w.device_ptr(), old, "S reuses src's block at once");
-    w.copy_from_host(&vec![0xBBu8; N]).unwrap(); // S waits for the copy first
+    // SAFETY: w's block, on its own stream (which waits for the copy first).
+    unsafe { fill(w.device_ptr(), 0xBB, N, &s) };
+    let ran_ahead = finishes_within(&s, RUN_FOR);
+    gate.open();
     let bad = mismatches(&dst.to_vec().unwrap(), 0xAA);
-    println!("copy_from_device across streams: {bad} of {N} bytes read wrong");
+    s.synchronize().unwrap();
+    println!("copy_from_device across streams: S finished before the copy: {ran_ahead}; {bad} of {N} bytes read wrong");
+    assert!(!ran_ahead, "S waited for the copy");
     assert_eq!(bad, 0);
 }
 
@@ -163,8 +212,8 @@ fn a_device_copy_orders_both_streams() {
 fn a_borrowed_stream_handle_is_kept_alive_by_the_cache() {
     gpu!();
     // A stream dropped by its user while the cache holds its blocks stays alive until
-    // trim: taking its block from another stream records an event on it.
-    let errors = cudalloc::cuda::drop_errors();
+    // trim: taking its block from another stream records an event on it (on a destroyed
+    // stream that would fail, and the take would allocate anew and count a failure).
     let pool = pool(false);
     let s = Stream::new(0).unwrap();
     let x = pool.alloc::<u8>(1 << 20, &s).unwrap();
@@ -174,8 +223,18 @@ fn a_borrowed_stream_handle_is_kept_alive_by_the_cache() {
     let t = stream();
     let y = pool.alloc::<u8>(1 << 20, &t).unwrap();
     assert_eq!(y.device_ptr(), old);
-    assert_eq!(pool.stats().events, 1);
+    let st = pool.stats();
+    assert_eq!((st.steals, st.events, st.failures), (1, 1, 0), "{st:?}");
     drop(y);
     pool.trim();
-    assert_eq!(cudalloc::cuda::drop_errors(), errors);
+    let st = pool.stats();
+    assert_eq!(
+        (st.held_bytes, st.failures, st.abandoned_bytes),
+        (0, 0, 0),
+        "{st:?}"
+    );
+    assert!(
+        st.per_stream.is_empty(),
+        "trim dropped the stream handles: {st:?}"
+    );
 }

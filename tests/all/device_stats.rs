@@ -66,14 +66,7 @@ fn the_report_covers_every_device() {
 #[test]
 fn out_of_memory_releases_the_cache_then_names_the_device_the_size_and_the_state() {
     gpu!();
-    let pool = DevicePool::new(
-        0,
-        DevicePoolConfig {
-            limit: 64 * MIB,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let pool = DevicePool::new(0, DevicePoolConfig::default().with_limit(64 * MIB)).unwrap();
     let (s, t) = (stream(), stream());
     // 32 MiB cached on two streams.
     let blocks: Vec<_> = (0..4)
@@ -93,15 +86,15 @@ fn out_of_memory_releases_the_cache_then_names_the_device_the_size_and_the_state
     // Now it cannot fit at all.
     let e = pool.alloc::<u8>(40 * MIB, &t).unwrap_err();
     println!("{e}");
-    match e {
+    match &e {
         Error::DeviceOutOfMemory {
             device,
             requested,
             memory,
         } => {
-            assert_eq!((device, requested), (0, 40 * MIB));
+            assert_eq!((*device, *requested), (0, 40 * MIB));
             assert_eq!(memory.live_bytes, 48 * MIB as u64);
-            assert_eq!(memory.limit_bytes, 64 * MIB as u64);
+            assert_eq!(memory.limit_bytes, Some(64 * MIB as u64));
         }
         other => panic!("expected DeviceOutOfMemory, got {other:?}"),
     }
@@ -116,14 +109,7 @@ fn out_of_memory_releases_the_cache_then_names_the_device_the_size_and_the_state
 #[test]
 fn blocks_above_the_cached_size_are_not_cached() {
     gpu!();
-    let pool = DevicePool::new(
-        0,
-        DevicePoolConfig {
-            max_cached_block: 4 * MIB,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let pool = DevicePool::new(0, DevicePoolConfig::default().with_max_cached_block(4 * MIB)).unwrap();
     let s = stream();
     drop(pool.alloc::<u8>(4 * MIB, &s).unwrap());
     drop(pool.alloc::<u8>(4 * MIB + 1, &s).unwrap());

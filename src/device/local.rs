@@ -1,0 +1,300 @@
+//! The hot path of a device pool, and what a buffer owns: this thread's cache for the
+//! pool (an entry of a thread-local [`SlotTable`]), the allocation hit and the free into
+//! it, and [`Owned`], the block with its stream and pool handles that a buffer holds and
+//! gives back on drop.
+//!
+//! Generic over the pool handle type ([`PoolHandle`]) so that the simulated pool of
+//! `sim.rs` (CPU tests and the `device_hit_sim` benchmark) runs this very code on the
+//! simulated GPU of `backend::fake`: [`DevicePool`](super::DevicePool) and the simulation
+//! differ only in their backend and in the thread-local table each declares.
+
+use core::mem::ManuallyDrop;
+use core::ptr::NonNull;
+
+use super::backend::Backend;
+use super::cache::Cache;
+use super::thread_cache::ThreadCache;
+use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
+use crate::sync::global::{AtomicU64 as GlobalU64, Ordering as GlobalOrdering};
+
+/// The stream handle type of a pool handle's backend.
+pub(crate) type StreamOf<P> = <<P as PoolHandle>::B as Backend>::Stream;
+
+/// A cheap, cloneable handle of a pool (an `Arc` inside), as buffers own one.
+pub(crate) trait PoolHandle: Clone + Send + Sync + 'static {
+    /// What the pool allocates from.
+    type B: Backend;
+    /// The pool's shared state.
+    fn core(&self) -> &Core<Self::B>;
+    /// Runs `f` with this thread's table of caches of pools of this type; `None` while the
+    /// thread's locals are being destroyed.
+    fn with_table<R>(f: impl FnOnce(&SlotTable<LocalCache<Self>>) -> R) -> Option<R>;
+    /// The slots of pools of this type in their tables.
+    fn slots() -> &'static SlotBits;
+}
+
+static NEXT_UID: GlobalU64 = GlobalU64::new(1);
+
+/// A pool's shared state: its cache, and where this pool's thread caches are found.
+pub(crate) struct Core<B: Backend> {
+    pub(crate) cache: Cache<B>,
+    /// Process-unique, to tell this pool's thread-cache entries from others'.
+    pub(crate) uid: u64,
+    /// The pool's slot in the thread-local tables (`None`: no thread caches).
+    pub(crate) slot: Option<usize>,
+    /// Where the slot goes back when the pool goes.
+    slots: &'static SlotBits,
+}
+
+impl<B: Backend> Core<B> {
+    /// The state of a new pool of handle type `P` around `cache`.
+    pub(crate) fn new<P: PoolHandle<B = B>>(cache: Cache<B>) -> Self {
+        let slots = P::slots();
+        let slot = cache.settings.thread_max_class.and_then(|_| slots.acquire());
+        Self {
+            cache,
+            uid: NEXT_UID.fetch_add(1, GlobalOrdering::Relaxed),
+            slot,
+            slots,
+        }
+    }
+}
+
+impl<B: Backend> Drop for Core<B> {
+    fn drop(&mut self) {
+        // No thread holds an entry of this pool any more: entries hold a pool handle.
+        if let Some(slot) = self.slot {
+            self.slots.release(slot);
+        }
+    }
+}
+
+/// One thread's cache for one pool, with a handle of the pool it flushes into (so a pool
+/// lives while any thread holds a cache for it).
+pub(crate) struct LocalCache<P: PoolHandle> {
+    uid: u64,
+    pub(crate) cache: ThreadCache<P::B, P>,
+    owner: P,
+}
+
+impl<P: PoolHandle> SlotEntry for LocalCache<P> {
+    #[inline(always)]
+    fn uid(&self) -> u64 {
+        self.uid
+    }
+}
+
+impl<P: PoolHandle> Drop for LocalCache<P> {
+    fn drop(&mut self) {
+        self.owner.core().cache.retire_thread_cache(&mut self.cache);
+    }
+}
+
+/// This thread's cache of the pool of `uid` in `slot`, as a pointer: its entry is boxed
+/// and stays in the thread-local table until a slow path of this thread takes it out
+/// (`with_thread_cache`) or the thread exits, so the hot path may use it for the length of
+/// a call that reaches the table in no other way.
+#[inline(always)]
+fn local_cache<P: PoolHandle>(slot: usize, uid: u64) -> Option<NonNull<LocalCache<P>>> {
+    P::with_table(|t| t.entry_ptr(slot, uid)).flatten()
+}
+
+/// The allocation hit: a block of the class of `bytes` (nonzero) freed on `stream`, from
+/// this thread's bin, owned with the handles of the buffer that freed it (recycled) or
+/// clones. `None` on a miss.
+#[inline(always)]
+pub(crate) fn try_alloc_fast<P: PoolHandle>(
+    pool: &P,
+    bytes: usize,
+    stream: &StreamOf<P>,
+) -> Option<Owned<P>> {
+    let core = pool.core();
+    let slot = core.slot?;
+    let class = core.cache.class_for(bytes)?;
+    let id = P::B::stream_id(stream);
+    let mut e = local_cache::<P>(slot, core.uid)?;
+    // SAFETY: the entry is this thread's and stays in its table during this call (see
+    // `local_cache`); this is the only reference to it, and `pop` does not reach the
+    // table (it moves a block and its handles out of the cache, dropping nothing).
+    let (ptr, handles) = unsafe { e.as_mut() }.cache.pop(id, class)?;
+    let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
+    Some(Owned {
+        ptr,
+        class,
+        stream: ManuallyDrop::new(stream),
+        pool: ManuallyDrop::new(pool),
+        uses: None,
+    })
+}
+
+/// The allocation slow path: a block for `bytes` (nonzero) on `stream`, through this
+/// thread's cache (made if needed) and the shared cache.
+#[cold]
+#[inline(never)]
+pub(crate) fn alloc_slow<P: PoolHandle>(
+    pool: &P,
+    bytes: usize,
+    stream: &StreamOf<P>,
+) -> crate::Result<Owned<P>> {
+    let cache = &pool.core().cache;
+    let ptr = with_thread_cache(pool, |tc| cache.alloc_slow(tc, bytes, stream))?;
+    let class = cache.class_for(bytes).unwrap_or(NOT_CACHED);
+    Ok(Owned::with_class(ptr, class, stream.clone(), pool.clone()))
+}
+
+/// Runs `f` with this thread's cache for `pool` (made if needed; `None` if the pool has
+/// none or the thread's locals are gone). The cache is out of the thread-local table
+/// meanwhile, so `f` may take long, call CUDA and drop handles.
+pub(crate) fn with_thread_cache<P: PoolHandle, R>(
+    pool: &P,
+    f: impl FnOnce(Option<&mut ThreadCache<P::B, P>>) -> R,
+) -> R {
+    let core = pool.core();
+    let Some(slot) = core.slot else {
+        return f(None);
+    };
+    let uid = core.uid;
+    let mut entry = P::with_table(|t| t.take(slot, uid)).flatten().or_else(|| {
+        let cache = core.cache.new_thread_cache()?;
+        Some(Box::new(LocalCache {
+            uid,
+            cache,
+            owner: pool.clone(),
+        }))
+    });
+    let r = f(entry.as_deref_mut().map(|e| &mut e.cache));
+    if let Some(e) = entry {
+        // Dropped after the table is released: dropping an entry flushes it into a pool.
+        let mut e = Some(e);
+        let displaced = P::with_table(|t| t.replace(slot, e.take()));
+        drop(displaced);
+        drop(e); // the thread's locals are being destroyed: flushed now
+    }
+    r
+}
+
+/// The class of a block that no thread cache holds (too large to cache, or empty).
+const NOT_CACHED: usize = usize::MAX;
+
+/// A block a buffer owns: its address and size class, the handles of its stream and its
+/// pool (taken by [`release`](Self::release), which hands them to the pool's cache with
+/// the block, so a steady allocate/free cycle never touches a reference count), and the
+/// other streams that use it. Five words: the uses are boxed, since few buffers have any.
+pub(crate) struct Owned<P: PoolHandle> {
+    ptr: u64,
+    /// The class the block serves in its pool ([`NOT_CACHED`]: none), so that the free
+    /// need not compute it again.
+    class: usize,
+    stream: ManuallyDrop<StreamOf<P>>,
+    pool: ManuallyDrop<P>,
+    /// Other streams whose work uses the block (`record_use`). Boxed: one word in every
+    /// buffer rather than a `Vec`'s three, since few buffers record uses.
+    #[allow(clippy::box_collection)]
+    uses: Option<Box<Vec<StreamOf<P>>>>,
+}
+
+impl<P: PoolHandle> Owned<P> {
+    /// Owns an empty buffer (no block) with its handles.
+    pub(crate) fn empty(stream: StreamOf<P>, pool: P) -> Self {
+        Self::with_class(0, NOT_CACHED, stream, pool)
+    }
+
+    fn with_class(ptr: u64, class: usize, stream: StreamOf<P>, pool: P) -> Self {
+        Self {
+            ptr,
+            class,
+            stream: ManuallyDrop::new(stream),
+            pool: ManuallyDrop::new(pool),
+            uses: None,
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// A reference to the address, for APIs that read a kernel argument at launch.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))]
+    pub(crate) fn ptr_ref(&self) -> &u64 {
+        &self.ptr
+    }
+
+    #[inline(always)]
+    pub(crate) fn stream(&self) -> &StreamOf<P> {
+        &self.stream
+    }
+
+    #[inline(always)]
+    pub(crate) fn pool(&self) -> &P {
+        &self.pool
+    }
+
+    /// The streams recorded as using the block.
+    pub(crate) fn uses(&self) -> &[StreamOf<P>] {
+        self.uses.as_deref().map_or(&[], Vec::as_slice)
+    }
+
+    /// Records that work queued on `stream` uses the block (nothing for an empty buffer
+    /// or the block's own stream; once per stream).
+    pub(crate) fn record_use(&mut self, stream: &StreamOf<P>) {
+        let id = P::B::stream_id(stream);
+        if self.ptr == 0
+            || id == P::B::stream_id(&self.stream)
+            || self.uses().iter().any(|u| P::B::stream_id(u) == id)
+        {
+            return;
+        }
+        self.uses.get_or_insert_with(Box::default).push(stream.clone());
+    }
+
+    /// Gives the block of `bytes` (what the buffer asked for) back to its pool, with the
+    /// handles: into this thread's bin for its stream and class when there is room and no
+    /// other stream used it, else through the slow path.
+    ///
+    /// # Safety
+    /// 1. Called once, from the owner's drop: nothing of `self` is used afterwards (the
+    ///    handles are moved out of their `ManuallyDrop`s).
+    #[inline(always)]
+    pub(crate) unsafe fn release(&mut self, bytes: usize) {
+        // SAFETY: obligation 1: the handles are taken once and never touched again.
+        let (stream, pool) = unsafe {
+            (
+                ManuallyDrop::take(&mut self.stream),
+                ManuallyDrop::take(&mut self.pool),
+            )
+        };
+        if self.ptr == 0 {
+            return;
+        }
+        let core = pool.core();
+        if let (None, Some(slot), true) = (&self.uses, core.slot, self.class != NOT_CACHED) {
+            let id = P::B::stream_id(&stream);
+            if let Some(mut e) = local_cache::<P>(slot, core.uid) {
+                // SAFETY: as in `try_alloc_fast`: the entry stays in the table during
+                // this statement, no other reference to it is live, and `push` does not
+                // reach the table (it moves the block and the handles into the cache, or
+                // gives the handles back).
+                let pushed = unsafe { e.as_mut() }
+                    .cache
+                    .push(id, self.class, self.ptr, stream, pool);
+                if let Err((stream, pool)) = pushed {
+                    release_slow(pool, self.ptr, bytes, stream, Vec::new());
+                }
+                return;
+            }
+        }
+        let uses = self.uses.take().map_or_else(Vec::new, |b| *b);
+        release_slow(pool, self.ptr, bytes, stream, uses);
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn release_slow<P: PoolHandle>(pool: P, ptr: u64, bytes: usize, stream: StreamOf<P>, uses: Vec<StreamOf<P>>) {
+    with_thread_cache(&pool, |tc| {
+        pool.core()
+            .cache
+            .free_slow::<P>(tc, ptr, bytes, stream, None, uses)
+    });
+}

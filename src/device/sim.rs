@@ -1,0 +1,158 @@
+//! A device pool on a simulated GPU, for benchmarks and tests on machines without one:
+//! the same cache, thread caches and hot path ([`local`](super::local)) as
+//! [`DevicePool`](super::DevicePool), over the simulated streams and memory of
+//! `backend::fake` instead of the driver. The `device_hit_sim` benchmark measures the hit
+//! path with it.
+//!
+//! Hidden and outside the API's stability promise: scaffolding for measurements, not for
+//! applications.
+
+use super::backend::fake::{FakeBackend, FakeStream};
+use super::cache::{Cache, Settings};
+use super::local::{self, Core, LocalCache, Owned, PoolHandle};
+use crate::error::Result;
+use crate::slot_table::{SlotBits, SlotTable};
+use crate::sync::{thread_local_const, Arc};
+
+/// A pool on a simulated GPU (unlimited memory; streams that never run ahead of the host
+/// unless told to). A cheap, cloneable handle, like [`DevicePool`](super::DevicePool).
+///
+/// ```
+/// use cudalloc::device::sim::{SimPool, SimStream};
+/// let pool = SimPool::new(256 << 20);
+/// let s = SimStream::new();
+/// let a = pool.alloc(1 << 20, &s).unwrap();
+/// let p = a.device_ptr();
+/// drop(a);
+/// assert_eq!(pool.alloc(1 << 20, &s).unwrap().device_ptr(), p, "a hit");
+/// assert_eq!(pool.hits(), 1);
+/// ```
+#[derive(Clone)]
+pub struct SimPool {
+    core: Arc<Core<FakeBackend>>,
+}
+
+thread_local_const! {
+    static TABLE: SlotTable<LocalCache<SimPool>> = SlotTable::new();
+}
+
+static SLOTS: SlotBits = SlotBits::new();
+
+impl PoolHandle for SimPool {
+    type B = FakeBackend;
+
+    #[inline(always)]
+    fn core(&self) -> &Core<FakeBackend> {
+        &self.core
+    }
+
+    #[inline(always)]
+    fn with_table<R>(f: impl FnOnce(&SlotTable<LocalCache<Self>>) -> R) -> Option<R> {
+        TABLE.try_with(f).ok()
+    }
+
+    fn slots() -> &'static SlotBits {
+        &SLOTS
+    }
+}
+
+impl SimPool {
+    /// A pool caching blocks up to 1 GiB, with thread caches of `thread_cache_bytes` (0:
+    /// none), as `DevicePoolConfig::default()` with that setting.
+    pub fn new(thread_cache_bytes: usize) -> Self {
+        let settings = Settings::new(1 << 30, thread_cache_bytes, None);
+        Self {
+            core: Arc::new(Core::new::<SimPool>(Cache::new(
+                FakeBackend::new(u64::MAX),
+                settings,
+            ))),
+        }
+    }
+
+    /// A block of `bytes` on `stream`: the path of [`DevicePool::alloc`] (a hit from this
+    /// thread's bin, else the slow path).
+    ///
+    /// [`DevicePool::alloc`]: super::DevicePool::alloc
+    #[inline]
+    pub fn alloc(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer> {
+        if bytes != 0 {
+            if let Some(block) = local::try_alloc_fast(self, bytes, &stream.stream) {
+                return Ok(SimBuffer { block, bytes });
+            }
+        }
+        self.alloc_slow(bytes, stream)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer> {
+        let block = match bytes {
+            0 => Owned::empty(stream.stream.clone(), self.clone()),
+            b => local::alloc_slow(self, b, &stream.stream)?,
+        };
+        Ok(SimBuffer { block, bytes })
+    }
+
+    /// Allocations served from a thread's bin.
+    pub fn hits(&self) -> u64 {
+        self.core.cache.snapshot().hits
+    }
+}
+
+/// A simulated stream.
+#[derive(Clone)]
+pub struct SimStream {
+    stream: FakeStream,
+}
+
+impl SimStream {
+    /// A new stream.
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Self {
+        Self {
+            stream: FakeStream::new(),
+        }
+    }
+}
+
+/// A block from a [`SimPool`], given back on drop as a `DeviceBuffer` is.
+pub struct SimBuffer {
+    block: Owned<SimPool>,
+    bytes: usize,
+}
+
+impl SimBuffer {
+    /// The simulated address.
+    pub fn device_ptr(&self) -> u64 {
+        self.block.ptr()
+    }
+}
+
+impl Drop for SimBuffer {
+    #[inline]
+    fn drop(&mut self) {
+        // SAFETY: called once, here; the block is not used afterwards.
+        unsafe { self.block.release(self.bytes) }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_steady_cycle_is_all_hits_on_the_hot_path() {
+        let pool = SimPool::new(256 << 20);
+        let s = SimStream::new();
+        for size in [256, 4096, 1 << 20, 128 << 20] {
+            let first = pool.alloc(size, &s).unwrap().device_ptr();
+            let hits = pool.hits();
+            for _ in 0..1000 {
+                assert_eq!(pool.alloc(size, &s).unwrap().device_ptr(), first);
+            }
+            assert_eq!(pool.hits() - hits, 1000, "size {size}");
+        }
+        let snap = pool.core.cache.snapshot();
+        assert_eq!((snap.misses, snap.marks), (4, 0), "{snap:?}");
+    }
+}
