@@ -8,6 +8,11 @@ mod allocators;
 mod arena;
 mod conformance;
 mod counting;
+#[cfg(feature = "debug-checks")]
+mod debug_checks;
 mod device;
+mod faults;
 mod gpu;
+mod matrix;
 mod pool;
+mod props;
