@@ -832,9 +832,21 @@ struct ArenaBlock {
     seq: u64,
     /// When it was first allocated (grows keep it).
     born: u64,
-    /// A use was recorded while it existed: its bytes may not be reclaimed by a free or a
-    /// grow until the next reset or rewind.
-    protected: bool,
+    /// The uses recorded while it existed: until they have completed (the arena waits for
+    /// them in a reset or a rewind, or to free spare chunks under its limit), its bytes
+    /// may not be reclaimed by a free or a grow.
+    protected_by: Vec<Arc<AtomicBool>>,
+}
+
+/// Whether some of these uses have not completed.
+fn open(uses: &[Arc<AtomicBool>]) -> bool {
+    uses.iter().any(|d| !d.load(Ordering::Acquire))
+}
+
+/// Memory freed (or left by a moved block) while uses recorded on it were unfinished.
+struct Guarded {
+    range: (usize, usize),
+    uses: Vec<Arc<AtomicBool>>,
 }
 
 /// The bytes an arena request needs from a chunk (a larger alignment than the source's
@@ -865,9 +877,10 @@ fn run_arena_model_with(
     assert!(!skip_wait, "skipping the wait needs the test-hooks feature");
     let limit = config.limit;
     let mut live: Vec<ArenaBlock> = Vec::new();
-    // Freed or moved protected blocks: no new block may overlap them until a reset or
-    // rewind has waited for the recorded uses.
-    let mut guarded: Vec<(usize, usize)> = Vec::new();
+    // Freed or moved protected blocks: no new block may overlap them until the arena has
+    // waited for the recorded uses (in a reset, a rewind, or freeing spare chunks to make
+    // room under its limit).
+    let mut guarded: Vec<Guarded> = Vec::new();
     let mut uses: Vec<Arc<AtomicBool>> = Vec::new();
     // Checkpoints, when they were taken, and whether a block older than them was freed
     // or shrunk since (the arena may then have reclaimed memory above the mark, and
@@ -904,7 +917,9 @@ fn run_arena_model_with(
                             prop_assert!(zero(addr, 0, b.len()), "step {}: allocate_zeroed not zero", step);
                         }
                         prop_assert!(
-                            !guarded.iter().any(|&g| overlaps(g, (addr, addr + size))),
+                            !guarded
+                                .iter()
+                                .any(|g| open(&g.uses) && overlaps(g.range, (addr, addr + size))),
                             "step {}: memory a recorded use protects was handed out again",
                             step
                         );
@@ -917,7 +932,7 @@ fn run_arena_model_with(
                             tag,
                             seq,
                             born: seq,
-                            protected: false,
+                            protected_by: Vec::new(),
                         });
                         if size > 0 {
                             empty = false;
@@ -1004,23 +1019,21 @@ fn run_arena_model_with(
                         step
                     );
                 }
-                if b.protected {
-                    // The old bytes may still be read by the GPU: the grown block may
-                    // not have reclaimed them (it may overlap them only where it is the
-                    // same data, at the same place: an in-place grow upward never
-                    // happens in a downward bump).
+                if open(&b.protected_by) {
+                    // The old bytes may still be read by the GPU: the grown block may not
+                    // have reclaimed them (an in-place grow moves a block down over free
+                    // space, overlapping its old place).
                     prop_assert!(
-                        addr == old_addr
-                            || !overlaps((addr, addr + new.size()), (old_addr, old_addr + old.size())),
+                        !overlaps((addr, addr + new.size()), (old_addr, old_addr + old.size())),
                         "step {}: a protected block was grown over itself",
                         step
                     );
-                    if addr != old_addr {
-                        guard(&mut guarded, old_addr, old.size());
-                    }
+                    guard(&mut guarded, old_addr, old.size(), &b.protected_by);
                 }
                 prop_assert!(
-                    !guarded.iter().any(|&gr| overlaps(gr, (addr, addr + new.size()))),
+                    !guarded
+                        .iter()
+                        .any(|g| open(&g.uses) && overlaps(g.range, (addr, addr + new.size()))),
                     "step {}: a grow took memory a recorded use protects",
                     step
                 );
@@ -1029,7 +1042,7 @@ fn run_arena_model_with(
                 b.seq = seq;
                 b.addr = addr;
                 b.layout = new;
-                b.protected = false;
+                b.protected_by.clear();
                 fill(addr, new.size(), b.tag);
                 if new.size() > 0 {
                     empty = false;
@@ -1065,12 +1078,10 @@ fn run_arena_model_with(
                 disturb(&mut marks, b.born);
                 let b = &mut live[i];
                 if !within {
-                    if b.protected {
-                        guard(&mut guarded, old_addr, old.size());
-                    }
+                    guard(&mut guarded, old_addr, old.size(), &b.protected_by);
                     seq += 1;
                     b.seq = seq;
-                    b.protected = false;
+                    b.protected_by.clear();
                 }
                 b.addr = addr;
                 b.layout = new;
@@ -1085,11 +1096,11 @@ fn run_arena_model_with(
                 };
                 let recorded = cudalloc::record_fence(b.addr as *const u8, fence);
                 prop_assert_eq!(recorded, Ok(true), "step {}: the arena owns its blocks", step);
-                uses.push(done);
-                // Every block that exists now is protected.
+                // Every block that exists now is protected until the use completes.
                 for b in &mut live {
-                    b.protected = true;
+                    b.protected_by.push(done.clone());
                 }
+                uses.push(done);
             }
             ArenaOp::Checkpoint => {
                 marks.push(Mark {
@@ -1120,7 +1131,7 @@ fn run_arena_model_with(
                 uses.clear();
                 guarded.clear();
                 for b in &mut live {
-                    b.protected = false;
+                    b.protected_by.clear();
                 }
                 // Empty again if it was empty at the mark (blocks freed since, but not
                 // reclaimed, still take room otherwise).
@@ -1143,6 +1154,7 @@ fn run_arena_model_with(
             }
             _ => {}
         }
+        guarded.retain(|g| open(&g.uses));
         // After every step: blocks disjoint and intact, within the limit.
         let mut ranges: Vec<(usize, usize)> = live
             .iter()
@@ -1194,7 +1206,7 @@ struct Mark {
 fn free_arena_block(
     arena: &Arena<HostSource>,
     b: ArenaBlock,
-    guarded: &mut Vec<(usize, usize)>,
+    guarded: &mut Vec<Guarded>,
     step: usize,
 ) -> Result<(), TestCaseError> {
     prop_assert!(
@@ -1204,16 +1216,17 @@ fn free_arena_block(
     );
     // SAFETY: a live block of the arena with `b.layout`, freed once.
     unsafe { Allocator::deallocate(&arena, ptr(b.addr), b.layout) };
-    if b.protected {
-        guard(guarded, b.addr, b.layout.size());
-    }
+    guard(guarded, b.addr, b.layout.size(), &b.protected_by);
     Ok(())
 }
 
 /// Memory a recorded use protects (a zero-size block protects nothing).
-fn guard(guarded: &mut Vec<(usize, usize)>, addr: usize, len: usize) {
-    if len > 0 {
-        guarded.push((addr, addr + len));
+fn guard(guarded: &mut Vec<Guarded>, addr: usize, len: usize, uses: &[Arc<AtomicBool>]) {
+    if len > 0 && open(uses) {
+        guarded.push(Guarded {
+            range: (addr, addr + len),
+            uses: uses.to_vec(),
+        });
     }
 }
 
