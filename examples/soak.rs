@@ -463,8 +463,11 @@ fn mib(n: u64) -> f64 {
 
 /// The largest value after warm-up minus the largest during it, for each metric; fails
 /// when one grows past the tolerance.
+/// A metric: its name, how to read it from a sample, whether this run measures it.
+type Metric = (&'static str, fn(&Sample) -> u64, bool);
+
 fn drift(samples: &[Sample], warm: Duration, pct: u64, gpu: bool) -> Result<String, String> {
-    let metrics: [(&str, fn(&Sample) -> u64, bool); 4] = [
+    let metrics: [Metric; 4] = [
         ("pinned", |s| s.pinned as u64, gpu),
         ("managed", |s| s.managed as u64, gpu),
         ("device", |s| s.device, gpu),

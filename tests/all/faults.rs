@@ -331,7 +331,9 @@ fn free_all<A: Allocator>(a: &A, t: Tally) {
 /// script and returns every byte.
 #[test]
 fn pool_source_failing_at_every_call_in_turn() {
-    let plans: [(&str, fn(&Faulty, usize)); 3] = [
+    // What fails, given the source and N.
+    type FaultPlan = (&'static str, fn(&Faulty, usize));
+    let plans: [FaultPlan; 3] = [
         ("the Nth call", |f, n| f.fail_call_in(n)),
         ("the Nth and the next", |f, n| {
             f.fail_call_in(n);
@@ -527,7 +529,6 @@ fn arena_direct_and_counting_with_a_source_failing_at_every_call_in_turn() {
             free_all(&counting, again);
             free_all(&counting, t);
             assert_eq!(counting.snapshot().live_count(), 0);
-            drop(counting);
             drop(arena);
             assert_eq!(source.held(), 0, "a dropped arena returns every chunk");
         }
