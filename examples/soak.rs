@@ -564,14 +564,18 @@ fn main() {
             s.spawn(move || {
                 let mut rng = Rng(0x5eed_0000 + t as u64 * 7919);
                 let mut arena = Arena::with_config(HostSource, ArenaConfig::host());
-                let mut i = 0u64;
+                let (mut i, mut host_turns) = (0u64, 0u64);
                 while !stop.load(Ordering::Relaxed) {
                     let r = if gpu && i % 4 != 3 {
                         gpu_round_trip(&streams[t % streams.len()], &mut rng, tally)
-                    } else if i % 2 == 0 {
-                        host_round_trip(host, fake, &mut rng, tally)
                     } else {
-                        arena_batch(&mut arena, fake, &mut rng, tally)
+                        // Host turns alternate between the pool and the arena.
+                        host_turns += 1;
+                        if host_turns % 2 == 0 {
+                            host_round_trip(host, fake, &mut rng, tally)
+                        } else {
+                            arena_batch(&mut arena, fake, &mut rng, tally)
+                        }
                     };
                     if let Err(e) = r {
                         tally.error(format!("thread {t}: {e}"));
