@@ -18,7 +18,7 @@ use allocator_api2::alloc::{Allocator, Global, Layout};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use cudalloc::arena::Arena;
 use cudalloc::source::HostVisible;
-use cudalloc::workload;
+use cudalloc::testing::workload;
 
 const OBJECTS: usize = 1_000_000;
 

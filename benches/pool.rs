@@ -27,11 +27,13 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Global, Layout, System};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput};
-use cudalloc::cuda::{AsyncDeviceMemory, Stream};
+use cudalloc::cuda::Stream;
 use cudalloc::device::DevicePool;
 use cudalloc::pool::Pool;
 use cudalloc::source::{HostSource, MemorySource, PinnedSource, RegisteredSource};
-use cudalloc::{workload, Direct, PinnedAlloc};
+use cudalloc::testing::workload;
+use cudalloc::testing::AsyncDeviceMemory;
+use cudalloc::{Direct, PinnedAlloc};
 
 /// Whether the GPU rows can run; says why not once per group.
 fn gpu(group: &str) -> bool {

@@ -377,15 +377,16 @@ mod device_io {
         unsafe { buf.copy_to_host_async(dst) }
     }
 
-    /// Bytes the process-wide device pool holds, and its live buffers.
+    /// Bytes the process-wide device pool reserves from the device, and its live buffers.
     pub fn held() -> cudalloc::Result<(u64, u64)> {
-        let s = DevicePool::get(0)?.stats()?;
+        let s = DevicePool::get(0)?.stats();
         Ok((s.reserved_bytes, s.live_buffers))
     }
 
     /// Returns the device pool's free memory to the device.
     pub fn trim() -> cudalloc::Result<()> {
-        DevicePool::get(0)?.trim()
+        DevicePool::get(0)?.trim();
+        Ok(())
     }
 }
 

@@ -34,7 +34,6 @@ impl Budget {
         self.limit.store(limit.unwrap_or(usize::MAX), Ordering::Relaxed);
     }
 
-    #[cfg(test)]
     pub(crate) fn held(&self) -> usize {
         self.held.load(Ordering::Relaxed)
     }
@@ -99,10 +98,10 @@ mod tests {
     /// request that fits must never fail. With add-then-check it failed thousands of times.
     #[test]
     fn an_impossible_request_never_fails_a_possible_one() {
-        use std::sync::atomic::{AtomicBool, AtomicU64};
-        let b = std::sync::Arc::new(Budget::new(Some(256 << 20)));
-        let stop = std::sync::Arc::new(AtomicBool::new(false));
-        let refused = std::sync::Arc::new(AtomicU64::new(0));
+        use crate::sync::global::{Arc, AtomicBool, AtomicU64};
+        let b = Arc::new(Budget::new(Some(256 << 20)));
+        let stop = Arc::new(AtomicBool::new(false));
+        let refused = Arc::new(AtomicU64::new(0));
         let hog = std::thread::spawn({
             let (b, stop, refused) = (b.clone(), stop.clone(), refused.clone());
             move || {

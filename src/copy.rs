@@ -1,24 +1,18 @@
-//! Asynchronous copies between host slices and device memory that keep pooled host
-//! blocks safe: after queuing the copy they record its use of the host block
-//! ([`crate::record_use`]), so freeing the block early (dropping a `Vec<T, PinnedAlloc>`
-//! while the copy is in flight) cannot hand the memory to a new owner before the DMA is
-//! done with it.
+//! Asynchronous copies between host slices and parts of a [`DeviceBuffer`] that keep the
+//! crate's host memory safe: after queuing the copy they record its use of the host memory
+//! ([`crate::record_use`]), so freeing it early (dropping a `Vec<T, PinnedAlloc>` while the
+//! copy is in flight, resetting an arena) cannot hand the memory to a new owner before the
+//! DMA is done with it. `DeviceBuffer`'s own `copy_*_async` methods copy whole buffers;
+//! these take an offset, for one buffer filled or read in pieces.
 //!
 //! What stays the caller's obligation, and why these functions are `unsafe`: the copy
 //! reads (or writes) the host memory at some later time, while safe code could write (or
-//! read) the slice as soon as the borrow ends. The pool protects a block from *reuse*
-//! after it is freed; it cannot protect it from its current owner.
+//! read) the slice as soon as the borrow ends. The allocators protect memory from *reuse*
+//! after it is freed; they cannot protect it from its current owner.
 
-use crate::cuda::{raw, DeviceMemory, Stream};
+use crate::cuda::Stream;
+use crate::device::{DeviceBuffer, DeviceCopy};
 use crate::error::{Error, Result};
-
-/// The device address `offset` bytes into `mem`, checking that `len` bytes fit there.
-fn device_range(mem: &DeviceMemory, offset: usize, len: usize) -> Result<u64> {
-    match offset.checked_add(len) {
-        Some(end) if end <= mem.len() => Ok(mem.device_ptr() + offset as u64),
-        _ => Err(Error::InvalidArgument("copy range exceeds the device allocation")),
-    }
-}
 
 /// Called after a copy was queued: records its use of the host memory. If that fails
 /// (no event could be had), waits for the stream instead, which is just as safe.
@@ -34,87 +28,74 @@ pub(crate) fn protect(host: *const u8, stream: &Stream) -> Result<()> {
     }
 }
 
-/// Queues a copy of `src` into `dst` at byte offset `dst_offset`, on `stream`, and returns
-/// at once. If `src` lies in a pooled block (a `Vec<T, PinnedAlloc>`, a `Pool`), the
-/// copy's use of it is recorded: the block may be freed right after this call and will
-/// not be reused before the copy completes.
+/// The device address of elements `offset..offset + len` of `buf`, if they are in it.
+fn range<T: DeviceCopy>(buf: &DeviceBuffer<T>, offset: usize, len: usize) -> Result<u64> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buf.len() => Ok(buf.device_ptr() + (offset * size_of::<T>()) as u64),
+        _ => Err(Error::InvalidArgument("copy range exceeds the device buffer")),
+    }
+}
+
+/// Queues a copy of `src` into `dst`'s elements from `dst_offset` on, on `dst`'s stream,
+/// and returns at once. If `src` is memory of the crate's allocators (a
+/// `Vec<T, PinnedAlloc>`, a `Pool`, an `Arena`, a host registration), the copy's use of it
+/// is recorded: it may be freed right after this call and will not be reused before the
+/// copy completes.
 ///
 /// # Safety
 /// 1. `src` is not written (by the host or by other GPU work) until the copy has completed
-///    on `stream` (synchronize the stream, or wait on an event recorded after the copy).
-/// 2. If `src` is not in a block of one of the crate's pools (pageable memory, a
+///    on `dst`'s stream (synchronize it, or wait on an event recorded after the copy).
+/// 2. If `src` is not memory of the crate's allocators (pageable memory, a
 ///    [`Direct`](crate::Direct) block, memory from elsewhere), it also stays allocated
 ///    until the copy has completed.
 ///
 /// ```
 /// use allocator_api2::vec::Vec;
-/// use cudalloc::{copy, cuda::{DeviceMemory, Stream}, PinnedAlloc};
-/// if let Ok(stream) = Stream::new(0) {
-///     let mut src: Vec<u32, _> = Vec::new_in(PinnedAlloc);
-///     src.extend(0..1024);
-///     let mut dev = DeviceMemory::new(4096, 0).unwrap();
-///     // SAFETY: `src` is not written before the stream is synchronized; it is pooled,
-///     // so dropping it early is fine.
-///     unsafe { copy::host_to_device_async(&src, &mut dev, 0, &stream) }.unwrap();
-///     drop(src);
+/// use cudalloc::{copy, cuda::Stream, device::DevicePool, PinnedAlloc};
+/// if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
+///     let mut dev = pool.alloc_zeroed::<u32>(2048, &stream).unwrap();
+///     let mut half: Vec<u32, _> = Vec::new_in(PinnedAlloc);
+///     half.extend(0..1024);
+///     // SAFETY: `half` is not written after this; it is pooled memory, so dropping it
+///     // early is fine.
+///     unsafe { copy::host_to_device_async(&half, &mut dev, 1024) }.unwrap();
+///     drop(half);
 ///     let mut back = vec![0u32; 1024];
-///     stream.synchronize().unwrap();
-///     // SAFETY: `back` is not touched before the synchronize below.
-///     unsafe { copy::device_to_host_async(&dev, 0, &mut back, &stream) }.unwrap();
+///     // SAFETY: `back` is not touched before the stream is synchronized.
+///     unsafe { copy::device_to_host_async(&dev, 1024, &mut back) }.unwrap();
 ///     stream.synchronize().unwrap();
 ///     assert_eq!(back[1023], 1023);
 /// }
 /// ```
-pub unsafe fn host_to_device_async<T: Copy>(
+pub unsafe fn host_to_device_async<T: DeviceCopy>(
     src: &[T],
-    dst: &mut DeviceMemory,
+    dst: &mut DeviceBuffer<T>,
     dst_offset: usize,
-    stream: &Stream,
 ) -> Result<()> {
-    let len = core::mem::size_of_val(src);
-    let dst = device_range(dst, dst_offset, len)?;
-    if len == 0 {
-        return Ok(());
-    }
-    let host = src.as_ptr().cast::<u8>();
-    // SAFETY: `dst..dst+len` lies in `dst`'s allocation, which the `&mut` lets us write
-    // (its owner must order later reads on the stream, as for any async copy); the host
-    // range is `src`'s memory, which obligations 1 and 2 keep valid and unwritten until
-    // the copy completes, except that a pooled block may be freed early: `protect`
-    // records the use before this function returns.
-    unsafe { raw::copy_htod_async(dst, host, len, stream) }?;
-    protect(host, stream)
+    let ptr = range(dst, dst_offset, src.len())?;
+    // SAFETY: `ptr..` holds `src.len()` elements of `dst` (checked), which the `&mut`
+    // lets us write on its stream; obligations 1 and 2 keep `src` valid and unwritten.
+    unsafe { crate::device::copy_from_host_async(ptr, src.len(), src, dst.stream()) }
 }
 
-/// Queues a copy of `dst.len()` elements from `src` at byte offset `src_offset` into
-/// `dst`, on `stream`, and returns at once. If `dst` lies in a pooled block, the copy's
-/// use of it is recorded: freed early, the block is not reused before the copy completes
+/// Queues a copy of `dst.len()` elements of `src` from `src_offset` on into `dst`, on
+/// `src`'s stream, and returns at once. If `dst` is memory of the crate's allocators, the
+/// copy's use of it is recorded: freed early, it is not reused before the copy completes
 /// (the DMA would overwrite its new owner's data).
 ///
 /// # Safety
-/// 1. `dst` is neither read nor written until the copy has completed on `stream`.
-/// 2. If `dst` is not in a block of one of the crate's pools, it also stays allocated
-///    until the copy has completed.
-/// 3. The bytes copied are valid values of `T` (true of every bit pattern for integers
-///    and floats).
+/// 1. `dst` is neither read nor written until the copy has completed on `src`'s stream.
+/// 2. If `dst` is not memory of the crate's allocators, it also stays allocated until the
+///    copy has completed.
 ///
 /// See [`host_to_device_async`] for an example.
-pub unsafe fn device_to_host_async<T: Copy>(
-    src: &DeviceMemory,
+pub unsafe fn device_to_host_async<T: DeviceCopy>(
+    src: &DeviceBuffer<T>,
     src_offset: usize,
     dst: &mut [T],
-    stream: &Stream,
 ) -> Result<()> {
-    let len = core::mem::size_of_val(dst);
-    let src = device_range(src, src_offset, len)?;
-    if len == 0 {
-        return Ok(());
-    }
-    let host = dst.as_mut_ptr().cast::<u8>();
-    // SAFETY: `src..src+len` lies in the device allocation; the host range is `dst`'s
-    // memory, writable through the `&mut`, which obligations 1 and 2 keep valid and
-    // untouched until the copy completes (a pooled block freed early is protected by
-    // `protect` below); obligation 3 makes the bytes written valid `T`s.
-    unsafe { raw::copy_dtoh_async(host, src, len, stream) }?;
-    protect(host, stream)
+    let ptr = range(src, src_offset, dst.len())?;
+    // SAFETY: `ptr..` holds `dst.len()` elements of `src` (checked), read on its stream;
+    // obligations 1 and 2 keep `dst` valid and untouched until the copy has written it.
+    unsafe { crate::device::copy_to_host_async(ptr, dst.len(), dst, src.stream()) }
 }

@@ -74,5 +74,52 @@ pub(crate) use thread_local_const;
 /// a loom model, so they always use `std`'s versions.
 pub(crate) mod global {
     pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-    pub(crate) use std::sync::OnceLock;
+    pub(crate) use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+    /// [`lock`](super::lock) for `std` mutexes in statics.
+    pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+/// The shim's rule, checked: no source file but this one names `std::sync` (doc examples,
+/// which are user code, and `std::sync::mpsc` channels in tests excepted). Clippy's
+/// `disallowed_types` cannot enforce it: it sees through re-exports, so it would flag the
+/// shim's own re-exports at every use.
+#[cfg(all(test, not(loom)))]
+mod tests {
+    fn rust_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                rust_files(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+
+    #[test]
+    fn only_the_shim_imports_std_sync() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let mut offenders = Vec::new();
+        for f in files.iter().filter(|f| !f.ends_with("sync.rs")) {
+            let text = std::fs::read_to_string(f).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let code = line.trim_start();
+                if code.starts_with("//") || !code.contains("std::sync") || code.contains("std::sync::mpsc") {
+                    continue;
+                }
+                offenders.push(format!("{}:{}: {}", f.display(), i + 1, code));
+            }
+        }
+        assert!(files.len() > 20, "found the sources");
+        assert!(
+            offenders.is_empty(),
+            "std::sync outside src/sync.rs:\n{}",
+            offenders.join("\n")
+        );
+    }
 }

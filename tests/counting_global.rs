@@ -4,10 +4,13 @@
 //! a test binary has one global allocator, and libtest's own threads would allocate.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::backtrace::Backtrace;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Barrier;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
 
-use cudalloc::count::{assert_no_leaks, Counting, LeakScope, Window};
+use cudalloc::count::{assert_no_leaks_on_this_thread, Counting, LeakScope, Window};
 
 #[global_allocator]
 static GLOBAL: Counting<System> = Counting::new(System);
@@ -39,7 +42,7 @@ fn leak_helper_panics_with_the_numbers() {
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {})); // the panic is expected: print nothing
     let err = catch_unwind(AssertUnwindSafe(|| {
-        assert_no_leaks(|| kept = Some(vec![0u32; 25]))
+        assert_no_leaks_on_this_thread(|| kept = Some(vec![0u32; 25]))
     }));
     std::panic::set_hook(hook);
     let err = err.expect_err("must panic");
@@ -160,13 +163,139 @@ fn process_window_sees_every_thread() {
 }
 
 fn process_window_balances_cross_thread_frees() {
-    GLOBAL.assert_no_leaks(|| {
+    GLOBAL.assert_no_leaks_across_threads(|| {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
         std::thread::scope(|s| {
             s.spawn(move || (0..100).for_each(|i| tx.send(vec![i as u8; 100]).unwrap()));
             s.spawn(move || rx.into_iter().for_each(drop));
         });
     });
+}
+
+/// Runs `f` on a thread of its own and waits for it at most `limit`. A thread that does
+/// not finish by then is deadlocked, and holds whatever lock it hangs on (std's backtrace
+/// lock, say) so that later tests could hang on it too: the run ends at once, failed.
+///
+/// The wait allocates nothing (a flag, `sleep`, and `eprintln!` to unbuffered stderr):
+/// while a process-wide window is open every thread's allocations go through the code
+/// under test, so an allocating watchdog could hang on the same lock as the worker.
+fn bounded(name: &str, limit: Duration, f: impl FnOnce() + Send + 'static) {
+    /// Sets the flag when the worker's closure returns or unwinds.
+    struct Ended(Arc<AtomicBool>);
+    impl Drop for Ended {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+    let ended = Arc::new(AtomicBool::new(false));
+    let flag = Ended(ended.clone());
+    let worker = std::thread::spawn(move || {
+        let _flag = flag;
+        f();
+    });
+    let start = Instant::now();
+    while !ended.load(Ordering::Acquire) {
+        if start.elapsed() > limit {
+            eprintln!("test {name} ... FAILED: no answer in {limit:?}, deadlocked");
+            eprintln!("0 passed, 1 failed");
+            std::process::exit(1);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if let Err(panic) = worker.join() {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Long enough to resolve a backtrace of this binary at opt-level 0 on a busy machine;
+/// a deadlock never ends.
+const HANG_LIMIT: Duration = Duration::from_secs(60);
+
+/// Issue 12, defect 1: a std `Backtrace` captured and printed while the thread has a
+/// window open (std allocates under its backtrace lock, and the allocation is recorded
+/// with its own site) finishes. With the `backtrace` feature it used to deadlock.
+fn std_backtrace_in_a_thread_window_does_not_hang() {
+    bounded(
+        "std_backtrace_in_a_thread_window_does_not_hang",
+        HANG_LIMIT,
+        || {
+            let w = Window::open();
+            let text = Backtrace::force_capture().to_string();
+            // Names when the binary has symbols (the GPU machine's staged copies are
+            // stripped: frames there print as <unknown>).
+            assert!(
+                text.contains("std_backtrace_in_a_thread_window") || text.contains("<unknown>"),
+                "{text}"
+            );
+            // Counted (std keeps a symbol cache after the first print: no balance asked).
+            assert!(w.delta().allocs > 0, "{:?}", w.delta());
+        },
+    );
+}
+
+/// The same with only a process-wide window open on the global allocator, on a thread
+/// with no window of its own (as anyhow does with `RUST_LIB_BACKTRACE=1`).
+fn std_backtrace_during_a_process_window_does_not_hang() {
+    let w = GLOBAL.process_window();
+    bounded(
+        "std_backtrace_during_a_process_window_does_not_hang",
+        HANG_LIMIT,
+        || {
+            let bt = Backtrace::force_capture();
+            let text = format!("{bt}");
+            assert!(
+                text.contains("std_backtrace_during_a_process_window") || text.contains("<unknown>"),
+                "{text}"
+            );
+        },
+    );
+    assert!(w.delta().allocs > 0, "{:?}", w.delta());
+}
+
+/// Issue 12, defect 7: a `Vec` allocated before a window and grown inside it is not a
+/// leak of the window (it used to fail with "0 blocks, 9984 bytes not freed"); the
+/// growth shows in the delta. Through the global allocator's `realloc`.
+fn growth_of_an_older_vec_is_not_a_leak() {
+    let mut older: Vec<u8> = Vec::with_capacity(16);
+    let w = Window::open();
+    older.reserve_exact(10_000);
+    let d = w
+        .check()
+        .expect("growth of a block allocated before the window is no leak");
+    assert_eq!((d.reallocs, d.net_count(), d.bytes_grown), (1, 0, 9984), "{d}");
+    assert_eq!(d.net_bytes(), 9984, "{d}");
+    assert!(
+        d.to_string().contains("reallocations grew blocks by 9984 B"),
+        "{d}"
+    );
+    drop(older);
+}
+
+/// A block allocated in the window, grown and kept is a leak of its full size, and (with
+/// the `backtrace` feature) keeps the site of its allocation with its new size.
+fn vec_allocated_and_grown_in_a_window_leaks_its_full_size() {
+    let w = Window::open();
+    let mut kept: Vec<u8> = Vec::with_capacity(16);
+    kept.reserve_exact(4096);
+    let report = w.check().unwrap_err();
+    assert_eq!(
+        (report.leaked_count(), report.leaked_bytes()),
+        (1, 4096),
+        "{report}"
+    );
+    assert_eq!(report.delta.bytes_grown, 4096 - 16, "{report}");
+    if cfg!(feature = "backtrace") {
+        assert_eq!(report.sites.len(), 1, "{report}");
+        assert_eq!(report.sites[0].size, 4096, "{report}");
+        assert_eq!(report.sites[0].address, kept.as_ptr() as usize, "{report}");
+        assert!(
+            report.sites[0]
+                .backtrace
+                .contains("vec_allocated_and_grown_in_a_window_leaks_its_full_size"),
+            "{report}"
+        );
+    }
+    drop(kept);
 }
 
 #[cfg(feature = "backtrace")]
@@ -225,6 +354,22 @@ fn main() {
         (
             "process_window_balances_cross_thread_frees",
             process_window_balances_cross_thread_frees,
+        ),
+        (
+            "std_backtrace_in_a_thread_window_does_not_hang",
+            std_backtrace_in_a_thread_window_does_not_hang,
+        ),
+        (
+            "std_backtrace_during_a_process_window_does_not_hang",
+            std_backtrace_during_a_process_window_does_not_hang,
+        ),
+        (
+            "growth_of_an_older_vec_is_not_a_leak",
+            growth_of_an_older_vec_is_not_a_leak,
+        ),
+        (
+            "vec_allocated_and_grown_in_a_window_leaks_its_full_size",
+            vec_allocated_and_grown_in_a_window_leaks_its_full_size,
         ),
     ];
     #[cfg(feature = "backtrace")]

@@ -15,12 +15,18 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::vec::Vec;
 use cudalloc::arena::Arena;
-use cudalloc::cuda::{DeviceMemory, Stream};
+use cudalloc::cuda::Stream;
+use cudalloc::device::DevicePool;
 use cudalloc::pool::{Pool, PoolStats};
 use cudalloc::source::PinnedSource;
+use cudalloc::testing::DeviceMemory;
 use cudalloc::{copy, PinnedAlloc};
 
 const MIB: usize = 1 << 20;
+
+#[cfg(feature = "cudarc")]
+#[path = "gated/cudarc.rs"]
+mod cudarc;
 
 static GATED: Mutex<()> = Mutex::new(());
 
@@ -129,19 +135,23 @@ fn copy_helpers_record_uses_and_round_trip() {
     let pool = Pool::new(PinnedSource::default());
     let mut src: Vec<u32, _> = Vec::new_in(&pool);
     src.extend(0..1 << 20);
-    let mut dev = DeviceMemory::new(4 << 20, 0).unwrap();
+    let mut dev = DevicePool::get(0)
+        .unwrap()
+        .alloc_zeroed::<u32>(1 << 20, &stream)
+        .unwrap();
     let pending = pending_while_gated(&stream, &pool, || {
         // SAFETY: `src` is not written; dropping it early is what the pool protects.
-        unsafe { copy::host_to_device_async(&src[1..], &mut dev, 4, &stream) }.unwrap();
+        unsafe { copy::host_to_device_async(&src[1..], &mut dev, 1) }.unwrap();
         drop(src);
     });
     assert_eq!(pending, 1, "the freed block waits for the copy");
     let mut back: Vec<u32, _> = Vec::new_in(&pool);
     back.resize(1 << 20, 0);
     // SAFETY: `back` is not touched until the synchronize below.
-    unsafe { copy::device_to_host_async(&dev, 0, &mut back, &stream) }.unwrap();
+    unsafe { copy::device_to_host_async(&dev, 0, &mut back) }.unwrap();
     stream.synchronize().unwrap();
     assert!(back[1..].iter().enumerate().all(|(i, &x)| x == i as u32 + 1));
+    pool.collect_pending(); // stats() only reads
     assert_eq!(pool.stats().pending_blocks, 0);
     drop(back);
     pool.trim();
@@ -188,7 +198,12 @@ fn arena_drop_waits_for_recorded_uses() {
         gate_was_closed,
         "queuing took 10 s: the gate opened before the drop"
     );
-    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
 }
 
 #[test]
@@ -209,5 +224,55 @@ fn device_buffer_async_copies_keep_a_pooled_source_from_reuse() {
     assert_eq!(pending, 1, "the freed source waits for the copy");
     let back = buf.to_vec().unwrap();
     assert!(back.iter().enumerate().all(|(i, &x)| x == i as u32));
+    pool.collect_pending(); // stats() only reads
     assert_eq!(pool.stats().pending_blocks, 0);
+}
+
+/// Issue 12, defect 9: recorded uses were keyed by the raw stream handle. A stream
+/// destroyed while its copy is in flight can have its handle reused by a new stream; a use
+/// recorded on the new stream then replaced the old one's, and the block was handed out
+/// again once the new stream's work completed, while the old copy still read it. Uses are
+/// keyed by a process-unique stream id now.
+#[test]
+fn defect_09_a_use_on_a_new_stream_never_replaces_one_on_a_destroyed_stream() {
+    gpu!();
+    let _one = one_at_a_time();
+    let pool = Pool::new(PinnedSource::default());
+    let mut dev = DeviceMemory::new(MIB, 0).unwrap();
+    let mut v: Vec<u8, _> = Vec::with_capacity_in(MIB, &pool);
+    v.resize(MIB, 9);
+    let checked = Arc::new(AtomicBool::new(false));
+    let (release, timer) = gate_released_after(&checked, Duration::ZERO);
+    let old_raw = {
+        let a = Stream::new(0).unwrap();
+        hold(&a, &release, None);
+        // SAFETY: `v` is not written until the copy completes (the block stays pending
+        // after the drop below until then).
+        unsafe { dev.copy_from_host_async(0, &v, &a) }.unwrap();
+        a.as_raw()
+    }; // `a` is destroyed with its copy still queued behind the gate
+    let b = Stream::new(0).unwrap();
+    let reused = b.as_raw() == old_raw;
+    assert!(pool.record_use(v.as_ptr(), &b).unwrap());
+    b.synchronize().unwrap(); // the new stream's use is complete
+    drop(v);
+    pool.collect_pending();
+    let pending = pool.stats().pending_blocks;
+    let gate_was_closed = !release.load(Ordering::Acquire);
+    checked.store(true, Ordering::Release);
+    timer.join().unwrap();
+    println!(
+        "defect 9: the new stream {} the destroyed stream's raw handle",
+        if reused { "reused" } else { "did not reuse" }
+    );
+    assert!(
+        gate_was_closed,
+        "the checks took 10 s: the gate opened before them"
+    );
+    assert_eq!(
+        pending, 1,
+        "the block was released while a destroyed stream's copy still read it"
+    );
+    drop(dev); // synchronizes: the old copy is done
+    assert_eq!(pool.collect_pending(), 1);
 }

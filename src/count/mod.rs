@@ -1,6 +1,16 @@
 //! Counting allocations: [`Counting<A>`] wraps any allocator (as `#[global_allocator]`
 //! and as an allocator-api2 `Allocator`) and counts what passes through it; windows
-//! ([`Window`], [`ProcessWindow`]) turn the counts into leak checks for tests.
+//! turn the counts into leak checks for tests, in two scopes whose names say which:
+//!
+//! | check | what it sees |
+//! | --- | --- |
+//! | [`Window`], [`assert_no_leaks_on_this_thread`], [`check_leaks_on_this_thread`] | this thread, through every `Counting` |
+//! | [`ProcessWindow`], [`Counting::assert_no_leaks_across_threads`], [`Counting::check_leaks_across_threads`] | every thread, through one `Counting` |
+//!
+//! Files, each depending only on those after it: `window.rs` (windows, leak checks and
+//! reports) -> this file (`Counting` and its hot path) -> `sites.rs` (allocation sites,
+//! feature `backtrace`) -> `thread.rs` (per-thread state) -> `counters.rs` (per-allocator
+//! counters, snapshots, the leak verdict).
 //!
 //! ```
 //! use std::alloc::System;
@@ -19,45 +29,13 @@
 //! ```
 //!
 //! The hot path takes no lock and executes no locked instruction in the common case:
-//! each thread writes a shard of counters of its own (see [`Counters`]) and its own
+//! each thread writes a shard of counters of its own in every `Counting` and its own
 //! thread-local totals, which the windows of that thread read.
 
 mod counters;
+mod sites;
 mod thread;
 mod window;
-
-#[cfg(all(feature = "backtrace", not(loom)))]
-mod sites;
-
-/// Stand-ins for the allocation-site table when the `backtrace` feature is off: every
-/// call compiles to nothing.
-#[cfg(not(all(feature = "backtrace", not(loom))))]
-mod sites {
-    use super::thread::ThreadState;
-    use super::LeakSite;
-
-    pub(crate) const ENABLED: bool = false;
-
-    pub(crate) struct SiteKey {
-        pub(crate) thread: u64,
-        pub(crate) instance: usize,
-        pub(crate) seq: u64,
-    }
-
-    pub(crate) fn now() -> u64 {
-        0
-    }
-
-    #[inline(always)]
-    pub(crate) fn record(_: &ThreadState, _: usize, _: usize, _: usize) {}
-
-    #[inline(always)]
-    pub(crate) fn forget(_: &ThreadState, _: usize) {}
-
-    pub(crate) fn collect(_: &ThreadState, _: impl Fn(&SiteKey) -> bool) -> Vec<LeakSite> {
-        Vec::new()
-    }
-}
 
 use core::fmt;
 use core::ptr::NonNull;
@@ -65,10 +43,16 @@ use std::alloc::GlobalAlloc;
 
 use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
-pub use counters::{Counters, Delta, Snapshot};
-pub use window::{assert_no_leaks, check_leaks, LeakReport, LeakScope, LeakSite, ProcessWindow, Window};
+pub use counters::{Delta, Snapshot};
+pub use sites::LeakSite;
+#[allow(deprecated)]
+pub use window::{assert_no_leaks, check_leaks};
+pub use window::{
+    assert_no_leaks_on_this_thread, check_leaks_on_this_thread, LeakReport, LeakScope, ProcessWindow, Window,
+};
 
 use crate::sync::global::{AtomicUsize, Ordering};
+use counters::Counters;
 use thread::{current, ThreadState};
 
 /// An allocator that counts what passes through `A`: allocations, frees, reallocations,
@@ -95,7 +79,27 @@ use thread::{current, ThreadState};
 ///
 /// Blocks of size zero are passed through uncounted: they hold no memory, and
 /// collections need not free them. With the `backtrace` feature, what the crate
-/// allocates to capture and print allocation sites is not counted either.
+/// allocates to print allocation sites is not counted either.
+///
+/// Leak checks come in two scopes, and their names say which:
+/// [`assert_no_leaks_on_this_thread`] (a [`Window`]: this thread, every `Counting`) and
+/// [`Counting::assert_no_leaks_across_threads`] (a [`ProcessWindow`]: every thread, this
+/// allocator).
+///
+/// # Precision
+///
+/// Totals and live counts are exact once the threads that allocated are joined (or
+/// otherwise synchronized with the reader): every counter is a Relaxed atomic, and the
+/// join provides the happens-before edge. A snapshot taken while other threads allocate
+/// sums per-thread counters each of which was true at some moment, but not all at the
+/// same moment.
+///
+/// `peak_bytes` is exact while one thread at a time allocates; when several do, each
+/// thread adds its net bytes to the shared live total only once they exceed 4 KiB either
+/// way, so the peak may be off by up to 4 KiB for every other thread allocating at that
+/// moment. (An exact peak needs a locked read-modify-write on one shared cache line at
+/// every allocation and free; measured on the allocation-heavy benchmark, that alone
+/// costs more than all the rest of the counting together.)
 ///
 /// A `Counting` holds a cache-line-aligned shard of counters for each of 16 threads
 /// (about 2 KiB): keep it in a `static` or borrow it, rather than copying it into every
@@ -144,17 +148,6 @@ impl<A> Counting<A> {
         &self.inner
     }
 
-    /// The counters.
-    ///
-    /// ```
-    /// use cudalloc::count::Counting;
-    /// let c = Counting::new(std::alloc::System);
-    /// assert_eq!(c.counters().snapshot(), c.snapshot());
-    /// ```
-    pub fn counters(&self) -> &Counters {
-        &self.counters
-    }
-
     /// The counters now; subtract an earlier snapshot for what happened in between.
     ///
     /// ```
@@ -170,43 +163,8 @@ impl<A> Counting<A> {
         self.counters.snapshot()
     }
 
-    /// Opens a [`ProcessWindow`] on this allocator: what it does on every thread.
-    ///
-    /// ```
-    /// use allocator_api2::boxed::Box;
-    /// use cudalloc::count::Counting;
-    /// let c = Counting::new(std::alloc::System);
-    /// let w = c.process_window();
-    /// let b = std::thread::scope(|s| s.spawn(|| Box::new_in(1u8, &c)).join().unwrap());
-    /// drop(b);
-    /// w.assert_no_leaks();
-    /// ```
-    pub fn process_window(&self) -> ProcessWindow<'_, A> {
-        ProcessWindow::open(self)
-    }
-
-    /// Runs `f` in a [`ProcessWindow`] on this allocator and panics with the leak report
-    /// if it leaked. Threads that `f` spawns must be joined before it returns.
-    ///
-    /// ```
-    /// use allocator_api2::vec::Vec;
-    /// use cudalloc::{count::Counting, PinnedAlloc};
-    /// let pinned = Counting::new(PinnedAlloc);
-    /// pinned.assert_no_leaks(|| {
-    ///     std::thread::scope(|s| {
-    ///         s.spawn(|| drop(Vec::<u64, _>::with_capacity_in(8, &pinned)));
-    ///     });
-    /// });
-    /// ```
-    #[track_caller]
-    pub fn assert_no_leaks(&self, f: impl FnOnce()) {
-        let w = self.process_window();
-        f();
-        w.assert_no_leaks();
-    }
-
     /// This allocator's identity in the site table (stable while a window borrows it).
-    fn id(&self) -> usize {
+    pub(crate) fn id(&self) -> usize {
         self as *const Self as *const () as usize
     }
 
@@ -217,15 +175,15 @@ impl<A> Counting<A> {
 
     #[inline(always)]
     fn count_alloc(&self, ptr: *mut u8, size: usize) {
+        if sites::is_internal() {
+            return;
+        }
         let size64 = size as u64;
         let counted = current(|t| {
-            if t.is_internal() {
-                return;
-            }
             self.counters.record_alloc(t.slot(), size64);
             t.on_alloc(size64);
             if self.recording(t) {
-                sites::record(t, self.id(), ptr as usize, size);
+                sites::record(t.serial(), self.id(), ptr as usize, size);
             }
         });
         if counted.is_none() {
@@ -235,59 +193,56 @@ impl<A> Counting<A> {
 
     #[inline(always)]
     fn count_free(&self, ptr: *mut u8, size: usize) {
+        if sites::is_internal() {
+            return;
+        }
         let size64 = size as u64;
         let counted = current(|t| {
-            if t.is_internal() {
-                return;
-            }
             self.counters.record_free(t.slot(), size64);
             t.on_free(size64);
-            sites::forget(t, ptr as usize);
         });
         if counted.is_none() {
             self.counters.record_free(usize::MAX, size64);
         }
+        sites::forget(self.id(), ptr as usize);
     }
 
     #[inline(always)]
-    fn count_realloc(&self, old: usize, new_ptr: *mut u8, new: usize) {
+    fn count_realloc(&self, old: usize, new: usize) {
+        if sites::is_internal() {
+            return;
+        }
         let counted = current(|t| {
-            if t.is_internal() {
-                return;
-            }
             self.counters.record_realloc(t.slot(), old as u64, new as u64);
             t.on_realloc(old as u64, new as u64);
-            if self.recording(t) {
-                sites::record(t, self.id(), new_ptr as usize, new);
-            }
         });
         if counted.is_none() {
             self.counters.record_realloc(usize::MAX, old as u64, new as u64);
         }
     }
 
-    /// Drops the recorded site of a block about to be moved or resized: once `A` has the
-    /// old address back, another thread may be handed it (and record it) at once.
+    /// Takes the recorded site of a block about to be moved or resized out of the table,
+    /// to put back where the block ends up: once `A` has the old address back, another
+    /// thread may be handed it (and record it) at once. The block keeps the site (and
+    /// the window) of its first allocation: growing a block allocated before a window
+    /// does not make it the window's.
     #[inline(always)]
-    fn forget_site(&self, ptr: *mut u8) {
-        if sites::ENABLED {
-            let _ = current(|t| {
-                if !t.is_internal() {
-                    sites::forget(t, ptr as usize)
-                }
-            });
+    fn detach_site(&self, ptr: *mut u8) -> sites::Detached {
+        if sites::ENABLED && !sites::is_internal() {
+            sites::detach(self.id(), ptr as usize)
+        } else {
+            sites::Detached::none()
         }
     }
 
     #[cold]
     #[inline(never)]
     fn count_failure(&self) {
+        if sites::is_internal() {
+            return;
+        }
         self.counters.record_failure();
-        let _ = current(|t| {
-            if !t.is_internal() {
-                t.on_failure()
-            }
-        });
+        let _ = current(|t| t.on_failure());
     }
 
     /// Counts the outcome of growing or shrinking a block from `old` to `new` bytes: a
@@ -299,6 +254,7 @@ impl<A> Counting<A> {
         ptr: NonNull<u8>,
         old: Layout,
         new: Layout,
+        site: sites::Detached,
         result: Result<NonNull<[u8]>, AllocError>,
     ) -> Result<NonNull<[u8]>, AllocError> {
         match result {
@@ -308,10 +264,16 @@ impl<A> Counting<A> {
                     (0, 0) => {}
                     (0, n) => self.count_alloc(new_ptr, n),
                     (o, 0) => self.count_free(ptr.as_ptr(), o),
-                    (o, n) => self.count_realloc(o, new_ptr, n),
+                    (o, n) => {
+                        self.count_realloc(o, n);
+                        site.reattach(new_ptr as usize, n);
+                    }
                 }
             }
-            Err(_) => self.count_failure(),
+            Err(_) => {
+                site.reattach(ptr.as_ptr() as usize, old.size());
+                self.count_failure();
+            }
         }
         result
     }
@@ -370,13 +332,15 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Counting<A> {
 
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        self.forget_site(ptr);
+        let site = self.detach_site(ptr);
         // SAFETY: the caller meets `GlobalAlloc::realloc`'s contract for this block.
         let p = unsafe { self.inner.realloc(ptr, layout, new_size) };
         if p.is_null() {
+            site.reattach(ptr as usize, layout.size());
             self.count_failure();
         } else {
-            self.count_realloc(layout.size(), p, new_size);
+            self.count_realloc(layout.size(), new_size);
+            site.reattach(p as usize, new_size);
         }
         p
     }
@@ -425,10 +389,10 @@ unsafe impl<A: Allocator> Allocator for Counting<A> {
         old_layout: Layout,
         new_layout: Layout,
     ) -> Result<NonNull<[u8]>, AllocError> {
-        self.forget_site(ptr.as_ptr());
+        let site = self.detach_site(ptr.as_ptr());
         // SAFETY: the caller meets `Allocator::grow`'s contract for this block.
         let result = unsafe { self.inner.grow(ptr, old_layout, new_layout) };
-        self.count_resize(ptr, old_layout, new_layout, result)
+        self.count_resize(ptr, old_layout, new_layout, site, result)
     }
 
     #[inline]
@@ -438,10 +402,10 @@ unsafe impl<A: Allocator> Allocator for Counting<A> {
         old_layout: Layout,
         new_layout: Layout,
     ) -> Result<NonNull<[u8]>, AllocError> {
-        self.forget_site(ptr.as_ptr());
+        let site = self.detach_site(ptr.as_ptr());
         // SAFETY: the caller meets `Allocator::grow_zeroed`'s contract for this block.
         let result = unsafe { self.inner.grow_zeroed(ptr, old_layout, new_layout) };
-        self.count_resize(ptr, old_layout, new_layout, result)
+        self.count_resize(ptr, old_layout, new_layout, site, result)
     }
 
     #[inline]
@@ -451,10 +415,10 @@ unsafe impl<A: Allocator> Allocator for Counting<A> {
         old_layout: Layout,
         new_layout: Layout,
     ) -> Result<NonNull<[u8]>, AllocError> {
-        self.forget_site(ptr.as_ptr());
+        let site = self.detach_site(ptr.as_ptr());
         // SAFETY: the caller meets `Allocator::shrink`'s contract for this block.
         let result = unsafe { self.inner.shrink(ptr, old_layout, new_layout) };
-        self.count_resize(ptr, old_layout, new_layout, result)
+        self.count_resize(ptr, old_layout, new_layout, site, result)
     }
 }
 

@@ -1,7 +1,8 @@
 //! Per-thread state shared by every `Counting` allocator: the thread's slot (which shard
-//! of each allocator's counters it writes), its own running totals for windows, and the
-//! window depth. All of it is `Cell`s in a `const`-initialized thread-local without
-//! `Drop`, so reading it never allocates and works until the thread is gone.
+//! of each allocator's counters it writes), its serial, its own running totals for
+//! windows, and the window depth. All of it is `Cell`s in a `const`-initialized
+//! thread-local without `Drop`, so reading it never allocates and works until the
+//! thread is gone. A leaf: it knows the counters' shapes and nothing else of `count`.
 
 use core::cell::Cell;
 
@@ -32,9 +33,6 @@ pub(crate) struct ThreadState {
     /// the innermost window opened.
     live: Cell<i64>,
     peak: Cell<i64>,
-    /// Set while the crate itself allocates (capturing or printing allocation sites):
-    /// such blocks are neither counted nor recorded.
-    internal: Cell<bool>,
 }
 
 thread_local! {
@@ -62,11 +60,11 @@ impl ThreadState {
                 failures: 0,
                 bytes_allocated: 0,
                 bytes_freed: 0,
+                bytes_grown: 0,
                 peak_bytes: 0,
             }),
             live: Cell::new(0),
             peak: Cell::new(0),
-            internal: Cell::new(false),
         }
     }
 
@@ -104,19 +102,6 @@ impl ThreadState {
         self.serial.get()
     }
 
-    /// Whether the crate itself is allocating on this thread (only ever set with the
-    /// `backtrace` feature).
-    #[inline(always)]
-    pub(crate) fn is_internal(&self) -> bool {
-        super::sites::ENABLED && self.internal.get()
-    }
-
-    /// Sets the internal flag, returning its previous value.
-    #[cfg_attr(not(all(feature = "backtrace", not(loom))), allow(dead_code))]
-    pub(crate) fn set_internal(&self, on: bool) -> bool {
-        self.internal.replace(on)
-    }
-
     #[inline(always)]
     pub(crate) fn window_open(&self) -> bool {
         self.depth.get() != 0
@@ -146,6 +131,9 @@ impl ThreadState {
         t.reallocs = t.reallocs.wrapping_add(1);
         t.bytes_allocated = t.bytes_allocated.wrapping_add(new);
         t.bytes_freed = t.bytes_freed.wrapping_add(old);
+        if new > old {
+            t.bytes_grown = t.bytes_grown.wrapping_add(new - old);
+        }
         self.totals.set(t);
         self.grow_live(new.wrapping_sub(old) as i64);
     }

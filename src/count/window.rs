@@ -1,26 +1,32 @@
 //! Windows: what was allocated and not freed between opening and closing one, on this
-//! thread ([`Window`]) or on every thread through one allocator ([`ProcessWindow`]),
-//! and the [`LeakReport`] a leak check fails with.
+//! thread ([`Window`]) or on every thread through one allocator ([`ProcessWindow`]);
+//! the leak-check helpers named for those two scopes; and the [`LeakReport`] a leak
+//! check fails with.
 
 use core::fmt;
 use core::marker::PhantomData;
 
 use super::counters::{Delta, Snapshot};
+use super::sites::{self, LeakSite};
 use super::thread::{current, ThreadState};
-use super::{sites, Counting};
+use super::Counting;
 use crate::sync::global::Ordering;
 
 /// Counts what every [`Counting`] allocator allocates and frees *on this thread* while
 /// the window is open, so tests that run at once on other threads (as `cargo test`
 /// runs them) do not disturb it.
 ///
-/// A window balances what the thread allocated against what it freed: `leaked` is
-/// allocated-in-window minus freed-in-window, counted in blocks and in bytes, and only
-/// a positive value is a leak. So a block allocated here and freed on another thread
-/// counts as leaked here (use a [`ProcessWindow`] for work spread over threads), and
-/// freeing blocks allocated before the window opened can hide a leak of the same size.
-/// With the `backtrace` feature the report also lists, from a per-block table, where
-/// each block allocated in the window and still live was allocated.
+/// A window balances what the thread allocated against what it freed, in blocks and in
+/// bytes (the verdict is [`Delta::is_balanced`]): more blocks allocated than freed is a
+/// leak, and so are more bytes, except those by which reallocations grew blocks. A
+/// `Vec` that existed before the window and grew inside it is not a leak of the window
+/// (its owner frees the growth with it); the bytes it holds show in
+/// [`Delta::bytes_grown`] and [`Delta::net_bytes`]. A block allocated here and freed on
+/// another thread counts as leaked here (use a [`ProcessWindow`] for work spread over
+/// threads), and freeing blocks allocated before the window opened can hide a leak of
+/// as many blocks. With the `backtrace` feature the report also lists, from a per-block
+/// table, where each block allocated in the window and still live was allocated, which
+/// no such freeing can hide.
 ///
 /// Windows nest. A window is tied to its thread (it is `!Send`).
 ///
@@ -117,8 +123,7 @@ impl Window {
         let delta = self.delta();
         let (serial, since) = (self.serial, self.since);
         drop(self);
-        let sites =
-            current(|t| sites::collect(t, |s| s.thread == serial && s.seq >= since)).unwrap_or_default();
+        let sites = sites::collect(|s| s.thread == serial && s.seq >= since);
         LeakReport::new(LeakScope::Thread, delta, sites)
     }
 
@@ -144,44 +149,59 @@ impl fmt::Debug for Window {
     }
 }
 
-/// Runs `f` in a [`Window`] and panics with the leak report if it leaked; see
-/// [`Window`] for what counts.
+/// Runs `f` in a [`Window`] (this thread, every `Counting` allocator) and panics with
+/// the leak report if it leaked; see [`Window`] for what counts. For work spread over
+/// threads, see [`Counting::assert_no_leaks_across_threads`].
 ///
 /// ```
 /// use allocator_api2::vec::Vec;
-/// use cudalloc::{count::{assert_no_leaks, Counting}, ManagedAlloc};
+/// use cudalloc::{count::{assert_no_leaks_on_this_thread, Counting}, ManagedAlloc};
 /// let managed = Counting::new(ManagedAlloc);
-/// assert_no_leaks(|| {
+/// assert_no_leaks_on_this_thread(|| {
 ///     let v: Vec<f32, _> = Vec::with_capacity_in(256, &managed);
 ///     assert!(v.capacity() >= 256);
 /// });
 /// ```
 #[track_caller]
-pub fn assert_no_leaks(f: impl FnOnce()) {
-    let w = Window::open();
-    f();
-    w.assert_no_leaks();
+pub fn assert_no_leaks_on_this_thread(f: impl FnOnce()) {
+    if let Err(report) = check_leaks_on_this_thread(f) {
+        panic!("{report}");
+    }
 }
 
-/// Runs `f` in a [`Window`]: `Ok` with what happened, or the leak report.
+/// Runs `f` in a [`Window`] (this thread, every `Counting` allocator): `Ok` with what
+/// happened, or the leak report.
 ///
 /// ```
 /// use allocator_api2::boxed::Box;
-/// use cudalloc::count::{check_leaks, Counting};
+/// use cudalloc::count::{check_leaks_on_this_thread, Counting};
 /// let counting = Counting::new(std::alloc::System);
 /// let mut kept = None;
-/// let report = check_leaks(|| kept = Some(Box::new_in(1u32, &counting))).unwrap_err();
+/// let report = check_leaks_on_this_thread(|| kept = Some(Box::new_in(1u32, &counting))).unwrap_err();
 /// assert_eq!(report.leaked_bytes(), 4);
 /// ```
-pub fn check_leaks(f: impl FnOnce()) -> Result<Delta, LeakReport> {
+pub fn check_leaks_on_this_thread(f: impl FnOnce()) -> Result<Delta, LeakReport> {
     let w = Window::open();
     f();
     w.check()
 }
 
+/// Renamed [`assert_no_leaks_on_this_thread`]: the name now says what it checks.
+#[deprecated(note = "renamed `assert_no_leaks_on_this_thread` (it checks this thread, every allocator)")]
+#[track_caller]
+pub fn assert_no_leaks(f: impl FnOnce()) {
+    assert_no_leaks_on_this_thread(f)
+}
+
+/// Renamed [`check_leaks_on_this_thread`]: the name now says what it checks.
+#[deprecated(note = "renamed `check_leaks_on_this_thread` (it checks this thread, every allocator)")]
+pub fn check_leaks(f: impl FnOnce()) -> Result<Delta, LeakReport> {
+    check_leaks_on_this_thread(f)
+}
+
 /// Counts what one [`Counting`] allocator allocates and frees on *every* thread while
 /// the window is open: for code that spreads its work over threads. Leaks are judged
-/// as in a [`Window`] (allocated minus freed, in blocks and bytes). Close it after
+/// as in a [`Window`] ([`Delta::is_balanced`]). Close it after
 /// joining the threads; anything else that uses the same allocator meanwhile (another
 /// test running at once) is counted too, so give each such test its own allocator.
 ///
@@ -254,8 +274,7 @@ impl<'a, A> ProcessWindow<'a, A> {
         }
         let (instance, since) = (self.counting.id(), self.since);
         drop(self);
-        let sites =
-            current(|t| sites::collect(t, |s| s.instance == instance && s.seq >= since)).unwrap_or_default();
+        let sites = sites::collect(|s| s.instance == instance && s.seq >= since);
         LeakReport::new(LeakScope::Process, delta, sites)
     }
 
@@ -282,6 +301,80 @@ impl<A> fmt::Debug for ProcessWindow<'_, A> {
     }
 }
 
+/// Leak checks across threads, on one allocator.
+impl<A> Counting<A> {
+    /// Opens a [`ProcessWindow`] on this allocator: what it does on every thread.
+    ///
+    /// ```
+    /// use allocator_api2::boxed::Box;
+    /// use cudalloc::count::Counting;
+    /// let c = Counting::new(std::alloc::System);
+    /// let w = c.process_window();
+    /// let b = std::thread::scope(|s| s.spawn(|| Box::new_in(1u8, &c)).join().unwrap());
+    /// drop(b);
+    /// w.assert_no_leaks();
+    /// ```
+    pub fn process_window(&self) -> ProcessWindow<'_, A> {
+        ProcessWindow::open(self)
+    }
+
+    /// Runs `f` in a [`ProcessWindow`] on this allocator (every thread, this allocator
+    /// only) and panics with the leak report if it leaked. Threads that `f` spawns must
+    /// be joined before it returns. For this thread and every allocator, see
+    /// [`assert_no_leaks_on_this_thread`].
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// use cudalloc::{count::Counting, PinnedAlloc};
+    /// let pinned = Counting::new(PinnedAlloc);
+    /// pinned.assert_no_leaks_across_threads(|| {
+    ///     std::thread::scope(|s| {
+    ///         s.spawn(|| drop(Vec::<u64, _>::with_capacity_in(8, &pinned)));
+    ///     });
+    /// });
+    /// ```
+    #[track_caller]
+    pub fn assert_no_leaks_across_threads(&self, f: impl FnOnce()) {
+        if let Err(report) = self.check_leaks_across_threads(f) {
+            panic!("{report}");
+        }
+    }
+
+    /// Runs `f` in a [`ProcessWindow`] on this allocator: `Ok` with what happened on
+    /// every thread, or the leak report. Threads that `f` spawns must be joined before
+    /// it returns.
+    ///
+    /// ```
+    /// use allocator_api2::boxed::Box;
+    /// use cudalloc::count::{Counting, LeakScope};
+    /// let counting = Counting::new(std::alloc::System);
+    /// let kept = counting
+    ///     .check_leaks_across_threads(|| {
+    ///         std::thread::scope(|s| {
+    ///             s.spawn(|| drop(Box::new_in([0u8; 8], &counting)));
+    ///         });
+    ///     })
+    ///     .expect("nothing leaked");
+    /// assert_eq!((kept.allocs, kept.frees), (1, 1));
+    /// let mut b = None;
+    /// let report = counting.check_leaks_across_threads(|| b = Some(Box::new_in(1u32, &counting)));
+    /// assert_eq!(report.unwrap_err().scope, LeakScope::Process);
+    /// ```
+    pub fn check_leaks_across_threads(&self, f: impl FnOnce()) -> Result<Delta, LeakReport> {
+        let w = self.process_window();
+        f();
+        w.check()
+    }
+
+    /// Renamed [`Counting::assert_no_leaks_across_threads`]: the name now says what it
+    /// checks.
+    #[deprecated(note = "renamed `assert_no_leaks_across_threads` (it checks every thread, this allocator)")]
+    #[track_caller]
+    pub fn assert_no_leaks(&self, f: impl FnOnce()) {
+        self.assert_no_leaks_across_threads(f)
+    }
+}
+
 /// How often, 2 ms apart, a process-wide window rereads unbalanced counts.
 const SETTLE_ROUNDS: u32 = 50;
 
@@ -294,18 +387,14 @@ pub enum LeakScope {
     Process,
 }
 
-/// Where a block that is still live was allocated (feature `backtrace`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LeakSite {
-    /// The block's address.
-    pub address: usize,
-    /// Its size in bytes.
-    pub size: usize,
-    /// The stack at its allocation (or last reallocation), allocator frames trimmed.
-    pub backtrace: String,
-}
-
 /// Why a leak check failed: what leaked, and with the `backtrace` feature where.
+///
+/// Its first line says what failed the verdict ([`Delta::is_balanced`]): blocks not
+/// freed; or bytes not freed while no more blocks are live than at opening (blocks
+/// allocated in the window live on in place of older ones it freed); or, with the
+/// `backtrace` feature when the counts balance, blocks allocated in the window that are
+/// still live. Growth of blocks by reallocation is shown apart ("reallocations grew
+/// blocks by N B"): it fails no check by itself.
 ///
 /// ```
 /// use allocator_api2::boxed::Box;
@@ -338,12 +427,12 @@ impl LeakReport {
         }
     }
 
-    /// Blocks allocated in the window and not freed (net).
+    /// Blocks allocated in the window and not freed (net); see [`Delta::leaked_count`].
     pub fn leaked_count(&self) -> u64 {
         self.delta.leaked_count()
     }
 
-    /// Bytes allocated in the window and not freed (net).
+    /// Bytes allocated in the window and not freed (net); see [`Delta::leaked_bytes`].
     pub fn leaked_bytes(&self) -> u64 {
         self.delta.leaked_bytes()
     }
@@ -358,12 +447,27 @@ impl fmt::Display for LeakReport {
             LeakScope::Thread => "thread window",
             LeakScope::Process => "process-wide window",
         };
-        writeln!(
-            f,
-            "memory leaked in a {scope}: {} blocks, {} bytes not freed",
-            self.leaked_count(),
-            self.leaked_bytes()
-        )?;
+        let (count, bytes) = (self.leaked_count(), self.leaked_bytes());
+        if count > 0 {
+            writeln!(
+                f,
+                "memory leaked in a {scope}: {count} blocks, {bytes} bytes not freed"
+            )?;
+        } else if bytes > 0 {
+            writeln!(
+                f,
+                "memory leaked in a {scope}: {bytes} bytes not freed, in no more blocks than \
+                 at opening (blocks allocated in the window outlive it in place of older ones \
+                 it freed)"
+            )?;
+        } else {
+            writeln!(
+                f,
+                "memory leaked in a {scope}: {} blocks allocated in it are still live (the \
+                 counts balance because it freed as many older blocks)",
+                self.sites.len()
+            )?;
+        }
         write!(f, "  window: {}", self.delta)?;
         if !sites::ENABLED {
             return write!(

@@ -42,7 +42,7 @@ fn keep_freed_memory(device: usize) -> Result<()> {
 /// the same stream when dropped (`cuMemFreeAsync`). It cannot be dereferenced on the host.
 ///
 /// ```
-/// use cudalloc::cuda::{AsyncDeviceMemory, Stream};
+/// use cudalloc::{cuda::Stream, testing::AsyncDeviceMemory};
 /// if let Ok(stream) = Stream::new(0) {
 ///     let block = AsyncDeviceMemory::new(1 << 20, &stream).unwrap();
 ///     assert_eq!(block.len(), 1 << 20);

@@ -224,7 +224,23 @@ static DROP_ERRORS: AtomicU64 = AtomicU64::new(0);
 /// `deallocate`): counted, logged, never a panic.
 pub(crate) fn record_drop_error(what: &str, e: impl fmt::Display) {
     DROP_ERRORS.fetch_add(1, Ordering::Relaxed);
-    log::error!("cudalloc: {what} failed: {e}");
+    let message = format!("{what} failed: {e}");
+    log::error!("cudalloc: {message}");
+    *crate::sync::global::lock(&LAST_DROP_ERROR) = Some(message);
+}
+
+static LAST_DROP_ERROR: crate::sync::global::Mutex<Option<String>> = crate::sync::global::Mutex::new(None);
+
+/// The most recent error counted by [`drop_errors`], in words (what failed, and the
+/// driver's message), for a program that finds the count nonzero and has no logger.
+///
+/// ```
+/// if cudalloc::cuda::drop_errors() > 0 {
+///     eprintln!("last: {:?}", cudalloc::cuda::last_drop_error());
+/// }
+/// ```
+pub fn last_drop_error() -> Option<String> {
+    crate::sync::global::lock(&LAST_DROP_ERROR).clone()
 }
 
 /// Number of CUDA errors the crate met while freeing memory, destroying handles or

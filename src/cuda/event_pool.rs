@@ -46,7 +46,7 @@ impl PooledEvent {
         Ok(pooled)
     }
 
-    fn event(&self) -> &Event {
+    pub(crate) fn event(&self) -> &Event {
         self.event
             .as_ref()
             .expect("a PooledEvent holds its event until dropped")

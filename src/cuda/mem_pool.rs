@@ -81,6 +81,21 @@ impl MemPool {
         Ok(value)
     }
 
+    /// Resets the highs of reserved and used bytes to their current values.
+    pub(crate) fn reset_highs(&self) -> Result<()> {
+        use sys::CUmemPool_attribute as A;
+        bind(self.device)?;
+        for attr in [
+            A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+            A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        ] {
+            let mut zero = 0u64;
+            // SAFETY: the high attributes take a pointer to one cuuint64_t; 0 resets them.
+            check(unsafe { sys::cuMemPoolSetAttribute(self.raw, attr, (&mut zero as *mut u64).cast()) })?;
+        }
+        Ok(())
+    }
+
     /// Reserved and used bytes, now and at their highs.
     pub(crate) fn usage(&self) -> Result<MemPoolUsage> {
         use sys::CUmemPool_attribute as A;
@@ -99,6 +114,36 @@ impl MemPool {
         // SAFETY: the pool is live.
         check(unsafe { sys::cuMemPoolTrimTo(self.raw, keep) })?;
         Ok(())
+    }
+
+    /// Lets device `peer` read and write every allocation of the pool (`access`), or takes
+    /// that away (`cuMemPoolSetAccess`).
+    pub(crate) fn set_access(&self, peer: usize, access: bool) -> Result<()> {
+        bind(self.device)?;
+        let flags = if access {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        } else {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE
+        };
+        let desc = sys::CUmemAccessDesc {
+            location: location(peer)?,
+            flags,
+        };
+        // SAFETY: one access descriptor, read by the driver during the call; the pool is
+        // live.
+        check(unsafe { sys::cuMemPoolSetAccess(self.raw, &desc, 1) })?;
+        Ok(())
+    }
+
+    /// Whether device `peer` may read and write the pool's allocations.
+    pub(crate) fn access(&self, peer: usize) -> Result<bool> {
+        bind(self.device)?;
+        let mut loc = location(peer)?;
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        // SAFETY: the driver reads the location and writes one flags value; the pool is
+        // live.
+        check(unsafe { sys::cuMemPoolGetAccess(&mut flags, self.raw, &mut loc) })?;
+        Ok(flags == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
     }
 
     /// Allocates `bytes` (nonzero) in stream order on `stream`.
@@ -129,6 +174,50 @@ impl MemPool {
             record_drop_error("cuMemFreeAsync", e);
         }
     }
+}
+
+/// The location of device `ordinal`.
+fn location(ordinal: usize) -> Result<sys::CUmemLocation> {
+    Ok(sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: i32::try_from(ordinal).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?,
+    })
+}
+
+/// Reserved bytes of device `device`'s default memory pool (the one `cuMemAllocAsync`
+/// uses), now and at its high (reset to the current value with `reset_high`): what the
+/// `cuMemAllocAsync` reference of the benchmarks reserves.
+#[doc(hidden)]
+pub fn default_pool_reserved(device: usize, reset_high: bool) -> Result<(u64, u64)> {
+    use sys::CUmemPool_attribute as A;
+    driver()?;
+    bind(device)?;
+    let dev = i32::try_from(device).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?;
+    let mut pool: sys::CUmemoryPool = core::ptr::null_mut();
+    // SAFETY: cuDeviceGetDefaultMemPool writes the pool handle of a valid device.
+    check(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) })?;
+    if reset_high {
+        let mut zero = 0u64;
+        // SAFETY: RESERVED_MEM_HIGH takes a pointer to one cuuint64_t; 0 is the only value
+        // it accepts (it resets the high to the current value).
+        check(unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+                (&mut zero as *mut u64).cast(),
+            )
+        })?;
+    }
+    let get = |attr| -> Result<u64> {
+        let mut v = 0u64;
+        // SAFETY: the reserved-memory attributes are cuuint64_t values.
+        check(unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast()) })?;
+        Ok(v)
+    };
+    Ok((
+        get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+        get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+    ))
 }
 
 impl Drop for MemPool {

@@ -266,13 +266,21 @@ pub(crate) mod raw {
     /// # Safety
     /// 1. `p` was registered by [`host_register`] and not yet unregistered.
     pub(crate) unsafe fn host_unregister(p: *mut u8) {
-        if let Err(e) = bind(0) {
-            return record_drop_error("binding a context for cuMemHostUnregister", e);
-        }
         // SAFETY: obligation 1 of this function.
-        if let Err(e) = check(unsafe { sys::cuMemHostUnregister(p.cast()) }) {
+        if let Err(e) = unsafe { try_host_unregister(p) } {
             record_drop_error("cuMemHostUnregister", e);
         }
+    }
+
+    /// `cuMemHostUnregister`, returning its error.
+    ///
+    /// # Safety
+    /// 1. `p` was registered by [`host_register`] and not yet unregistered.
+    pub(crate) unsafe fn try_host_unregister(p: *mut u8) -> Result<()> {
+        bind(0)?;
+        // SAFETY: obligation 1 of this function.
+        check(unsafe { sys::cuMemHostUnregister(p.cast()) })?;
+        Ok(())
     }
 
     /// `cuMemAllocManaged`. `size` must be nonzero.
@@ -387,7 +395,7 @@ pub unsafe fn memset_d8_async(dst: u64, value: u8, len: usize, stream: &Stream) 
 /// on the host.
 ///
 /// ```
-/// use cudalloc::cuda::{DeviceMemory, Stream};
+/// use cudalloc::{cuda::Stream, testing::DeviceMemory};
 /// if cudalloc::cuda::driver_available() {
 ///     let stream = Stream::new(0).unwrap();
 ///     let mut dev = DeviceMemory::new(4, 0).unwrap();
@@ -401,7 +409,7 @@ pub unsafe fn memset_d8_async(dst: u64, value: u8, len: usize, stream: &Stream) 
 /// Device memory cannot be read on the host: there is no way to index or deref it.
 ///
 /// ```compile_fail
-/// let dev = cudalloc::cuda::DeviceMemory::new(4, 0).unwrap();
+/// let dev = cudalloc::testing::DeviceMemory::new(4, 0).unwrap();
 /// let first: u8 = dev[0];
 /// ```
 #[derive(Debug)]

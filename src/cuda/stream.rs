@@ -6,10 +6,10 @@
 //! process: the crate keys recorded GPU uses by it, never by the raw `CUstream`, whose
 //! value the driver may give to a new stream once the old one is destroyed.
 
+use crate::sync::global::Arc;
 use core::ffi::c_void;
 use core::fmt;
 use core::num::NonZeroU64;
-use std::sync::Arc;
 
 use cudarc::driver::sys;
 
@@ -53,13 +53,17 @@ impl fmt::Display for StreamId {
 
 /// Who destroys the raw stream.
 enum Owner {
-    /// This handle created it and destroys it when the last clone is dropped.
+    /// This handle created it and destroys it when the last clone is dropped. (With the
+    /// `cudarc` feature the crate's streams are cudarc's, see [`Owner::Cudarc`].)
+    #[cfg_attr(feature = "cudarc", allow(dead_code))]
     Owned,
     /// Someone else owns it; the caller of [`Stream::from_raw`] keeps it alive.
     Borrowed,
-    /// A cudarc stream, kept alive by this reference (see the `cudarc` feature).
+    /// The cudarc view (`StreamInner::view`) owns it or keeps it alive: the stream lives
+    /// while this handle or any clone of the view does. `created`: the crate made it
+    /// ([`Stream::new`]) rather than wrapped it ([`Stream::from_cudarc`]).
     #[cfg(feature = "cudarc")]
-    Cudarc(#[allow(dead_code)] Arc<cudarc::driver::CudaStream>),
+    Cudarc { created: bool },
 }
 
 struct StreamInner {
@@ -67,9 +71,11 @@ struct StreamInner {
     device: usize,
     id: StreamId,
     owner: Owner,
-    /// The cudarc view of this stream, made on first use (see the `cudarc` feature).
+    /// The same stream as cudarc sees it, made when the handle is (see the `cudarc`
+    /// feature): `Stream::cudarc` cannot fail, so cudarc's `DeviceSlice::stream` can
+    /// return it.
     #[cfg(feature = "cudarc")]
-    cudarc: std::sync::OnceLock<Arc<cudarc::driver::CudaStream>>,
+    view: Arc<cudarc::driver::CudaStream>,
 }
 
 // SAFETY: CUDA streams are thread-safe driver handles; the driver serializes their use and
@@ -80,6 +86,8 @@ unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
+        #[cfg(feature = "cudarc")]
+        cudarc_side::forget(self);
         if !matches!(self.owner, Owner::Owned) {
             return;
         }
@@ -115,7 +123,9 @@ impl fmt::Debug for Stream {
             Owner::Owned => "owned",
             Owner::Borrowed => "borrowed",
             #[cfg(feature = "cudarc")]
-            Owner::Cudarc(_) => "cudarc",
+            Owner::Cudarc { created: true } => "owned (shared with its cudarc view)",
+            #[cfg(feature = "cudarc")]
+            Owner::Cudarc { created: false } => "cudarc",
         };
         f.debug_struct("Stream")
             .field("id", &self.inner.id)
@@ -137,13 +147,31 @@ impl Eq for Stream {}
 impl Stream {
     /// Creates a non-blocking stream on device `device` (`cuStreamCreate` with
     /// `CU_STREAM_NON_BLOCKING`).
+    ///
+    /// With the `cudarc` feature the stream is made by cudarc (`CudaContext::new_stream`
+    /// on the device's primary context) and shared with its cudarc view
+    /// ([`Stream::cudarc`]): it is destroyed when the last handle *and* the last clone of
+    /// the view are dropped, so a view kept by cudarc code never outlives its stream.
+    /// cudarc then orders its own slices across the crate's streams (its multi-stream
+    /// mode, which the crate keeps on, so that making a stream never synchronizes the
+    /// device's context as cudarc's first `new_stream` of a context does).
     pub fn new(device: usize) -> Result<Self> {
         driver()?;
         bind(device)?;
+        Self::create(device)
+    }
+
+    #[cfg(not(feature = "cudarc"))]
+    fn create(device: usize) -> Result<Self> {
         let mut raw: sys::CUstream = core::ptr::null_mut();
         // SAFETY: cuStreamCreate writes a new handle into `raw`.
         check(unsafe { sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) })?;
-        Ok(Self::wrap(raw, device, Owner::Owned))
+        Self::wrap(raw, device, Owner::Owned)
+    }
+
+    #[cfg(feature = "cudarc")]
+    fn create(device: usize) -> Result<Self> {
+        cudarc_side::create(device)
     }
 
     /// A handle over a stream someone else created and destroys (another CUDA library's
@@ -164,24 +192,46 @@ impl Stream {
     /// 1. `raw` is a live stream (or null, the legacy default stream) of the primary
     ///    context of device `device`.
     /// 2. It stays alive until this handle, its clones, and everything the crate made with
-    ///    them (buffers, arenas, recorded uses) are dropped or have completed.
+    ///    them (buffers, arenas, recorded uses; with the `cudarc` feature, clones of its
+    ///    cudarc view) are dropped or have completed.
+    ///
+    /// The per-thread default stream (`CU_STREAM_PER_THREAD`) is refused: it names a
+    /// different stream on every thread, while the crate may record on or free into a
+    /// stream from any thread.
     pub unsafe fn from_raw(device: usize, raw: *mut c_void) -> Result<Self> {
         driver()?;
+        if raw == PER_THREAD.cast() {
+            return Err(Error::InvalidArgument(PER_THREAD_REFUSED));
+        }
         bind(device)?;
-        Ok(Self::wrap(raw.cast(), device, Owner::Borrowed))
+        Self::wrap(raw.cast(), device, Owner::Borrowed)
     }
 
-    fn wrap(raw: sys::CUstream, device: usize, owner: Owner) -> Self {
-        Self {
-            inner: Arc::new(StreamInner {
-                raw,
-                device,
-                id: StreamId::fresh(),
-                owner,
-                #[cfg(feature = "cudarc")]
-                cudarc: std::sync::OnceLock::new(),
-            }),
-        }
+    /// A handle over `raw` (created here or borrowed); with the `cudarc` feature, with
+    /// its cudarc view.
+    fn wrap(raw: sys::CUstream, device: usize, owner: Owner) -> Result<Self> {
+        let inner = StreamInner {
+            raw,
+            device,
+            id: StreamId::fresh(),
+            owner,
+            #[cfg(feature = "cudarc")]
+            // SAFETY: `raw` is a stream of the primary context of `device` (it was created
+            // there, or from_raw's obligation 1 says so) that outlives the view (obligation
+            // 2 of from_raw names the view's clones).
+            view: unsafe { cudarc_side::borrowed_view(device, raw) }?,
+        };
+        Ok(Self::publish(inner))
+    }
+
+    /// The handle over `inner`, made known to the cudarc side (feature `cudarc`).
+    fn publish(inner: StreamInner) -> Self {
+        let this = Self {
+            inner: Arc::new(inner),
+        };
+        #[cfg(feature = "cudarc")]
+        cudarc_side::remember(&this);
+        this
     }
 
     /// The device this stream belongs to.
@@ -194,10 +244,16 @@ impl Stream {
         self.inner.id
     }
 
-    /// Whether this handle destroys the stream when its last clone is dropped (false for
-    /// [`Stream::from_raw`] and streams of other libraries).
+    /// Whether the stream is destroyed when its last handle is dropped (true for
+    /// [`Stream::new`]; false for [`Stream::from_raw`] and streams of other libraries).
+    /// With the `cudarc` feature, clones of its cudarc view keep it alive as well.
     pub fn is_owned(&self) -> bool {
-        matches!(self.inner.owner, Owner::Owned)
+        match self.inner.owner {
+            Owner::Owned => true,
+            Owner::Borrowed => false,
+            #[cfg(feature = "cudarc")]
+            Owner::Cudarc { created } => created,
+        }
     }
 
     /// The raw `CUstream` as an untyped pointer, for other CUDA libraries (a
@@ -295,11 +351,29 @@ impl Stream {
     }
 }
 
+/// `CU_STREAM_PER_THREAD`: a handle that means "the calling thread's default stream".
+const PER_THREAD: sys::CUstream = 0x2 as sys::CUstream;
+const PER_THREAD_REFUSED: &str =
+    "the per-thread default stream names a different stream on each thread; pass a stream of its own";
+
+#[cfg(feature = "cudarc")]
+#[path = "stream_cudarc.rs"]
+mod cudarc_side;
+
+#[cfg(feature = "cudarc")]
+pub(crate) use cudarc_side::{is_same, known, order_after};
+
 #[cfg(feature = "cudarc")]
 impl Stream {
     /// A handle over a cudarc stream, keeping it alive: the crate's copies, buffers and
-    /// recorded uses run on it in its order. Its context must be the primary context of its
-    /// device (what `CudaContext::new` gives), which the crate shares.
+    /// recorded uses run on it in its order. Its context must be the primary context of
+    /// its device (what `CudaContext::new` gives), which the crate shares.
+    ///
+    /// One cudarc stream is one crate stream: while a handle made from `stream` (or the
+    /// crate stream whose [view](Stream::cudarc) `stream` is) lives, this returns a clone
+    /// of it, with the same [`StreamId`] (the crate keys per-stream state by it). So
+    /// converting where a crate function wants a [`Stream`] is cheap (a lock and a map
+    /// lookup) and keeps the identity, though holding the handle is cheaper still.
     ///
     /// ```
     /// use cudalloc::cuda::Stream;
@@ -308,48 +382,42 @@ impl Stream {
     ///     let theirs = ctx.new_stream().unwrap();
     ///     let ours = Stream::from_cudarc(&theirs).unwrap();
     ///     assert_eq!(ours.as_raw(), theirs.cu_stream().cast());
+    ///     assert_eq!(Stream::from_cudarc(&theirs).unwrap(), ours); // the same stream
+    ///     let pooled: cudalloc::device::DevicePool = cudalloc::device::DevicePool::get(0).unwrap();
+    ///     let buf = pooled.alloc::<f32>(256, &ours).unwrap(); // crate APIs take it as a Stream
+    ///     assert_eq!(buf.len(), 256);
     /// }
     /// ```
     pub fn from_cudarc(stream: &Arc<cudarc::driver::CudaStream>) -> Result<Self> {
-        driver()?;
-        let ctx = stream.context();
-        if !ctx.is_primary() {
-            return Err(Error::InvalidArgument(
-                "the cudarc stream's context is not its device's primary context",
-            ));
-        }
-        let device = ctx.ordinal();
-        bind(device)?;
-        let this = Self::wrap(stream.cu_stream(), device, Owner::Cudarc(stream.clone()));
-        // The cudarc view is the stream itself.
-        let _ = this.inner.cudarc.set(stream.clone());
-        Ok(this)
+        cudarc_side::from_cudarc(stream)
     }
 
     /// This stream as a cudarc stream, for cudarc's copies and kernel launches
-    /// (`CudaStream::memcpy_htod`, `launch_builder`): the same driver stream, borrowed
-    /// (`CudaContext::wrap_borrowed_stream`), made on first call and kept with the handle.
-    /// The context is the device's primary context, the one `CudaContext::new` retains.
+    /// (`CudaStream::memcpy_htod`, `launch_builder`): the same driver stream, in the
+    /// device's primary context (the one `CudaContext::new` retains), made with the handle.
+    /// The crate's streams are cudarc-owned: cloning the view and keeping it past this
+    /// handle is fine (it keeps the stream alive); for a [`Stream::from_raw`] handle it is
+    /// that function's obligation 2.
     ///
     /// ```
     /// use cudalloc::cuda::Stream;
     /// if let Ok(s) = Stream::new(0) {
-    ///     let theirs = s.cudarc().unwrap();
+    ///     let theirs = s.cudarc();
     ///     assert_eq!(theirs.cu_stream().cast(), s.as_raw());
+    ///     assert_eq!(Stream::from_cudarc(theirs).unwrap(), s);
     /// }
     /// ```
-    pub fn cudarc(&self) -> Result<&Arc<cudarc::driver::CudaStream>> {
-        if let Some(s) = self.inner.cudarc.get() {
-            return Ok(s);
-        }
-        driver()?;
-        let ctx = cudarc::driver::CudaContext::new(self.device()).map_err(super::driver::CudaError::from)?;
-        // SAFETY: the stream belongs to the device's primary context, which `ctx` is (both
-        // crates retain the primary context); it stays alive as long as `self.inner`,
-        // which holds the cudarc handle; ordering across the two APIs is the stream's own
-        // order, the same for both.
-        let wrapped = unsafe { ctx.wrap_borrowed_stream(self.cu()) };
-        Ok(self.inner.cudarc.get_or_init(|| wrapped))
+    pub fn cudarc(&self) -> &Arc<cudarc::driver::CudaStream> {
+        &self.inner.view
+    }
+}
+
+/// [`Stream::from_cudarc`].
+#[cfg(feature = "cudarc")]
+impl TryFrom<&Arc<cudarc::driver::CudaStream>> for Stream {
+    type Error = Error;
+    fn try_from(stream: &Arc<cudarc::driver::CudaStream>) -> Result<Self> {
+        Self::from_cudarc(stream)
     }
 }
 

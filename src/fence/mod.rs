@@ -1,5 +1,5 @@
 //! GPU-use tracking, shared by every allocator of the crate: the [`Fence`] trait (a point
-//! in a stream whose completion can be polled), [`UseSet`] (the uses recorded on one piece
+//! in a stream whose completion can be polled), `UseSet` (the uses recorded on one piece
 //! of memory, at most one per stream, with poll / wait / abandon), and the crate-level
 //! [`record_use`] / [`record_fence`], which find the allocator owning any pointer through
 //! the range registry (`registry.rs`).
@@ -67,7 +67,9 @@ pub unsafe trait Fence: Send + Sync + 'static {
 
     /// The stream the fence was recorded on, if it is a point in one stream's order. A
     /// later fence of the same stream completes after an earlier one, so a set of uses keeps
-    /// only the latest per stream.
+    /// only the latest per stream. A fence whose point is fixed only later (by
+    /// [`Fence::seal`]) must return `None`: a fence of its stream recorded meanwhile may
+    /// lie before its point, and must not replace it.
     fn stream_id(&self) -> Option<StreamId> {
         None
     }

@@ -13,6 +13,7 @@ use crate::error::Result;
 
 /// An allocator's shared state, type-erased, that can attach a fence to the memory
 /// holding an address.
+#[cfg_attr(loom, allow(dead_code))]
 pub(crate) trait UseRecorder: Send + Sync {
     /// Attaches `fence` to the memory holding `addr`. `Ok(false)` when the owner no longer
     /// holds `addr` (a range being removed); `Err` when `addr` is in the owner's memory but
@@ -103,7 +104,7 @@ mod imp_loom {
         }
     }
     pub(crate) fn add_owner<T: UseRecorder + 'static>(_id: u64, _owner: T) {}
-    pub(crate) fn remove_owner(_id: u64) -> Option<()> {
+    pub(crate) fn remove_owner(_id: u64) -> Option<NoOwner> {
         None
     }
     pub(crate) fn insert_range(_start: usize, _len: usize, _id: u64) {}

@@ -203,6 +203,39 @@ unsafe fn fallback_deallocate(ptr: NonNull<u8>, layout: Layout) {
 /// ```
 ///
 /// Without a driver it falls back to pageable memory; [`PinnedAlloc::strict`] does not.
+///
+/// ## In cudarc's copies
+///
+/// Do not hand a `Vec<T, PinnedAlloc>` to cudarc as a plain `&[T]` / `&mut [T]`. cudarc
+/// takes every plain slice for pageable memory and never waits, but the driver copies
+/// pinned memory truly asynchronously: `memcpy_htod(&v[..], ..)` returns before the copy
+/// has read `v` (the device gets what the host writes afterwards), and if `v` is dropped
+/// the pool may hand its block to a new owner while the DMA still reads it, or, for
+/// `memcpy_dtoh`, still writes it: corrupted data, reachable from safe code. With the
+/// `cudarc` feature, wrap it: `PinnedView` keeps the copy asynchronous and the block from
+/// reuse until the copy is done, and `PinnedViewMut` makes a copy into it complete before
+/// cudarc returns (`PinnedViewMut::new_async`, unsafe, keeps it asynchronous).
+#[cfg_attr(
+    feature = "cudarc",
+    doc = r#"
+```
+use allocator_api2::vec::Vec;
+use cudalloc::{cuda::Stream, device::DevicePool, PinnedAlloc, PinnedView, PinnedViewMut};
+if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
+    let cs = stream.cudarc();
+    let mut v: Vec<u32, PinnedAlloc> = Vec::new_in(PinnedAlloc);
+    v.extend(0..256);
+    let mut dev = pool.alloc::<u32>(256, &stream).unwrap();
+    cs.memcpy_htod(&PinnedView::new(&v).unwrap(), &mut dev).unwrap(); // not &v[..]
+    drop(v); // safe at once
+    let mut back: Vec<u32, PinnedAlloc> = Vec::new_in(PinnedAlloc);
+    back.resize(256, 0);
+    cs.memcpy_dtoh(&dev, &mut PinnedViewMut::new(&mut back).unwrap()).unwrap();
+    assert_eq!(back[255], 255);
+}
+```
+"#
+)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct PinnedAlloc;
 
@@ -316,9 +349,21 @@ impl Pinned {
         self.strict
     }
 
-    /// Statistics of the process-wide pool for this handle's flags (zero if it was never
-    /// used), with the no-driver fallbacks.
-    pub fn stats(&self) -> PoolStats {
+    /// Statistics of the one process-wide pool for this handle's flags (zero if it was
+    /// never used), with the no-driver fallbacks. [`PinnedAlloc::stats`] sums every
+    /// pinned pool.
+    ///
+    /// ```
+    /// use allocator_api2::vec::Vec;
+    /// use cudalloc::{cuda::HostAllocFlags, PinnedAlloc};
+    /// let portable = PinnedAlloc::with_flags(HostAllocFlags::PORTABLE);
+    /// let v: Vec<u8, _> = Vec::with_capacity_in(100, portable);
+    /// if cudalloc::cuda::driver_available() {
+    ///     assert_eq!(portable.pool_stats().live_blocks, 1);
+    /// }
+    /// # drop(v);
+    /// ```
+    pub fn pool_stats(&self) -> PoolStats {
         let s = pinned_pools()
             .find(|p| p.source().flags() == self.flags)
             .map_or_else(
@@ -419,9 +464,9 @@ impl Managed {
         self.attach
     }
 
-    /// Statistics of the process-wide pool for this handle's attach mode, with the
-    /// no-driver fallbacks.
-    pub fn stats(&self) -> PoolStats {
+    /// Statistics of the one process-wide pool for this handle's attach mode, with the
+    /// no-driver fallbacks. [`ManagedAlloc::stats`] sums both managed pools.
+    pub fn pool_stats(&self) -> PoolStats {
         let s = managed_pools()
             .find(|p| p.source() == &crate::source::ManagedSource::new(self.attach))
             .map_or_else(PoolStats::default, |p| p.stats());

@@ -1,155 +1,159 @@
-//! Loom models of the pool's concurrent structures, on host memory. Run with
-//! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib`.
+//! Loom models of the pool, driving `Pool` itself (thread caches included: under loom the
+//! thread-local table is loom's, so each model thread has its own caches, flushed when the
+//! thread ends). Run with `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test
+//! --release --lib loom`.
 //!
-//! Each model keeps to two or three threads and a handful of operations. Thread caches
-//! are driven directly (`CacheCore` owned by each model thread, as the thread-local
-//! table would), since loom threads share one OS thread's locals.
+//! Each model keeps to two or three threads and a handful of operations.
 
 use allocator_api2::alloc::{Allocator, Layout};
 
-use super::pending::fake::FlagFence;
-use super::shared::{Budget, Shared};
-use super::size_class::class_size;
 use super::*;
+use crate::fence::fake::FlagFence;
 use crate::source::HostSource;
 use crate::sync::{thread, Arc};
 
-/// A small pool shape: few classes (few locks for loom to track), small chunks.
+/// A small pool shape: few classes (few locks for loom to track), small chunks, tiny
+/// thread caches.
 fn config() -> PoolConfig {
-    PoolConfig {
-        chunk_size: 256 << 10,
-        large_threshold: 256,
-        thread_cache_capacity: 4,
-        ..PoolConfig::default()
+    PoolConfig::default()
+        .with_chunk_size(256 << 10)
+        .with_large_threshold(256)
+        .with_thread_cache_capacity(2)
+        .with_pending_wait(None)
+}
+
+fn layout(size: usize) -> Layout {
+    Layout::from_size_align(size, 16).unwrap()
+}
+
+/// A block pointer that may cross to another model thread.
+#[derive(Clone, Copy)]
+struct Sent(BlockPtr);
+
+/// Waits until at most `n` threads have caches: under loom (unlike `std`) `join` returns
+/// before the joined thread's locals are destroyed, i.e. before its cache is flushed.
+fn wait_for_thread_exits<S: MemorySource>(pool: &Pool<S>, n: usize) {
+    while pool.shared.live_threads() > n {
+        thread::yield_now();
     }
 }
 
-fn shared() -> Arc<Shared<HostSource>> {
-    let config = config();
-    Arc::new(Shared::new(
-        HostSource,
-        config.settings(),
-        Arc::new(Budget::new(usize::MAX)),
-        0,
-        None,
-    ))
+fn balanced<S: MemorySource>(pool: &Pool<S>) {
+    pool.shared.check_accounting().unwrap();
+    let s = pool.stats();
+    assert_eq!(
+        s.live_bytes + s.cached_bytes + s.pending_bytes,
+        s.source_bytes,
+        "{s:?}"
+    );
 }
 
-/// Two threads refill their caches from one shared list, pop, push back, and flush
-/// (as at thread exit) while the other works: no block is ever held by both, and the
-/// accounting balances at the end.
+/// Two threads allocate through their thread caches (refilling from one shared list),
+/// one frees a block the other allocated, and both exit (their caches flush): no block is
+/// ever held twice, and at the end everything is back and the accounting balances.
 #[test]
-fn thread_cache_refill_and_flush() {
+fn loom_thread_caches_refill_cross_thread_free_and_flush_at_exit() {
     loom::model(|| {
-        let sh = shared();
-        let class = 2;
-        let worker = |sh: Arc<Shared<HostSource>>| {
-            move || {
-                let mut cache = sh.new_cache();
-                let mut batch = Batch::new();
-                sh.take_small(class, 2, &mut batch).unwrap();
-                let got = batch.len();
-                cache.fill(class, batch.drain());
-                let a = cache.pop(class).unwrap();
-                assert!(cache.push(class, a));
-                // Full bin: flush half, as the free slow path does.
-                let half = cache.take_half(class);
-                sh.give_small(class, half);
-                // Thread exit.
-                sh.flush_cache(&mut cache);
-                sh.retire_cache(cache.stats());
-                got
-            }
-        };
-        let t1 = thread::spawn(worker(sh.clone()));
-        let t2 = thread::spawn(worker(sh.clone()));
-        let n1 = t1.join().unwrap();
-        let n2 = t2.join().unwrap();
-        assert!(n1 >= 1 && n2 >= 1);
-        sh.check_accounting();
-        let s = sh.stats();
-        assert_eq!(s.live_blocks, 0, "{s:?}");
-        assert_eq!(
-            s.live_bytes + s.cached_bytes + s.pending_bytes,
-            s.source_bytes,
-            "{s:?}"
-        );
-        // Every carved block is back in the list exactly once: 2 to 4 were carved.
-        assert!(s.cached_blocks <= 4 && s.cached_blocks >= 2, "{s:?}");
-    });
-}
-
-/// Two threads allocate and free through the shared lists (no thread caches) while one
-/// of them also trims: live blocks stay distinct and usable, nothing leaks.
-#[test]
-fn shared_free_lists_with_trim() {
-    loom::model(|| {
-        let pool = Arc::new(Pool::with_config(
-            HostSource,
-            PoolConfig {
-                thread_cache_capacity: 0,
-                ..config()
-            },
-        ));
-        let l = Layout::from_size_align(48, 16).unwrap();
+        let pool = Arc::new(Pool::with_config(HostSource, config()));
+        let l = layout(48);
+        let a = pool.allocate(l).unwrap();
+        // SAFETY: a fresh block of 48 bytes.
+        unsafe { a.cast::<u8>().as_ptr().write_bytes(1, 48) };
+        let sent = Sent(BlockPtr::new(a.cast()));
         let t = {
             let pool = pool.clone();
             thread::spawn(move || {
-                let p = pool.allocate(l).unwrap();
-                // SAFETY: a fresh 48-byte block.
-                unsafe { p.cast::<u8>().as_ptr().write_bytes(1, 48) };
-                let addr = p.cast::<u8>().as_ptr() as usize;
-                // SAFETY: allocated above.
-                unsafe { pool.deallocate(p.cast(), l) };
-                addr
+                let b = pool.allocate(l).unwrap();
+                // SAFETY: a fresh block, distinct from `a` (still live).
+                unsafe { b.cast::<u8>().as_ptr().write_bytes(2, 48) };
+                assert_ne!(
+                    b.cast::<u8>(),
+                    sent.0.as_non_null(),
+                    "a live block handed out twice"
+                );
+                // A block allocated on the main thread, freed here.
+                let sent = sent;
+                // SAFETY: `a` was allocated with `l` and is freed once, here.
+                unsafe {
+                    pool.deallocate(sent.0.as_non_null(), l);
+                    pool.deallocate(b.cast(), l);
+                }
+            }) // thread exit: its cache flushes to the shared lists
+        };
+        let c = pool.allocate(l).unwrap();
+        // SAFETY: a fresh block.
+        unsafe { c.cast::<u8>().as_ptr().write_bytes(3, 48) };
+        t.join().unwrap();
+        // SAFETY: allocated above.
+        unsafe { pool.deallocate(c.cast(), l) };
+        // This thread's cache goes back with the trim; the other thread's has flushed.
+        wait_for_thread_exits(&pool, 1);
+        pool.trim();
+        balanced(&pool);
+        assert_eq!(pool.stats().live_blocks, 0);
+        assert_eq!(
+            pool.stats().source_bytes,
+            0,
+            "everything came back and was released"
+        );
+    });
+}
+
+/// A thread holds a block and parks another in its cache while the main thread trims:
+/// the chunk under them is never released; after the thread exits (flushing), it is.
+#[test]
+fn loom_trim_never_releases_a_chunk_with_live_or_cached_blocks() {
+    loom::model(|| {
+        let pool = Arc::new(Pool::with_config(HostSource, config()));
+        let l = layout(32);
+        let holder = {
+            let pool = pool.clone();
+            thread::spawn(move || {
+                let x = pool.allocate(l).unwrap();
+                let y = pool.allocate(l).unwrap();
+                // SAFETY: allocated above; `y` goes to this thread's cache.
+                unsafe { pool.deallocate(y.cast(), l) };
+                // `x` is live: its chunk must survive any trim meanwhile.
+                // SAFETY: a live 32-byte block of this thread.
+                unsafe { x.cast::<u8>().as_ptr().write_bytes(7, 32) };
+                assert!(pool.stats().source_bytes > 0);
+                // SAFETY: still live: no trim released its chunk.
+                assert_eq!(unsafe { x.cast::<u8>().as_ptr().read() }, 7);
+                // SAFETY: allocated above, freed once.
+                unsafe { pool.deallocate(x.cast(), l) };
             })
         };
-        let q = pool.allocate(l).unwrap();
-        // SAFETY: a fresh 48-byte block.
-        unsafe { q.cast::<u8>().as_ptr().write_bytes(2, 48) };
         pool.trim();
-        // q is live: its chunk must have survived the trim.
-        assert!(pool.stats().source_bytes >= 256 << 10);
-        // SAFETY: q is still live.
-        assert_eq!(unsafe { q.cast::<u8>().as_ptr().read() }, 2);
-        let _ = t.join().unwrap();
-        // SAFETY: allocated above.
-        unsafe { pool.deallocate(q.cast(), l) };
-        let s = pool.stats();
-        assert_eq!(
-            s.live_bytes + s.cached_bytes + s.pending_bytes,
-            s.source_bytes,
-            "{s:?}"
-        );
+        holder.join().unwrap();
+        wait_for_thread_exits(&pool, 0); // this thread never allocated: it has no cache
+        balanced(&pool);
         pool.trim();
         assert_eq!(pool.stats().source_bytes, 0);
     });
 }
 
 /// One thread frees a block with an unfinished fence while another completes the fence
-/// and drains, and the main thread allocates the same class: it never receives the block
-/// before the fence is complete, and the block is back in a free list at the end.
+/// and collects, and the main thread allocates the same class: it never receives the
+/// block before the fence is complete, and the block is back in a free list at the end.
 #[test]
-fn pending_list_waits_for_fences() {
+fn loom_pending_block_is_never_reused_before_its_fence_completes() {
     loom::model(|| {
         let pool = Arc::new(Pool::with_config(
             HostSource,
-            PoolConfig {
-                thread_cache_capacity: 0,
-                ..config()
-            },
+            config().with_thread_cache_capacity(0),
         ));
-        let l = Layout::from_size_align(64, 8).unwrap();
+        let l = layout(64);
         let block = pool.allocate(l).unwrap();
         let addr = block.cast::<u8>().as_ptr() as usize;
         let fence = FlagFence::default();
         pool.record_fence(addr as *const u8, fence.clone()).unwrap();
         let freer = {
             let pool = pool.clone();
-            let ptr = BlockPtr::new(block.cast());
+            let sent = Sent(BlockPtr::new(block.cast()));
             thread::spawn(move || {
+                let sent = sent;
                 // SAFETY: allocated above, freed once, here.
-                unsafe { pool.deallocate(ptr.as_non_null(), l) };
+                unsafe { pool.deallocate(sent.0.as_non_null(), l) };
             })
         };
         let completer = {
@@ -157,7 +161,7 @@ fn pending_list_waits_for_fences() {
             let fence = fence.clone();
             thread::spawn(move || {
                 fence.complete();
-                pool.shared.drain();
+                pool.collect_pending();
             })
         };
         let other = pool.allocate(l).unwrap();
@@ -171,39 +175,41 @@ fn pending_list_waits_for_fences() {
         completer.join().unwrap();
         // SAFETY: allocated above.
         unsafe { pool.deallocate(other.cast(), l) };
+        pool.collect_pending();
         let s = pool.stats();
         assert_eq!((s.pending_blocks, s.live_blocks), (0, 0), "{s:?}");
-        assert_eq!(s.cached_bytes, s.source_bytes, "{s:?}");
-        assert_eq!(class_size(super::size_class::class_of(64)), 64);
+        balanced(&pool);
     });
 }
 
-/// A thread holds a block from its cache while another trims: the chunk under a block in
-/// a thread cache (or in use) is never released; after the flush it is.
+/// A use recorded on one thread, the block freed on another after a hand-off: the free
+/// sees the use (the one-load check on the free path) and the block goes pending.
 #[test]
-fn trim_never_releases_a_chunk_with_cached_blocks() {
+fn loom_a_free_on_another_thread_sees_a_recorded_use() {
     loom::model(|| {
-        let sh = shared();
-        let class = 1;
-        let holder = {
-            let sh = sh.clone();
+        let pool = Arc::new(Pool::with_config(HostSource, config()));
+        let l = layout(80);
+        let block = pool.allocate(l).unwrap();
+        let fence = FlagFence::default();
+        assert!(pool
+            .record_fence(block.cast::<u8>().as_ptr(), fence.clone())
+            .unwrap());
+        let sent = Sent(BlockPtr::new(block.cast()));
+        let t = {
+            let pool = pool.clone();
             thread::spawn(move || {
-                let mut cache = sh.new_cache();
-                let mut batch = Batch::new();
-                sh.take_small(class, 2, &mut batch).unwrap();
-                cache.fill(class, batch.drain());
-                let live = cache.pop(class).unwrap();
-                // One block live, one parked in the cache: the chunk must stay.
-                assert!(sh.stats().source_bytes > 0);
-                assert!(cache.push(class, live));
-                sh.flush_cache(&mut cache);
-                sh.retire_cache(cache.stats());
+                let sent = sent;
+                // SAFETY: allocated above, handed over (the spawn orders the record
+                // before), freed once.
+                unsafe { pool.deallocate(sent.0.as_non_null(), l) };
+                pool.stats().pending_blocks
             })
         };
-        sh.trim();
-        holder.join().unwrap();
-        sh.check_accounting();
-        sh.trim();
-        assert_eq!(sh.stats().source_bytes, 0);
+        assert_eq!(t.join().unwrap(), 1, "the free missed the recorded use");
+        fence.complete();
+        pool.collect_pending();
+        pool.trim();
+        balanced(&pool);
+        assert_eq!(pool.stats().source_bytes, 0);
     });
 }

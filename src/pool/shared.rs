@@ -586,6 +586,12 @@ impl<S: MemorySource> Shared<S> {
         }
     }
 
+    /// Threads with a live cache for this pool (models wait for exiting threads with it).
+    #[cfg(all(test, loom))]
+    pub(crate) fn live_threads(&self) -> usize {
+        lock(&self.threads).live.len()
+    }
+
     /// Bytes and blocks parked in thread caches, and the allocations threads served.
     fn thread_cache_totals(&self) -> (usize, usize, u64) {
         let t = lock(&self.threads);

@@ -22,8 +22,9 @@ const LARGE_ENTRIES: usize = 4;
 /// it is at most this many times the request.
 pub(crate) const REUSE_FACTOR: usize = 2;
 /// Large blocks a thread remembers having handed out (so their size is known on free
-/// without a lookup under the pool's lock).
+/// without a lookup under the pool's lock); a power of two.
 const LENT_ENTRIES: usize = 8;
+const _: () = assert!(LENT_ENTRIES.is_power_of_two());
 
 /// One thread's counters for one pool; written only by that thread, read by `stats()`.
 /// Aligned to its own cache lines so threads do not false-share them.
@@ -209,17 +210,17 @@ impl CacheCore {
         (small, large)
     }
 
-    /// Takes the smallest cached large block of at least `need` bytes (and at most
-    /// twice that) whose base is `align`-aligned.
+    /// Takes a cached large block of at least `need` bytes (and at most twice that) whose
+    /// base is `align`-aligned: the one freed last if it fits (the common case of a buffer
+    /// of one size allocated again and again, one test), else the smallest that fits.
     #[inline]
     pub(crate) fn take_large(&mut self, need: usize, align: usize, epoch: u64) -> Option<(BlockPtr, usize)> {
         let bound = need.saturating_mul(REUSE_FACTOR);
-        let (i, _) = self
-            .large
-            .iter()
-            .enumerate()
-            .filter(|(_, (p, size))| *size >= need && *size <= bound && p.addr() % align == 0)
-            .min_by_key(|(_, (_, size))| *size)?;
+        let fits = |&(p, size): &(BlockPtr, usize)| size >= need && size <= bound && p.addr() % align == 0;
+        let i = match self.large.last() {
+            Some(last) if fits(last) => self.large.len() - 1,
+            _ => self.take_large_index(fits)?,
+        };
         let (p, size) = self.large.swap_remove(i);
         self.bytes -= size;
         self.blocks -= 1;
@@ -230,25 +231,41 @@ impl CacheCore {
         Some((p, size))
     }
 
-    /// Remembers that this thread handed out the large block at `addr` of `size` bytes.
+    /// The smallest cached large block that `fits`, by index.
+    #[cold]
+    fn take_large_index(&self, fits: impl Fn(&(BlockPtr, usize)) -> bool) -> Option<usize> {
+        let (i, _) = self
+            .large
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| fits(e))
+            .min_by_key(|(_, (_, size))| *size)?;
+        Some(i)
+    }
+
+    /// The entry of `lent` for the large block at `addr` (page-aligned): a direct-mapped
+    /// table, so that lending and the free's lookup are one index each.
+    #[inline(always)]
+    fn lent_slot(addr: usize) -> usize {
+        (addr / super::PAGE_SIZE) % LENT_ENTRIES
+    }
+
+    /// Remembers that this thread handed out the large block at `addr` of `size` bytes
+    /// (forgetting a block that shares its entry: the pool's registry stays
+    /// authoritative, and that block's free takes the shared path).
     #[inline]
     pub(crate) fn lend(&mut self, addr: usize, size: usize, epoch: u64) {
-        if let Some(e) = self.lent.iter_mut().find(|e| e.0 == addr || e.0 == 0) {
-            *e = (addr, size, epoch);
-        } else {
-            // Full: forget the oldest; the pool's registry stays authoritative.
-            self.lent.rotate_left(1);
-            self.lent[LENT_ENTRIES - 1] = (addr, size, epoch);
-        }
+        self.lent[Self::lent_slot(addr)] = (addr, size, epoch);
     }
 
     /// Caches a freed large block if this thread handed it out and it fits the budget.
     /// Returns false when the block must go to the pool's shared cache.
     #[inline]
     pub(crate) fn push_large(&mut self, p: BlockPtr, epoch: u64) -> bool {
-        let Some(e) = self.lent.iter_mut().find(|e| e.0 == p.addr()) else {
+        let e = &mut self.lent[Self::lent_slot(p.addr())];
+        if e.0 != p.addr() {
             return false;
-        };
+        }
         let (size, lent_at) = (e.1, e.2);
         *e = (0, 0, 0);
         if lent_at != epoch || self.large.len() >= LARGE_ENTRIES || self.bytes + size > self.max_bytes {

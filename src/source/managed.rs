@@ -55,6 +55,11 @@ fn budget() -> Result<&'static Budget> {
     Ok(BUDGET.get_or_init(|| Budget::new(Some(total / 10 * 9))))
 }
 
+/// Managed bytes currently allocated through the crate (all handles and pools).
+pub fn managed_bytes_held() -> usize {
+    budget().map_or(0, Budget::held)
+}
+
 /// Reserves `size` managed bytes: refused if they do not fit in the memory the device
 /// reports free now, or would take the process past its managed cap.
 fn reserve(size: usize) -> Result<&'static Budget> {

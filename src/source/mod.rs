@@ -3,7 +3,7 @@
 //! it knows nothing of layouts, caching or statistics (the allocators above it do).
 
 pub(crate) mod host;
-mod managed;
+pub(crate) mod managed;
 mod pinned;
 mod pinned_pool;
 mod registered;

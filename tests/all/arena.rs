@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::Allocator;
 use allocator_api2::{boxed::Box, vec::Vec};
 use cudalloc::arena::{Arena, ArenaConfig};
-use cudalloc::cuda::{pointer_info, DeviceMemory, MemoryType, Stream};
+use cudalloc::cuda::{pointer_info, MemoryType, Stream};
 use cudalloc::error::Result;
 use cudalloc::source::{HostSource, HostVisible, MemoryKind, MemorySource, PinnedSource};
+use cudalloc::testing::DeviceMemory;
 
 use crate::conformance::{suite, Options};
 

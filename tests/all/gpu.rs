@@ -3,9 +3,10 @@
 
 use allocator_api2::vec::Vec;
 use cudalloc::cuda::{
-    memset_d8_async, pointer_info, DeviceMemory, HostAllocFlags, Location, ManagedAdvice, MemoryType, Stream,
+    memset_d8_async, pointer_info, HostAllocFlags, Location, ManagedAdvice, MemoryType, Stream,
 };
 use cudalloc::source::{advise, prefetch, MemorySource, RegisteredSource};
+use cudalloc::testing::DeviceMemory;
 use cudalloc::{ManagedAlloc, PinnedAlloc};
 
 fn filled<A: allocator_api2::alloc::Allocator>(it: impl ExactSizeIterator<Item = u8>, a: A) -> Vec<u8, A> {
@@ -35,7 +36,12 @@ fn pinned_vec_round_trip_through_device_is_bit_exact() {
         stream.synchronize().unwrap();
         assert!(src[..] == back[..], "round trip of {len} bytes differs");
     }
-    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
 }
 
 #[test]

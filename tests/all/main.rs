@@ -4,15 +4,36 @@
 #[macro_use]
 mod support;
 
+// The examples' shared code (the A/B report, the staging pipeline), tested here.
+#[path = "../../examples/common/pipeline.rs"]
+mod pipeline;
+#[path = "../../examples/common/plot.rs"]
+mod plot;
+#[path = "../../examples/common/report.rs"]
+mod report;
+#[path = "../../examples/common/sections.rs"]
+mod sections;
+
+mod ab_report;
 mod allocators;
 mod arena;
 mod conformance;
 mod counting;
+mod cudarc;
 #[cfg(feature = "debug-checks")]
 mod debug_checks;
+mod defects;
 mod device;
+mod device_arena;
+mod device_conformance;
+mod device_multi;
+mod device_race;
+mod device_stats;
 mod faults;
 mod gpu;
+mod kernels;
 mod matrix;
 mod pool;
 mod props;
+mod registration;
+mod staging_pipeline;

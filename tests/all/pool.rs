@@ -8,11 +8,12 @@ use std::sync::Arc;
 
 use allocator_api2::alloc::{Allocator, Layout};
 use allocator_api2::vec::Vec as AVec;
-use cudalloc::cuda::{DeviceMemory, HostAllocFlags, Stream};
+use cudalloc::cuda::{HostAllocFlags, Stream};
 use cudalloc::fence::Fence;
 use cudalloc::pool::{Pool, PoolConfig, PoolStats};
 use cudalloc::source::{HostSource, ManagedSource, MemorySource, PinnedSource, RegisteredSource};
 use cudalloc::source::{PinnedGrowth, PinnedPoolSource};
+use cudalloc::testing::DeviceMemory;
 use cudalloc::{copy, PinnedAlloc};
 use proptest::prelude::*;
 
@@ -535,7 +536,10 @@ fn reuse_race(pending_list: bool) -> usize {
         pending_list,
         "switching the pending list off needs the test-hooks feature"
     );
-    let mut dev = DeviceMemory::new(RACE_BYTES, 0).unwrap();
+    let mut dev = cudalloc::device::DevicePool::get(0)
+        .unwrap()
+        .alloc::<u8>(RACE_BYTES, &stream)
+        .unwrap();
     let mut back = vec![0u8; RACE_BYTES];
     let mut corrupted = 0;
     let mut reused = 0;
@@ -547,14 +551,14 @@ fn reuse_race(pending_list: bool) -> usize {
             .unwrap();
         // SAFETY: `a` is not written after this call (it is dropped: the pool keeps the
         // block from reuse until the copy completes, unless the test switched that off).
-        unsafe { copy::host_to_device_async(&a, &mut dev, 0, &stream) }.unwrap();
+        unsafe { copy::host_to_device_async(&a, &mut dev, 0) }.unwrap();
         let a_ptr = a.as_ptr();
         drop(a);
         let mut b: AVec<u8, _> = AVec::with_capacity_in(RACE_BYTES, &pool);
         reused += usize::from(b.as_ptr() == a_ptr);
         b.resize(RACE_BYTES, B);
         stream.synchronize().unwrap();
-        dev.copy_to_host(&mut back, &stream).unwrap();
+        dev.copy_to_host(&mut back).unwrap();
         corrupted += back.iter().filter(|&&x| x != A).count();
         drop(b);
     }
@@ -641,5 +645,68 @@ fn auto_growth_registers_small_chunks_and_host_allocs_large_ones() {
         // allocated it, or the driver reports an error (counted in drop_errors).
         unsafe { s.deallocate(p, size) };
     }
-    assert_eq!(cudalloc::cuda::drop_errors(), 0);
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
+}
+
+/// Issue 11, item 2 (backpressure), on the GPU: a pool capped at 256 MiB, 200 staging
+/// rounds of 64 MiB, each copied to the device behind 20 ms of queued work and dropped at
+/// once. The loop outruns the GPU; the pool must wait for the oldest copies instead of
+/// failing (a `Vec` would abort the process): no `AllocError`, 0 corrupted bytes, never
+/// more than the cap held.
+#[test]
+fn backpressure_staging_loop_outrunning_the_gpu_waits_instead_of_failing() {
+    gpu!();
+    const CAP: usize = 256 << 20;
+    const ROUND: usize = 64 << 20;
+    const ROUNDS: usize = 200;
+    let stream = Stream::new(0).unwrap();
+    let pool = Pool::with_config(PinnedSource::default(), PoolConfig::default().with_limit(CAP));
+    let mut devs: std::vec::Vec<DeviceMemory> = (0..ROUNDS)
+        .map(|_| DeviceMemory::new(ROUND, 0).unwrap())
+        .collect();
+    let fill = |round: usize| (round as u8).wrapping_mul(37) ^ 0x5A;
+    let mut peak = 0;
+    let t = std::time::Instant::now();
+    for (round, dev) in devs.iter_mut().enumerate() {
+        let mut v: AVec<u8, _> = AVec::new_in(&pool);
+        v.try_reserve_exact(ROUND)
+            .unwrap_or_else(|_| panic!("round {round}: AllocError at the cap"));
+        v.resize(ROUND, fill(round));
+        stream
+            .launch_host_fn(|| std::thread::sleep(std::time::Duration::from_millis(20)))
+            .unwrap();
+        // SAFETY: `v` is dropped right after, never written again; the pool keeps its
+        // block pending until the copy completes.
+        unsafe { dev.copy_from_host_async(0, &v, &stream) }.unwrap();
+        drop(v);
+        peak = peak.max(pool.stats().source_bytes);
+    }
+    let queued = t.elapsed();
+    stream.synchronize().unwrap();
+    let mut corrupted = 0usize;
+    let mut back = vec![0u8; ROUND];
+    for (round, dev) in devs.iter().enumerate() {
+        dev.copy_to_host(&mut back, &stream).unwrap();
+        corrupted += back.iter().filter(|&&b| b != fill(round)).count();
+    }
+    let s = pool.stats();
+    println!(
+        "backpressure: {ROUNDS} rounds of 64 MiB under a 256 MiB cap queued in {queued:?}; peak held {} MiB; {} waits; {corrupted} corrupted bytes",
+        peak >> 20,
+        s.pending_waits
+    );
+    assert_eq!(corrupted, 0);
+    assert!(peak <= CAP);
+    assert_eq!(s.failures, 0, "{s:?}");
+    assert!(
+        s.pending_waits > 0,
+        "the loop never had to wait: the test proves nothing"
+    );
+    drop(devs);
+    pool.release();
 }

@@ -29,9 +29,10 @@ macro_rules! gpu {
     };
 }
 
-/// Registers (once) an exit hook that calls `cudalloc::release_cached_memory()`, so that
-/// compute-sanitizer's `--leak-check full` sees the process-wide pools' cached blocks
-/// returned to the driver instead of reporting each of them as leaked.
+/// Registers (once) an exit hook that calls `cudalloc::release_cached_memory()` and trims
+/// the process-wide device pools, so that compute-sanitizer's `--leak-check full` sees
+/// the pools' cached blocks returned to the driver instead of reporting each of them as
+/// leaked.
 ///
 /// Why here and how: libtest offers no hook after the last test, and the library should
 /// not free memory behind a program's back at exit. A test binary that used the GPU
@@ -54,6 +55,14 @@ pub fn release_cached_memory_at_exit() {
             // crate panics here, but a test's fence might.
             let _ = std::panic::catch_unwind(|| {
                 let released = cudalloc::release_cached_memory();
+                // The device pools' caches too (release_cached_memory covers the pinned
+                // and managed pools only): their blocks are device allocations the leak
+                // check would report.
+                for device in 0..cudalloc::cuda::device_count() {
+                    if let Ok(pool) = cudalloc::device::DevicePool::get(device) {
+                        pool.trim();
+                    }
+                }
                 if std::env::var_os("CUDALLOC_TEST_VERBOSE_EXIT").is_some() {
                     eprintln!("at exit: released {released} bytes of cached pinned and managed memory");
                 }

@@ -3,7 +3,7 @@
 //! The criterion benches and the `ab` example both time these functions.
 //!
 //! ```
-//! use cudalloc::workload;
+//! use cudalloc::testing::workload;
 //! let bump = bumpalo::Bump::new();
 //! assert_eq!(workload::vec_push(&bump, 1000), 999 * 1000 / 2);
 //! assert_eq!(workload::vec_push(cudalloc::PinnedAlloc, 1000), 999 * 1000 / 2);
@@ -18,7 +18,7 @@ use allocator_api2::vec::Vec;
 /// it. Returns whether the allocation succeeded.
 ///
 /// ```
-/// assert!(cudalloc::workload::alloc_free(&allocator_api2::alloc::Global, 256));
+/// assert!(cudalloc::testing::workload::alloc_free(&allocator_api2::alloc::Global, 256));
 /// ```
 #[inline]
 pub fn alloc_free<A: Allocator>(a: &A, size: usize) -> bool {
@@ -54,9 +54,9 @@ pub fn vec_push<A: Allocator>(a: A, n: usize) -> u64 {
 /// 8..=256 bytes (xorshift32), the same on every run and for every allocator.
 ///
 /// ```
-/// let sizes: Vec<usize> = cudalloc::workload::object_sizes(1000).collect();
+/// let sizes: Vec<usize> = cudalloc::testing::workload::object_sizes(1000).collect();
 /// assert!(sizes.iter().all(|s| (8..=256).contains(s)));
-/// assert_eq!(sizes, cudalloc::workload::object_sizes(1000).collect::<Vec<_>>());
+/// assert_eq!(sizes, cudalloc::testing::workload::object_sizes(1000).collect::<Vec<_>>());
 /// ```
 pub fn object_sizes(n: usize) -> impl Iterator<Item = usize> {
     let mut x: u32 = 0x9E37_79B9;

@@ -1,0 +1,453 @@
+//! Device memory: the caching `DevicePool` against the driver's allocators, one A/B group
+//! per question.
+//!
+//! - `device_hit`: an alloc + free pair when the block is cached, 256 B .. 128 MiB, one
+//!   thread, one stream. Rows: `cache` (the process-wide `DevicePool`), `uncached_pool`
+//!   (`DevicePool::uncached`: `cuMemAllocFromPoolAsync` + `cuMemFreeAsync`),
+//!   `cu_mem_alloc_async` (`cuMemAllocAsync` + `cuMemFreeAsync`, default pool, release
+//!   threshold raised) and `cu_mem_alloc` (`cuMemAlloc` + `cuMemFree`). Target: `cache`
+//!   <= 30 ns median at every size.
+//! - `device_cross_stream`: a block freed on one stream and allocated on another, back and
+//!   forth (every allocation a take after one event): `cache` vs `cu_mem_alloc_async`.
+//! - `device_random`: RMM's `random_allocations` (10^5 allocations of uniform sizes up to
+//!   64 MiB, at most 16000 MiB live, 73% allocations) spread over 4 streams: `cache` vs
+//!   `cu_mem_alloc_async`, whole runs timed. Before timing, one run of each prints peak
+//!   bytes held / peak bytes requested and peak bytes reserved / peak bytes requested.
+//!   Target: cache held / requested <= 1.15.
+//! - `device_scratch`: one batch of 16 scratch buffers (4 KiB .. 4 MiB) allocated and
+//!   freed: `arena` (`DeviceArena` + reset), `cache`, `cu_mem_alloc_async`.
+//! - `device_peer_copy` (2 GPUs; skipped with one): copy bandwidth device 1 -> 0 and
+//!   0 -> 1 (`cuMemcpyPeerAsync`, peer access enabled on the pools) and on device 0
+//!   (`cuMemcpyDtoDAsync`), 1 MiB .. 256 MiB.
+//!
+//! Without a CUDA driver the bench says so and exits. `--quick` (criterion's flag) also
+//! shrinks the workloads: three sizes, 10^4 random allocations. Filters pick groups (the
+//! memory runs of `device_random` happen only when no filter excludes that group):
+//!
+//! `cargo bench --bench device -- --quick device_hit`
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
+use cudalloc::cuda::{copy_async, default_pool_reserved, device_count, Stream};
+use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
+use cudalloc::testing::{AsyncDeviceMemory, DeviceMemory};
+
+fn quick() -> bool {
+    std::env::args().any(|a| a == "--quick")
+}
+
+/// Whether the command line's filters (criterion's positional arguments) may select
+/// `group`: work outside criterion's timing (the memory runs of `device_random`, the
+/// summaries) is skipped for groups no filter names.
+fn wanted(group: &str) -> bool {
+    const TAKES_VALUE: [&str; 16] = [
+        "--warm-up-time",
+        "--measurement-time",
+        "--sample-size",
+        "--save-baseline",
+        "--baseline",
+        "--baseline-lenient",
+        "--load-baseline",
+        "--output-format",
+        "--color",
+        "--profile-time",
+        "--significance-level",
+        "--noise-threshold",
+        "--confidence-level",
+        "--nresamples",
+        "--plotting-backend",
+        "--format",
+    ];
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let filters: Vec<&String> = args
+        .iter()
+        .enumerate()
+        .filter(|(i, a)| !a.starts_with('-') && (*i == 0 || !TAKES_VALUE.contains(&args[i - 1].as_str())))
+        .map(|(_, a)| a)
+        .collect();
+    filters.is_empty()
+        || filters
+            .iter()
+            .any(|f| f.contains(group) || group.contains(f.as_str()))
+}
+
+fn size_label(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 => format!("{}MiB", s >> 20),
+        s if s >= 1 << 10 => format!("{}KiB", s >> 10),
+        s => format!("{s}B"),
+    }
+}
+
+fn device_hit(c: &mut Criterion, stream: &Stream) {
+    let mut g = c.benchmark_group("device_hit");
+    g.sampling_mode(SamplingMode::Flat)
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    let sizes: &[usize] = if quick() {
+        &[256, 1 << 20, 128 << 20]
+    } else {
+        &[256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 128 << 20]
+    };
+    let cached = DevicePool::get(0).expect("device pool");
+    let uncached = DevicePool::uncached(0).expect("uncached pool");
+    for &size in sizes {
+        let id = size_label(size);
+        g.bench_function(BenchmarkId::new("cache", &id), |b| {
+            b.iter(|| {
+                drop(black_box(
+                    cached.alloc::<u8>(black_box(size), stream).expect("cache"),
+                ))
+            })
+        });
+        g.bench_function(BenchmarkId::new("uncached_pool", &id), |b| {
+            b.iter(|| {
+                drop(black_box(
+                    uncached.alloc::<u8>(size, stream).expect("uncached pool"),
+                ))
+            })
+        });
+        g.bench_function(BenchmarkId::new("cu_mem_alloc_async", &id), |b| {
+            b.iter(|| {
+                drop(black_box(
+                    AsyncDeviceMemory::new(size, stream).expect("cuMemAllocAsync"),
+                ))
+            })
+        });
+        g.bench_function(BenchmarkId::new("cu_mem_alloc", &id), |b| {
+            b.iter(|| drop(black_box(DeviceMemory::new(size, 0).expect("cuMemAlloc"))))
+        });
+    }
+    g.finish();
+    stream.synchronize().expect("synchronize");
+    if wanted("device_hit") {
+        println!("device_hit: {}", cached.stats());
+    }
+}
+
+fn device_cross_stream(c: &mut Criterion, stream: &Stream) {
+    let mut g = c.benchmark_group("device_cross_stream");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    let other = Stream::new(0).expect("stream");
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).expect("pool");
+    let size = 1 << 20;
+    g.bench_function(BenchmarkId::new("cache", "1MiB"), |b| {
+        b.iter(|| {
+            drop(black_box(pool.alloc::<u8>(size, stream).expect("cache")));
+            drop(black_box(pool.alloc::<u8>(size, &other).expect("cache")));
+        })
+    });
+    g.bench_function(BenchmarkId::new("cu_mem_alloc_async", "1MiB"), |b| {
+        b.iter(|| {
+            drop(black_box(
+                AsyncDeviceMemory::new(size, stream).expect("cuMemAllocAsync"),
+            ));
+            drop(black_box(
+                AsyncDeviceMemory::new(size, &other).expect("cuMemAllocAsync"),
+            ));
+        })
+    });
+    g.finish();
+    stream.synchronize().expect("synchronize");
+    other.synchronize().expect("synchronize");
+    if wanted("device_cross_stream") {
+        println!("device_cross_stream: {}", pool.stats());
+    }
+}
+
+/// A small deterministic generator (xorshift), so every run sees the same workload.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// RMM's `random_allocation_free`: `2 * allocations` steps; while under `max_usage`, 73%
+/// of them allocate (a uniform size up to `max_size`, on a random one of `streams`
+/// streams), the rest free a random live block (on its stream). Returns the peak of the
+/// bytes requested.
+fn random_allocations<T>(
+    mut alloc: impl FnMut(usize, usize) -> T,
+    allocations: usize,
+    max_size: usize,
+    max_usage: usize,
+    streams: usize,
+) -> usize {
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
+    let mut live: Vec<(T, usize)> = Vec::with_capacity(4096);
+    let (mut requested, mut peak, mut count) = (0usize, 0usize, 0usize);
+    for _ in 0..allocations * 2 {
+        let size = 1 + rng.below(max_size as u64) as usize;
+        let do_alloc =
+            live.is_empty() || (rng.below(100) < 73 && count < allocations && requested + size < max_usage);
+        if do_alloc {
+            let s = rng.below(streams as u64) as usize;
+            live.push((alloc(size, s), size));
+            requested += size;
+            peak = peak.max(requested);
+            count += 1;
+        } else {
+            let i = rng.below(live.len() as u64) as usize;
+            let (block, size) = live.swap_remove(i);
+            drop(block);
+            requested -= size;
+        }
+    }
+    drop(live);
+    peak
+}
+
+fn device_random(c: &mut Criterion) {
+    let (allocations, max_size, max_usage) = if quick() {
+        (10_000, 64 << 20, 16_000 << 20)
+    } else {
+        (100_000, 64 << 20, 16_000 << 20)
+    };
+    let streams: Vec<Stream> = (0..4).map(|_| Stream::new(0).expect("stream")).collect();
+    let sync = || streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
+    // Memory: one run each on a fresh pool / a freshly reset default pool.
+    if wanted("device_random") {
+        let pool = DevicePool::new(0, DevicePoolConfig::default()).expect("pool");
+        let t0 = Instant::now();
+        let peak = random_allocations(
+            |size, s| pool.alloc::<u8>(size, &streams[s]).expect("cache"),
+            allocations,
+            max_size,
+            max_usage,
+            streams.len(),
+        );
+        let elapsed = t0.elapsed();
+        sync();
+        let st = pool.stats();
+        println!(
+            "device_random cache: {allocations} allocations in {:.1} ms; peak requested {:.0} MiB, \
+             peak held {:.0} MiB (held / requested = {:.3}, target <= 1.15), peak reserved {:.0} MiB \
+             (reserved / requested = {:.3})\n{st}",
+            elapsed.as_secs_f64() * 1e3,
+            peak as f64 / 1048576.0,
+            st.peak_held_bytes as f64 / 1048576.0,
+            st.peak_held_bytes as f64 / peak as f64,
+            st.peak_reserved_bytes as f64 / 1048576.0,
+            st.peak_reserved_bytes as f64 / peak as f64,
+        );
+        // This thread's cache holds a handle of the pool: give its memory back now.
+        pool.trim();
+    }
+    if wanted("device_random") {
+        sync();
+        let _ = default_pool_reserved(0, true);
+        let t0 = Instant::now();
+        let peak = random_allocations(
+            |size, s| AsyncDeviceMemory::new(size, &streams[s]).expect("cuMemAllocAsync"),
+            allocations,
+            max_size,
+            max_usage,
+            streams.len(),
+        );
+        let elapsed = t0.elapsed();
+        sync();
+        if let Ok((_, high)) = default_pool_reserved(0, false) {
+            println!(
+                "device_random cu_mem_alloc_async: {allocations} allocations in {:.1} ms; peak requested \
+                 {:.0} MiB, peak reserved {:.0} MiB (reserved / requested = {:.3})",
+                elapsed.as_secs_f64() * 1e3,
+                peak as f64 / 1048576.0,
+                high as f64 / 1048576.0,
+                high as f64 / peak as f64
+            );
+        }
+    }
+    let mut g = c.benchmark_group("device_random");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(100))
+        .measurement_time(Duration::from_secs(if quick() { 1 } else { 5 }));
+    g.throughput(Throughput::Elements(allocations as u64));
+    let pool = DevicePool::get(0).expect("pool");
+    let id = format!("{allocations}x{}MiB", max_size >> 20);
+    g.bench_function(BenchmarkId::new("cache", &id), |b| {
+        b.iter_custom(|iters| {
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                random_allocations(
+                    |size, s| pool.alloc::<u8>(size, &streams[s]).expect("cache"),
+                    allocations,
+                    max_size,
+                    max_usage,
+                    streams.len(),
+                );
+            }
+            t0.elapsed()
+        })
+    });
+    g.bench_function(BenchmarkId::new("cu_mem_alloc_async", &id), |b| {
+        b.iter_custom(|iters| {
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                random_allocations(
+                    |size, s| AsyncDeviceMemory::new(size, &streams[s]).expect("cuMemAllocAsync"),
+                    allocations,
+                    max_size,
+                    max_usage,
+                    streams.len(),
+                );
+            }
+            t0.elapsed()
+        })
+    });
+    g.finish();
+    sync();
+    // The process-wide pool keeps what the runs cached; give it back for later groups.
+    pool.trim();
+}
+
+const SCRATCH: [usize; 16] = [
+    4 << 10,
+    16 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    4 << 10,
+    16 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    4 << 10,
+    16 << 10,
+    64 << 10,
+    256 << 10,
+];
+
+fn device_scratch(c: &mut Criterion, stream: &Stream) {
+    let mut g = c.benchmark_group("device_scratch");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    g.throughput(Throughput::Elements(SCRATCH.len() as u64));
+    let pool = DevicePool::get(0).expect("pool");
+    let mut arena = DeviceArena::new(&pool, stream).expect("arena");
+    g.bench_function("arena", |b| {
+        b.iter(|| {
+            for &size in &SCRATCH {
+                black_box(arena.alloc::<u8>(size).expect("arena").device_ptr());
+            }
+            arena.reset();
+        })
+    });
+    let mut held = Vec::with_capacity(SCRATCH.len());
+    g.bench_function("cache", |b| {
+        b.iter(|| {
+            for &size in &SCRATCH {
+                held.push(pool.alloc::<u8>(size, stream).expect("cache"));
+            }
+            black_box(&held);
+            held.clear();
+        })
+    });
+    let mut held = Vec::with_capacity(SCRATCH.len());
+    g.bench_function("cu_mem_alloc_async", |b| {
+        b.iter(|| {
+            for &size in &SCRATCH {
+                held.push(AsyncDeviceMemory::new(size, stream).expect("cuMemAllocAsync"));
+            }
+            black_box(&held);
+            held.clear();
+        })
+    });
+    g.finish();
+    stream.synchronize().expect("synchronize");
+}
+
+fn device_peer_copy(c: &mut Criterion) {
+    if !wanted("device_peer_copy") {
+        return;
+    }
+    if device_count() < 2 {
+        eprintln!(
+            "device bench: device_peer_copy skipped: needs 2 GPUs ({} here)",
+            device_count()
+        );
+        return;
+    }
+    let (p0, p1) = (
+        DevicePool::get(0).expect("pool 0"),
+        DevicePool::get(1).expect("pool 1"),
+    );
+    for (pool, peer) in [(&p0, 1), (&p1, 0)] {
+        if let Err(e) = pool.enable_peer_access(peer) {
+            eprintln!(
+                "device bench: no peer access of device {peer} to device {}: {e}",
+                pool.device()
+            );
+        }
+    }
+    let (s0, s1) = (
+        Stream::new(0).expect("stream 0"),
+        Stream::new(1).expect("stream 1"),
+    );
+    let mut g = c.benchmark_group("device_peer_copy");
+    g.sampling_mode(SamplingMode::Flat)
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    let sizes: &[usize] = if quick() {
+        &[64 << 20]
+    } else {
+        &[1 << 20, 16 << 20, 64 << 20, 256 << 20]
+    };
+    for &size in sizes {
+        g.throughput(Throughput::Bytes(size as u64));
+        let id = size_label(size);
+        let a0 = p0.alloc_zeroed::<u8>(size, &s0).expect("alloc 0");
+        let b0 = p0.alloc_zeroed::<u8>(size, &s0).expect("alloc 0");
+        let a1 = p1.alloc_zeroed::<u8>(size, &s1).expect("alloc 1");
+        s0.synchronize().expect("synchronize");
+        s1.synchronize().expect("synchronize");
+        // Each row queues `iters` copies on one stream and waits for them.
+        let mut row = |name: &str, dst: (u64, usize), src: (u64, usize), s: &Stream| {
+            g.bench_function(BenchmarkId::new(name, &id), |b| {
+                b.iter_custom(|iters| {
+                    let t0 = Instant::now();
+                    for _ in 0..iters {
+                        // SAFETY: the buffers are `size` bytes on the devices named, alive
+                        // for the whole group and used by nothing but these copies, all on
+                        // `s` (and the zeroing above, synchronized).
+                        unsafe { copy_async(dst.0, dst.1, src.0, src.1, size, s) }.expect("copy");
+                    }
+                    s.synchronize().expect("synchronize");
+                    t0.elapsed()
+                })
+            });
+        };
+        row("peer_1_to_0", (a0.device_ptr(), 0), (a1.device_ptr(), 1), &s0);
+        row("peer_0_to_1", (a1.device_ptr(), 1), (a0.device_ptr(), 0), &s1);
+        row("local_0", (b0.device_ptr(), 0), (a0.device_ptr(), 0), &s0);
+    }
+    g.finish();
+}
+
+fn main() {
+    if !cudalloc::cuda::driver_available() {
+        eprintln!("device bench: skipped: no CUDA driver");
+        return;
+    }
+    let mut c = Criterion::default().configure_from_args();
+    let stream = Stream::new(0).expect("stream");
+    device_hit(&mut c, &stream);
+    device_cross_stream(&mut c, &stream);
+    device_random(&mut c);
+    device_scratch(&mut c, &stream);
+    device_peer_copy(&mut c);
+    c.final_summary();
+}

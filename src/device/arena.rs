@@ -1,0 +1,500 @@
+//! [`DeviceArena`]: bump allocation of device memory for per-batch scratch on one stream,
+//! with a stream-ordered [`reset`](DeviceArena::reset) and checkpoints.
+//!
+//! An allocation is a pointer bump in a chunk (a block of a [`DevicePool`], on the arena's
+//! stream): no lock, no CUDA call. A reset makes the whole arena reusable, and costs
+//! nothing when every use of its memory was queued on the arena's stream: work queued
+//! after the reset runs after those uses by stream order (llama.cpp's per-stream pools
+//! rely on the same rule). Uses on other streams are declared with
+//! [`DeviceArena::record_use`]; at the reset the arena's stream waits (on the GPU, no host
+//! wait) for an event recorded on each. `reset(&mut self)` also proves on the host that no
+//! slice of the arena is still alive. Chunks are kept across resets and reused in order,
+//! so a steady batch loop makes no allocation at all after its first batch.
+
+use core::cell::{Cell, RefCell};
+use core::fmt;
+use core::marker::PhantomData;
+
+use super::buffer::{copy_from_host_async, copy_to_host_async, DeviceBuffer};
+use super::pool::DevicePool;
+use super::size_class::{round_to_granule, GRANULE};
+use super::DeviceCopy;
+use crate::cuda::{memset_d8_async, PooledEvent, Stream};
+use crate::error::{Error, Result};
+use crate::sync::global::{AtomicU64, Ordering};
+
+/// The default size of an arena's first chunk.
+const DEFAULT_CHUNK: usize = 4 << 20;
+/// Chunks double up to this size (larger requests get chunks of their own size).
+const MAX_CHUNK: usize = 1 << 30;
+
+/// A position in a [`DeviceArena`], from [`DeviceArena::checkpoint`];
+/// [`DeviceArena::rewind`] makes everything allocated after it reusable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DeviceCheckpoint {
+    arena: u64,
+    epoch: u64,
+    chunk: usize,
+    offset: usize,
+}
+
+/// What a [`DeviceArena`] holds and hands out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct DeviceArenaStats {
+    /// Chunks held.
+    pub chunks: usize,
+    /// Bytes of all chunks.
+    pub capacity_bytes: usize,
+    /// Bytes handed out since the last reset (alignment and skipped chunk tails included).
+    pub used_bytes: usize,
+    /// Other streams recorded with [`DeviceArena::record_use`] since the last reset.
+    pub foreign_streams: usize,
+    /// Events the arena's stream waited for at resets and rewinds, in all.
+    pub foreign_waits: u64,
+    /// Bytes given up on (never reused, never freed) because ordering after a recorded use
+    /// failed.
+    pub abandoned_bytes: usize,
+}
+
+/// Bump allocation of device memory on one stream, for per-batch scratch.
+///
+/// ```
+/// use cudalloc::{cuda::Stream, device::{DeviceArena, DevicePool}};
+/// if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
+///     let mut arena = DeviceArena::new(&pool, &stream).unwrap();
+///     for batch in 0..3u32 {
+///         let mut input = arena.alloc::<u32>(1024).unwrap();
+///         let scratch = arena.alloc_zeroed::<f32>(4096).unwrap();
+///         input.copy_from_host(&[batch; 1024]).unwrap();
+///         // ... launch kernels on `stream` with input.device_ptr(), scratch.device_ptr() ...
+///         assert_eq!(scratch.to_vec().unwrap()[0], 0.0);
+///         arena.reset(); // no wait: every use was on the arena's stream
+///     }
+///     assert_eq!(arena.stats().chunks, 1);
+/// }
+/// ```
+pub struct DeviceArena {
+    pool: DevicePool,
+    stream: Stream,
+    /// Chunks in use order: `chunks[..=current]` have been bumped into since the last
+    /// reset (or rewind), the ones after are spares.
+    chunks: RefCell<Vec<DeviceBuffer<u8>>>,
+    // current < chunks.len() whenever chunks is not empty
+    current: Cell<usize>,
+    // offset <= chunks[current].byte_len(), a multiple of GRANULE
+    offset: Cell<usize>,
+    /// The size of the next chunk (doubles up to MAX_CHUNK).
+    next_chunk: Cell<usize>,
+    /// Streams other than the arena's whose work uses its memory, since the last reset.
+    foreign: RefCell<Vec<Stream>>,
+    id: u64,
+    /// Moves at every reset: checkpoints from before are stale.
+    epoch: Cell<u64>,
+    foreign_waits: Cell<u64>,
+    abandoned_bytes: Cell<usize>,
+    /// Whether resets order the arena's stream after recorded uses (always, except in
+    /// negative-control tests).
+    guard: bool,
+}
+
+impl fmt::Debug for DeviceArena {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceArena")
+            .field("device", &self.pool.device())
+            .field("stream", &self.stream.id())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+static NEXT_ARENA: AtomicU64 = AtomicU64::new(1);
+
+impl DeviceArena {
+    /// An arena on `stream` taking chunks (4 MiB first, doubling) from `pool`. Takes no
+    /// memory until the first allocation.
+    pub fn new(pool: &DevicePool, stream: &Stream) -> Result<Self> {
+        Self::with_chunk_size(pool, stream, DEFAULT_CHUNK)
+    }
+
+    /// An arena whose first chunk has `chunk_size` bytes (rounded up to 256).
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, device::{DeviceArena, DevicePool}};
+    /// if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
+    ///     let arena = DeviceArena::with_chunk_size(&pool, &stream, 64 << 20).unwrap();
+    ///     let _a = arena.alloc::<u8>(1000).unwrap();
+    ///     assert_eq!(arena.stats().capacity_bytes, 64 << 20);
+    /// }
+    /// ```
+    pub fn with_chunk_size(pool: &DevicePool, stream: &Stream, chunk_size: usize) -> Result<Self> {
+        if stream.device() != pool.device() {
+            return Err(Error::InvalidArgument("the stream belongs to another device"));
+        }
+        let chunk = round_to_granule(chunk_size.clamp(GRANULE, MAX_CHUNK)).unwrap_or(MAX_CHUNK);
+        Ok(Self {
+            pool: pool.clone(),
+            stream: stream.clone(),
+            chunks: RefCell::new(Vec::new()),
+            current: Cell::new(0),
+            offset: Cell::new(0),
+            next_chunk: Cell::new(chunk),
+            foreign: RefCell::new(Vec::new()),
+            id: NEXT_ARENA.fetch_add(1, Ordering::Relaxed),
+            epoch: Cell::new(0),
+            foreign_waits: Cell::new(0),
+            abandoned_bytes: Cell::new(0),
+            guard: true,
+        })
+    }
+
+    /// The arena's stream: its slices are ordered on it.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The pool its chunks come from.
+    pub fn pool(&self) -> &DevicePool {
+        &self.pool
+    }
+
+    /// `len` elements of `T`, 256-byte aligned, valid until the next
+    /// [`reset`](Self::reset) or [`rewind`](Self::rewind) (which the borrow enforces).
+    /// Contents are unspecified.
+    #[inline]
+    pub fn alloc<T: DeviceCopy>(&self, len: usize) -> Result<ArenaSlice<'_, T>> {
+        let bytes = len.checked_mul(size_of::<T>()).ok_or(Error::TooLarge {
+            requested: usize::MAX,
+            limit: MAX_CHUNK,
+        })?;
+        let ptr = if bytes == 0 { 0 } else { self.bump(bytes)? };
+        Ok(ArenaSlice {
+            ptr,
+            len,
+            arena: self,
+            _elements: PhantomData,
+        })
+    }
+
+    /// `len` zeroed elements (zeroed in the arena's stream order).
+    pub fn alloc_zeroed<T: DeviceCopy>(&self, len: usize) -> Result<ArenaSlice<'_, T>> {
+        let slice = self.alloc::<T>(len)?;
+        if slice.ptr != 0 {
+            // SAFETY: the range is the slice's own, queued on the arena's stream.
+            unsafe { memset_d8_async(slice.ptr, 0, slice.byte_len(), &self.stream) }?;
+        }
+        Ok(slice)
+    }
+
+    #[inline(always)]
+    fn bump(&self, bytes: usize) -> Result<u64> {
+        let need = round_to_granule(bytes).ok_or(Error::TooLarge {
+            requested: bytes,
+            limit: MAX_CHUNK,
+        })?;
+        {
+            let chunks = self.chunks.borrow();
+            if let Some(c) = chunks.get(self.current.get()) {
+                let offset = self.offset.get();
+                if c.byte_len() - offset >= need {
+                    self.offset.set(offset + need);
+                    return Ok(c.device_ptr() + offset as u64);
+                }
+            }
+        }
+        self.bump_slow(need)
+    }
+
+    /// Moves on to a spare chunk that fits, or to a new one.
+    #[cold]
+    #[inline(never)]
+    fn bump_slow(&self, need: usize) -> Result<u64> {
+        let mut chunks = self.chunks.borrow_mut();
+        let next = if chunks.is_empty() {
+            0
+        } else {
+            self.current.get() + 1
+        };
+        match (next..chunks.len()).find(|&j| chunks[j].byte_len() >= need) {
+            Some(j) => chunks.swap(next, j),
+            None => {
+                let size = self.next_chunk.get().max(need);
+                let chunk = self.pool.alloc::<u8>(size, &self.stream)?;
+                self.next_chunk.set((size.saturating_mul(2)).min(MAX_CHUNK));
+                chunks.insert(next, chunk);
+            }
+        }
+        self.current.set(next);
+        self.offset.set(need);
+        Ok(chunks[next].device_ptr())
+    }
+
+    /// Declares that work queued on `stream` (another stream than the arena's) uses the
+    /// arena's memory: the next [`reset`](Self::reset), [`rewind`](Self::rewind) or drop
+    /// makes the arena's stream wait (on the GPU) for an event recorded on `stream` then,
+    /// after all work queued there until that moment.
+    pub fn record_use(&self, stream: &Stream) {
+        if stream.id() == self.stream.id() {
+            return;
+        }
+        let mut foreign = self.foreign.borrow_mut();
+        if !foreign.iter().any(|s| s == stream) {
+            foreign.push(stream.clone());
+        }
+    }
+
+    /// Orders the arena's stream after the recorded uses (an event on each of those
+    /// streams, waited for by the arena's stream). False if that failed: the memory must
+    /// not be reused.
+    fn order_after_uses(&mut self) -> bool {
+        let foreign = core::mem::take(self.foreign.get_mut());
+        if !self.guard {
+            return true;
+        }
+        for s in &foreign {
+            let ordered = PooledEvent::record(s).and_then(|e| self.stream.wait(e.event()));
+            match ordered.or_else(|_| s.synchronize()) {
+                Ok(()) => self.foreign_waits.set(self.foreign_waits.get() + 1),
+                Err(e) => {
+                    crate::cuda::record_drop_error("ordering a device arena after a recorded use", e);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Gives up on every chunk after ordering failed: the GPU may still use them, so they
+    /// are neither reused nor freed.
+    fn abandon_all(&mut self) {
+        let chunks = core::mem::take(self.chunks.get_mut());
+        let bytes: usize = chunks.iter().map(DeviceBuffer::byte_len).sum();
+        self.abandoned_bytes.set(self.abandoned_bytes.get() + bytes);
+        for c in chunks {
+            core::mem::forget(c);
+        }
+        log::error!("cudalloc: a device arena abandons {bytes} bytes the GPU may still use");
+    }
+
+    /// Makes all the arena's memory reusable. Stream-ordered: no wait at all when every use
+    /// was on the arena's stream; for streams declared with
+    /// [`record_use`](Self::record_use), the arena's stream waits for an event recorded on
+    /// each (a GPU-side wait). `&mut self` proves no slice is alive. Chunks are kept.
+    pub fn reset(&mut self) {
+        if !self.order_after_uses() {
+            self.abandon_all();
+        }
+        self.current.set(0);
+        self.offset.set(0);
+        self.epoch.set(self.epoch.get() + 1);
+    }
+
+    /// The current position: [`rewind`](Self::rewind) to it makes everything allocated
+    /// after it reusable, for nested scopes of scratch.
+    pub fn checkpoint(&self) -> DeviceCheckpoint {
+        DeviceCheckpoint {
+            arena: self.id,
+            epoch: self.epoch.get(),
+            chunk: self.current.get(),
+            offset: self.offset.get(),
+        }
+    }
+
+    /// Makes everything allocated after `checkpoint` reusable, stream-ordered as
+    /// [`reset`](Self::reset). Errors with `InvalidArgument` (changing nothing) for a
+    /// checkpoint of another arena, from before a reset, or after the current position.
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, device::{DeviceArena, DevicePool}};
+    /// if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
+    ///     let mut arena = DeviceArena::new(&pool, &stream).unwrap();
+    ///     let _keep = arena.alloc::<u64>(16).unwrap().device_ptr();
+    ///     let mark = arena.checkpoint();
+    ///     let tmp = arena.alloc::<u64>(1 << 20).unwrap().device_ptr();
+    ///     arena.rewind(mark).unwrap();
+    ///     assert_eq!(arena.alloc::<u64>(1 << 20).unwrap().device_ptr(), tmp); // reused
+    ///     arena.reset();
+    ///     assert!(arena.rewind(mark).is_err(), "stale after the reset");
+    /// }
+    /// ```
+    pub fn rewind(&mut self, checkpoint: DeviceCheckpoint) -> Result<()> {
+        let DeviceCheckpoint {
+            arena,
+            epoch,
+            chunk,
+            offset,
+        } = checkpoint;
+        let here = (self.current.get(), self.offset.get());
+        if arena != self.id || epoch != self.epoch.get() || (chunk, offset) > here {
+            return Err(Error::InvalidArgument(
+                "the checkpoint is of another arena, from before a reset, or past the current position",
+            ));
+        }
+        if !self.order_after_uses() {
+            self.abandon_all();
+            self.current.set(0);
+            self.offset.set(0);
+            self.epoch.set(self.epoch.get() + 1);
+            return Ok(());
+        }
+        self.current.set(chunk);
+        self.offset.set(offset);
+        Ok(())
+    }
+
+    /// What the arena holds and has handed out.
+    pub fn stats(&self) -> DeviceArenaStats {
+        let chunks = self.chunks.borrow();
+        let current = self.current.get();
+        let used_before: usize = chunks.iter().take(current).map(DeviceBuffer::byte_len).sum();
+        DeviceArenaStats {
+            chunks: chunks.len(),
+            capacity_bytes: chunks.iter().map(DeviceBuffer::byte_len).sum(),
+            used_bytes: if chunks.is_empty() {
+                0
+            } else {
+                used_before + self.offset.get()
+            },
+            foreign_streams: self.foreign.borrow().len(),
+            foreign_waits: self.foreign_waits.get(),
+            abandoned_bytes: self.abandoned_bytes.get(),
+        }
+    }
+
+    /// Test switch: with `false`, resets and rewinds reuse memory without ordering the
+    /// arena's stream after recorded uses (the race the events prevent).
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_event_guard(&mut self, on: bool) {
+        self.guard = on;
+    }
+}
+
+impl Drop for DeviceArena {
+    fn drop(&mut self) {
+        // The chunks are freed on the arena's stream (into the pool's cache): first order
+        // that stream after the recorded uses.
+        if !self.order_after_uses() {
+            self.abandon_all();
+        }
+    }
+}
+
+/// `len` elements of `T` in a [`DeviceArena`], valid while the borrow of the arena lasts:
+/// a kernel argument ([`device_ptr`](Self::device_ptr)) and a copy target, ordered on the
+/// arena's [`stream`](Self::stream).
+///
+/// A slice cannot outlive a reset:
+///
+/// ```compile_fail
+/// use cudalloc::{cuda::Stream, device::{DeviceArena, DevicePool}};
+/// let pool = DevicePool::get(0).unwrap();
+/// let mut arena = DeviceArena::new(&pool, &Stream::new(0).unwrap()).unwrap();
+/// let slice = arena.alloc::<u8>(16).unwrap();
+/// arena.reset();
+/// println!("{}", slice.device_ptr());
+/// ```
+pub struct ArenaSlice<'a, T: DeviceCopy> {
+    ptr: u64,
+    len: usize,
+    arena: &'a DeviceArena,
+    _elements: PhantomData<T>,
+}
+
+impl<T: DeviceCopy> fmt::Debug for ArenaSlice<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ArenaSlice")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("stream", &self.arena.stream.id())
+            .finish()
+    }
+}
+
+impl<'a, T: DeviceCopy> ArenaSlice<'a, T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * size_of::<T>()
+    }
+
+    /// The device address (0 for an empty slice; a multiple of 256 otherwise).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The arena's stream, on which the slice's work is ordered.
+    pub fn stream(&self) -> &'a Stream {
+        &self.arena.stream
+    }
+
+    /// The pool the arena's chunks come from.
+    pub fn pool(&self) -> &'a DevicePool {
+        &self.arena.pool
+    }
+
+    /// The arena it lives in.
+    pub fn arena(&self) -> &'a DeviceArena {
+        self.arena
+    }
+
+    /// Declares work queued on `stream` that uses the slice (see
+    /// [`DeviceArena::record_use`]).
+    pub fn record_use(&self, stream: &Stream) {
+        self.arena.record_use(stream);
+    }
+
+    /// Queues a copy of `src` (as long as the slice) into the slice on the arena's stream
+    /// and returns at once.
+    ///
+    /// # Safety
+    /// 1. `src` stays valid and is not written until the copy has completed on the arena's
+    ///    stream; for memory of the crate's pools, dropping it early is allowed.
+    pub unsafe fn copy_from_host_async(&mut self, src: &[T]) -> Result<()> {
+        // SAFETY: the range is this slice's (`&mut self`: no one else writes it through
+        // the arena); obligation 1 passes to the caller.
+        unsafe { copy_from_host_async(self.ptr, self.len, src, &self.arena.stream) }
+    }
+
+    /// Queues a copy of the slice into `dst` (as long as the slice) on the arena's stream
+    /// and returns at once.
+    ///
+    /// # Safety
+    /// 1. `dst` stays valid and is neither read nor written until the copy has completed
+    ///    on the arena's stream; for memory of the crate's pools, dropping it early is
+    ///    allowed.
+    pub unsafe fn copy_to_host_async(&self, dst: &mut [T]) -> Result<()> {
+        // SAFETY: the range is this slice's; obligation 1 passes to the caller.
+        unsafe { copy_to_host_async(self.ptr, self.len, dst, &self.arena.stream) }
+    }
+
+    /// Copies `src` (as long as the slice) into the slice and waits for the copy.
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        // SAFETY: the stream is synchronized before `src`'s borrow ends.
+        unsafe { self.copy_from_host_async(src) }?;
+        self.arena.stream.synchronize()
+    }
+
+    /// Copies the slice into `dst` (as long as the slice) and waits for the copy.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        // SAFETY: the stream is synchronized before `dst`'s borrow ends.
+        unsafe { self.copy_to_host_async(dst) }?;
+        self.arena.stream.synchronize()
+    }
+
+    /// The slice's elements, copied into a new `Vec`.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        let mut v = vec![T::new_zeroed(); self.len];
+        self.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+}

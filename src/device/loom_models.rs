@@ -1,0 +1,163 @@
+//! Loom models of the device cache's concurrent parts, running the real code of
+//! `cache.rs` and `thread_cache.rs` against the simulated GPU of `backend::fake`. Run with
+//! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib loom`.
+//!
+//! Each model keeps to two or three threads and a handful of operations. Whenever a block
+//! reaches a stream, the model checks that the stream is ordered after the block's last
+//! use on another stream (a mark it waits for, or completion): the property a missing or
+//! late event (CUB's record-after-publish) would break in some interleaving.
+
+use super::backend::fake::{FakeBackend, FakeStream};
+use super::cache::{Cache, Settings};
+use super::thread_cache::ThreadCache;
+use crate::sync::{thread, Arc};
+
+type Tc = ThreadCache<FakeBackend, ()>;
+
+fn cache(thread_cache_bytes: usize) -> Arc<Cache<FakeBackend>> {
+    Arc::new(Cache::new(
+        FakeBackend::new(u64::MAX),
+        Settings::new(1 << 20, thread_cache_bytes, 0),
+    ))
+}
+
+/// A block used on S and freed there races with an allocation on T: T gets it only
+/// ordered after the use, or gets another block. (The use is queued by the freeing
+/// thread, so a mark recorded before the block was taken would miss it.)
+#[test]
+fn free_on_one_stream_races_a_take_on_another() {
+    loom::model(|| {
+        let c = cache(0);
+        let (s, t) = (FakeStream::new(), FakeStream::new());
+        let p = c.alloc_slow::<()>(None, 4096, &s).unwrap();
+        let freer = {
+            let (c, s) = (c.clone(), s.clone());
+            thread::spawn(move || {
+                let used_at = s.enqueue();
+                c.free_slow::<()>(None, p, 4096, s, None, Vec::new());
+                used_at
+            })
+        };
+        let taker = {
+            let (c, t) = (c.clone(), t.clone());
+            thread::spawn(move || c.alloc_slow::<()>(None, 4096, &t).unwrap())
+        };
+        let used_at = freer.join().unwrap();
+        let q = taker.join().unwrap();
+        if q == p {
+            assert!(t.covers(&s, used_at), "T got S's block unordered after S's use");
+        }
+        c.free_slow::<()>(None, q, 4096, t.clone(), None, Vec::new());
+        let snap = c.snapshot();
+        assert_eq!(snap.held_bytes, snap.cached_bytes, "{snap:?}");
+        assert_eq!(snap.held_blocks, if q == p { 1 } else { 2 });
+    });
+}
+
+/// Two streams race for the one block a third freed: at most one gets it, each ordered.
+#[test]
+fn two_takers_race_for_one_block() {
+    loom::model(|| {
+        let c = cache(0);
+        let s = FakeStream::new();
+        let p = c.alloc_slow::<()>(None, 4096, &s).unwrap();
+        let used_at = s.enqueue();
+        c.free_slow::<()>(None, p, 4096, s.clone(), None, Vec::new());
+        let takers: Vec<_> = (0..2)
+            .map(|_| {
+                let (c, s) = (c.clone(), s.clone());
+                thread::spawn(move || {
+                    let t = FakeStream::new();
+                    let q = c.alloc_slow::<()>(None, 4096, &t).unwrap();
+                    if q == p {
+                        assert!(t.covers(&s, used_at));
+                    }
+                    (q, t)
+                })
+            })
+            .collect();
+        let got: Vec<(u64, FakeStream)> = takers.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_ne!(got[0].0, got[1].0, "one block handed to two streams");
+        assert!(got.iter().any(|(q, _)| *q == p), "the free block was reused");
+        for (q, t) in got {
+            c.free_slow::<()>(None, q, 4096, t, None, Vec::new());
+        }
+    });
+}
+
+/// A thread flushes its cache (as at exit) while another steals from the shared lists:
+/// each block goes to one place, ordered.
+#[test]
+fn a_thread_cache_flush_races_a_steal() {
+    loom::model(|| {
+        let c = cache(1 << 20);
+        let (s, t) = (FakeStream::new(), FakeStream::new());
+        let mut owner: Tc = c.new_thread_cache().unwrap();
+        let p = c.alloc_slow(Some(&mut owner), 4096, &s).unwrap();
+        let used_at = s.enqueue();
+        c.free_slow(Some(&mut owner), p, 4096, s.clone(), Some(()), Vec::new());
+        let exiting = {
+            let c = c.clone();
+            thread::spawn(move || {
+                let mut owner = owner;
+                c.retire_thread_cache(&mut owner);
+            })
+        };
+        let stealer = {
+            let (c, s, t) = (c.clone(), s.clone(), t.clone());
+            thread::spawn(move || {
+                let q = c.alloc_slow::<()>(None, 4096, &t).unwrap();
+                if q == p {
+                    assert!(t.covers(&s, used_at));
+                }
+                q
+            })
+        };
+        exiting.join().unwrap();
+        let q = stealer.join().unwrap();
+        c.free_slow::<()>(None, q, 4096, t.clone(), None, Vec::new());
+        let snap = c.snapshot();
+        assert_eq!(snap.thread_caches, 0);
+        assert_eq!(snap.held_bytes, snap.cached_bytes, "{snap:?}");
+    });
+}
+
+/// A block freed with a recorded use on U is polled by an allocation (after U completed)
+/// while another thread trims: it is reused once or freed once, never both, and never
+/// before U's work.
+#[test]
+fn a_gated_block_polled_while_trimmed() {
+    loom::model(|| {
+        let c = cache(0);
+        let (s, u) = (FakeStream::new(), FakeStream::new());
+        let p = c.alloc_slow::<()>(None, 4096, &s).unwrap();
+        let used_at = u.enqueue();
+        c.free_slow::<()>(None, p, 4096, s.clone(), None, vec![u.clone()]);
+        let user = {
+            let (c, s, u) = (c.clone(), s.clone(), u.clone());
+            thread::spawn(move || {
+                let early = c.alloc_slow::<()>(None, 4096, &s).unwrap();
+                if early == p {
+                    assert!(s.covers(&u, used_at), "reused before the recorded use completed");
+                }
+                u.complete_all();
+                let late = c.alloc_slow::<()>(None, 4096, &s).unwrap();
+                if late == p {
+                    assert!(s.covers(&u, used_at));
+                }
+                c.free_slow::<()>(None, early, 4096, s.clone(), None, Vec::new());
+                c.free_slow::<()>(None, late, 4096, s, None, Vec::new());
+            })
+        };
+        let trimmer = {
+            let c = c.clone();
+            thread::spawn(move || c.trim::<()>(None))
+        };
+        user.join().unwrap();
+        trimmer.join().unwrap();
+        c.trim::<()>(None);
+        let snap = c.snapshot();
+        assert_eq!((snap.held_blocks, snap.pending_blocks), (0, 0), "{snap:?}");
+        assert_eq!(c.backend.live_blocks(), 0);
+    });
+}

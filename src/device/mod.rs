@@ -1,0 +1,99 @@
+//! Device memory: typed buffers from stream-ordered pools, with a caching layer that
+//! makes a reused allocation cost tens of nanoseconds, bump arenas for per-batch scratch,
+//! and every GPU of the host.
+//!
+//! Device memory is not behind `Allocator`: a `Vec` in memory the host cannot touch would
+//! fault on its first push. Instead a [`DevicePool`] (one per device, in front of a CUDA
+//! memory pool of its own, `cuMemPoolCreate`) hands out [`DeviceBuffer<T>`]s: typed,
+//! owning their block, and bound to the stream they were allocated on.
+//!
+//! ```
+//! use cudalloc::cuda::Stream;
+//! use cudalloc::device::DevicePool;
+//!
+//! if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
+//!     let input: Vec<f32> = (0..1024).map(|i| i as f32).collect();
+//!     let buf = pool.from_host(&input, &stream).unwrap(); // DeviceBuffer<f32>
+//!     // ... launch kernels on `stream` with `buf.device_ptr()` ...
+//!     assert_eq!(buf.to_vec().unwrap(), input);
+//! } // the buffer is freed on its stream when dropped, into the pool's cache
+//! ```
+//!
+//! # How the cache works
+//!
+//! - **Hit**: a freed block goes into the freeing thread's bin for (its stream, its size
+//!   class); an allocation on the same stream of the same class pops it. No lock, no
+//!   atomic read-modify-write, no CUDA call; the buffer's stream and pool handles are
+//!   recycled with the block, so not even a reference count moves. Stream order makes it
+//!   safe: the block was freed on the host after its work was queued on that stream, and
+//!   the new owner's work is queued later on the same stream. Classes are multiples of
+//!   256 bytes up to 4 KiB, then 16 per power of two (at most 6.25% rounding).
+//! - **Another stream** takes a cached block only after its previous stream's work: the
+//!   blocks leave that stream's list, one event is recorded on it (per batch, never per
+//!   free), the taking stream waits for it on the GPU, and only then are the blocks
+//!   handed over.
+//! - **Uses on other streams** are declared with [`DeviceBuffer::record_use`]: at the free
+//!   an event is recorded on each, and the block is reused once they have completed.
+//! - **Large blocks**: every cached block is a whole allocation of the driver pool, which
+//!   splits and merges extents itself in stream order; requests above
+//!   [`DevicePoolConfig::max_cached_block`] (1 GiB) bypass the cache. A miss that must
+//!   allocate releases idle blocks first while they exceed 1/16 of the live bytes (at
+//!   least 64 MiB), so a workload whose sizes change keeps its memory near its use.
+//! - **Out of memory**: the pool releases every cached block (each freed in its stream's
+//!   order), asks other threads for theirs, retries, then synchronizes, trims the driver
+//!   pool and retries once more; then it returns [`Error::DeviceOutOfMemory`] naming the
+//!   device, the size and the pool's state.
+//!
+//! [`DevicePool::stats`] and [`report`] say what each device holds; `Display` prints
+//! them for users. [`DevicePool::uncached`] gives the plain driver pool, for comparison.
+//!
+//! Element types are [`DeviceCopy`]: plain data with no padding that accepts every bit
+//! pattern (zerocopy's `FromBytes + IntoBytes + Immutable`: the integers, floats, arrays
+//! of them, and `#[derive]`d structs), since bytes come back from the device unchecked.
+//!
+//! [`Error::DeviceOutOfMemory`]: crate::Error::DeviceOutOfMemory
+
+use zerocopy::{FromBytes, Immutable, IntoBytes};
+
+mod arena;
+mod backend;
+mod buffer;
+mod cache;
+mod pool;
+mod report;
+mod size_class;
+mod thread_cache;
+#[cfg(not(loom))]
+mod tls;
+
+#[cfg(test)]
+mod tests;
+
+#[cfg(all(test, loom))]
+mod loom_models;
+
+pub use arena::{ArenaSlice, DeviceArena, DeviceArenaStats, DeviceCheckpoint};
+pub use buffer::DeviceBuffer;
+pub(crate) use buffer::{copy_from_host_async, copy_to_host_async};
+pub use pool::{DevicePool, DevicePoolConfig};
+pub use report::{report, DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
+
+/// Element types of a [`DeviceBuffer`]: plain data that may be copied to and from the
+/// device as bytes (no padding, every bit pattern valid). Implemented for every type
+/// with zerocopy's `FromBytes + IntoBytes + Immutable`.
+///
+/// ```
+/// fn device_copy<T: cudalloc::device::DeviceCopy>() {}
+/// device_copy::<f32>();
+/// device_copy::<[u64; 4]>();
+/// ```
+///
+/// `bool` is not (not every byte is a valid `bool`):
+///
+/// ```compile_fail
+/// fn device_copy<T: cudalloc::device::DeviceCopy>() {}
+/// device_copy::<bool>();
+/// ```
+pub trait DeviceCopy: FromBytes + IntoBytes + Immutable + Copy + Send + Sync + 'static {}
+
+impl<T: FromBytes + IntoBytes + Immutable + Copy + Send + Sync + 'static> DeviceCopy for T {}

@@ -1,0 +1,589 @@
+//! [`DevicePool`]: a device's driver pool with the stream-ordered cache in front, its
+//! configuration, and the allocation and free paths buffers take.
+
+use core::fmt;
+
+use super::backend::{is_out_of_memory, CudaBackend};
+use super::buffer::DeviceBuffer;
+use super::cache::{Cache, Settings};
+use super::report::{DeviceMemorySummary, DevicePoolStats, StreamCacheStats};
+use super::thread_cache::ThreadCache;
+#[cfg(not(loom))]
+use super::tls;
+use super::DeviceCopy;
+use crate::cuda::mem_pool::MemPool;
+use crate::cuda::{device_count, mem_info, memset_d8_async, Stream};
+use crate::error::{Error, Result};
+use crate::sync::global::{AtomicU64 as GlobalU64, OnceLock, Ordering as GlobalOrdering};
+use crate::sync::Arc;
+
+/// How a [`DevicePool`] behaves. Start from [`DevicePoolConfig::default()`] and change
+/// fields.
+///
+/// ```
+/// use cudalloc::device::DevicePoolConfig;
+/// let c = DevicePoolConfig::default();
+/// assert_eq!(c.release_threshold, u64::MAX);
+/// assert_eq!(c.limit, 0);
+/// assert!(c.cache);
+/// assert_eq!(c.thread_cache_bytes, 256 << 20);
+/// assert_eq!(c.max_cached_block, 1 << 30);
+/// let uncached = DevicePoolConfig { cache: false, ..DevicePoolConfig::default() };
+/// # let _ = uncached;
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DevicePoolConfig {
+    /// Freed bytes the driver pool keeps across synchronizations (default `u64::MAX`:
+    /// all; the driver's default of 0 returns memory at every synchronization).
+    pub release_threshold: u64,
+    /// The most bytes the pool holds from the device (0, the default: no limit beyond the
+    /// device's memory). The cache counts blocks at their class size; the driver pool is
+    /// capped at the same value.
+    pub limit: usize,
+    /// Whether freed blocks are cached by (stream, size class) in front of the driver
+    /// pool (default true). `false` gives the plain stream-ordered driver pool: every
+    /// allocation is a `cuMemAllocFromPoolAsync`, every free a `cuMemFreeAsync`.
+    pub cache: bool,
+    /// The most bytes of free blocks one thread keeps for this pool, in bins served
+    /// without a lock (default 256 MiB; 0: no thread caches, every free block goes to
+    /// the shared lists). A block larger than this is cached in the shared lists only.
+    pub thread_cache_bytes: usize,
+    /// Requests above this many bytes are not cached: they are allocated from and freed
+    /// to the driver pool directly (default 1 GiB).
+    pub max_cached_block: usize,
+}
+
+impl Default for DevicePoolConfig {
+    fn default() -> Self {
+        Self {
+            release_threshold: u64::MAX,
+            limit: 0,
+            cache: true,
+            thread_cache_bytes: 256 << 20,
+            max_cached_block: 1 << 30,
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    cache: Cache<CudaBackend>,
+    device: usize,
+    config: DevicePoolConfig,
+    /// Process-unique, to tell this pool's thread-cache entries from others'.
+    uid: u64,
+    /// The thread-local slot of this pool's thread caches (`None`: none).
+    #[cfg_attr(loom, allow(dead_code))]
+    slot: Option<usize>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        #[cfg(not(loom))]
+        if let Some(slot) = self.slot {
+            tls::release_slot(slot);
+        }
+    }
+}
+
+/// A pool of device memory on one device: a stream-ordered cache of blocks by (stream,
+/// size class) in front of the device's own driver pool (`cuMemPoolCreate`). A cheap,
+/// cloneable handle; [`DevicePool::get`] gives the process-wide pool of a device.
+///
+/// Allocating a buffer on a stream that freed a block of its size class reuses that block
+/// at once, from a bin of the calling thread: no lock and no CUDA call (tens of
+/// nanoseconds; `cuMemAllocAsync` costs about a microsecond). A block freed on another
+/// stream is taken only after that stream's work (one event per batch, waited for on the
+/// GPU). See the [module docs](super) for the whole protocol.
+///
+/// ```
+/// use cudalloc::{cuda::Stream, device::{DevicePool, DevicePoolConfig}};
+/// if let Ok(stream) = Stream::new(0) {
+///     let pool = DevicePool::new(0, DevicePoolConfig { limit: 64 << 20, ..Default::default() }).unwrap();
+///     let a = pool.alloc_zeroed::<u32>(1 << 20, &stream).unwrap();
+///     assert_eq!(a.len(), 1 << 20);
+///     assert!(pool.alloc::<u8>(128 << 20, &stream).is_err(), "past the 64 MiB limit");
+///     drop(a); // cached for the next allocation of its class on `stream`
+///     assert_eq!(pool.stats().cached_bytes, 4 << 20);
+///     pool.trim();
+///     assert_eq!(pool.stats().cached_bytes, 0);
+/// }
+/// ```
+#[derive(Clone)]
+pub struct DevicePool {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for DevicePool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DevicePool")
+            .field("device", &self.inner.device)
+            .field("uid", &self.inner.uid)
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+static NEXT_UID: GlobalU64 = GlobalU64::new(1);
+
+impl DevicePool {
+    /// A new pool on device `device`, with a driver pool of its own.
+    pub fn new(device: usize, config: DevicePoolConfig) -> Result<Self> {
+        let pool = MemPool::new(device, config.limit, config.release_threshold)?;
+        let (_, device_bytes) = mem_info(device)?;
+        let settings = if config.cache {
+            Settings::new(config.max_cached_block, config.thread_cache_bytes, config.limit)
+        } else {
+            Settings::new(0, 0, config.limit)
+        };
+        #[cfg(not(loom))]
+        let slot = settings.thread_max_class.and_then(|_| tls::acquire_slot());
+        #[cfg(loom)]
+        let slot = None;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                cache: Cache::new(CudaBackend { pool, device_bytes }, settings),
+                device,
+                config,
+                uid: NEXT_UID.fetch_add(1, GlobalOrdering::Relaxed),
+                slot,
+            }),
+        })
+    }
+
+    /// A pool without the cache: every allocation goes to the driver pool
+    /// (`cuMemAllocFromPoolAsync`) and every free back to it (`cuMemFreeAsync`). The
+    /// reference the cache is measured against.
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, device::DevicePool};
+    /// if let (Ok(pool), Ok(stream)) = (DevicePool::uncached(0), Stream::new(0)) {
+    ///     assert!(!pool.config().cache);
+    ///     drop(pool.alloc::<u8>(4096, &stream).unwrap());
+    ///     assert_eq!(pool.stats().cached_bytes, 0);
+    /// }
+    /// ```
+    pub fn uncached(device: usize) -> Result<Self> {
+        Self::new(
+            device,
+            DevicePoolConfig {
+                cache: false,
+                ..DevicePoolConfig::default()
+            },
+        )
+    }
+
+    /// The process-wide pool of device `device` (default configuration), created on
+    /// first use; one per device, each with its own cache.
+    ///
+    /// ```
+    /// match cudalloc::device::DevicePool::get(0) {
+    ///     Ok(pool) => assert_eq!(pool.device(), 0),
+    ///     Err(e) => println!("no device pool: {e}"),
+    /// }
+    /// ```
+    pub fn get(device: usize) -> Result<Self> {
+        let pools = process_pools();
+        if pools.is_empty() {
+            return Err(Error::NoDriver);
+        }
+        let slot = pools
+            .get(device)
+            .ok_or(Error::InvalidArgument("no CUDA device with that ordinal"))?;
+        if let Some(pool) = slot.get() {
+            return Ok(pool.clone());
+        }
+        let pool = Self::new(device, DevicePoolConfig::default())?;
+        // Two threads may race to create it: one wins, the other's pool is dropped.
+        Ok(slot.get_or_init(|| pool).clone())
+    }
+
+    /// The device.
+    pub fn device(&self) -> usize {
+        self.inner.device
+    }
+
+    /// The configuration the pool was made with.
+    pub fn config(&self) -> DevicePoolConfig {
+        self.inner.config
+    }
+
+    #[cfg_attr(loom, allow(dead_code))]
+    pub(crate) fn cache(&self) -> &Cache<CudaBackend> {
+        &self.inner.cache
+    }
+
+    /// A buffer of `len` elements on `stream` (which must belong to the pool's device),
+    /// usable by work queued on `stream` from now on. Its contents are unspecified: fill
+    /// it before reading (or use [`alloc_zeroed`](Self::alloc_zeroed)). A buffer of zero
+    /// bytes takes no memory (its [`device_ptr`](DeviceBuffer::device_ptr) is 0).
+    ///
+    /// Errors: `InvalidArgument` for a stream of another device; `TooLarge` for more than
+    /// the device holds; [`Error::DeviceOutOfMemory`] (naming the device, the size and the
+    /// pool's state) when the memory is not there even after the cache was released.
+    #[inline]
+    pub fn alloc<T: DeviceCopy>(&self, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        match len.checked_mul(size_of::<T>()) {
+            Some(bytes) if bytes != 0 && stream.device() == self.inner.device => {
+                match self.try_alloc_fast(len, bytes, stream) {
+                    Some(buf) => Ok(buf),
+                    None => self.alloc_slow(len, bytes, stream),
+                }
+            }
+            bytes => self.alloc_unusual(len, bytes, stream),
+        }
+    }
+
+    /// The hit: a block of the request's class freed on `stream`, from this thread's bin.
+    #[inline(always)]
+    fn try_alloc_fast<T: DeviceCopy>(
+        &self,
+        len: usize,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Option<DeviceBuffer<T>> {
+        #[cfg(not(loom))]
+        {
+            let inner = &*self.inner;
+            let slot = inner.slot?;
+            let class = inner.cache.class_for(bytes)?;
+            let (ptr, s, p) = tls::with(slot, inner.uid, |e| e.cache.pop(stream.id(), class))??;
+            let stream = s.unwrap_or_else(|| stream.clone());
+            let pool = p.unwrap_or_else(|| self.clone());
+            Some(DeviceBuffer::from_parts(ptr, len, stream, pool))
+        }
+        #[cfg(loom)]
+        {
+            let _ = (len, bytes, stream);
+            None
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow<T: DeviceCopy>(
+        &self,
+        len: usize,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer<T>> {
+        let device_bytes = self.inner.cache.backend.device_bytes;
+        if bytes > device_bytes {
+            self.inner.cache.count_failure();
+            return Err(Error::TooLarge {
+                requested: bytes,
+                limit: device_bytes,
+            });
+        }
+        let ptr = self
+            .with_thread_cache(|tc| self.inner.cache.alloc_slow(tc, bytes, stream))
+            .map_err(|e| self.out_of_memory(e, bytes))?;
+        Ok(DeviceBuffer::from_parts(ptr, len, stream.clone(), self.clone()))
+    }
+
+    /// Zero bytes, a size that overflows, or a stream of another device.
+    #[cold]
+    #[inline(never)]
+    fn alloc_unusual<T: DeviceCopy>(
+        &self,
+        len: usize,
+        bytes: Option<usize>,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer<T>> {
+        if stream.device() != self.inner.device {
+            return Err(Error::InvalidArgument("the stream belongs to another device"));
+        }
+        match bytes {
+            Some(0) => Ok(DeviceBuffer::from_parts(0, len, stream.clone(), self.clone())),
+            Some(bytes) => self.alloc_slow(len, bytes, stream),
+            None => {
+                self.inner.cache.count_failure();
+                Err(Error::TooLarge {
+                    requested: usize::MAX,
+                    limit: self.inner.cache.backend.device_bytes,
+                })
+            }
+        }
+    }
+
+    /// Turns an out-of-memory error into one naming the device, the size and the pool's
+    /// state.
+    #[cold]
+    fn out_of_memory(&self, e: Error, bytes: usize) -> Error {
+        if !is_out_of_memory(&e) {
+            return e;
+        }
+        let requested = self.inner.cache.block_bytes(bytes).unwrap_or(bytes);
+        let e = Error::DeviceOutOfMemory {
+            device: self.inner.device,
+            requested,
+            memory: self.summary(),
+        };
+        log::warn!("cudalloc: {e}");
+        e
+    }
+
+    /// Runs `f` with this thread's cache for this pool (made if needed; `None` if the pool
+    /// has none or the thread's locals are gone). The cache is out of the thread-local
+    /// table meanwhile, so `f` may take long and call CUDA.
+    fn with_thread_cache<R>(
+        &self,
+        f: impl FnOnce(Option<&mut ThreadCache<CudaBackend, DevicePool>>) -> R,
+    ) -> R {
+        #[cfg(not(loom))]
+        if let Some(slot) = self.inner.slot {
+            let uid = self.inner.uid;
+            let mut entry = tls::take(slot, uid).or_else(|| {
+                let cache = self.inner.cache.new_thread_cache()?;
+                Some(Box::new(tls::Entry {
+                    uid,
+                    cache,
+                    owner: self.clone(),
+                }))
+            });
+            let r = f(entry.as_deref_mut().map(|e| &mut e.cache));
+            if let Some(e) = entry {
+                // Dropped after the table is released: dropping flushes into a pool.
+                drop(tls::put(slot, e));
+            }
+            return r;
+        }
+        f(None)
+    }
+
+    /// Takes a freed buffer's block back (called by `DeviceBuffer`'s drop, with its
+    /// handles): into this thread's bin for its stream and class when there is room,
+    /// else through the slow path.
+    #[inline]
+    pub(crate) fn release(self, ptr: u64, bytes: usize, stream: Stream, uses: Vec<Stream>) {
+        #[cfg(not(loom))]
+        if uses.is_empty() {
+            let inner = &*self.inner;
+            if let (Some(slot), Some(class)) = (inner.slot, inner.cache.class_for(bytes)) {
+                let (uid, id) = (inner.uid, stream.id());
+                let mut handles = Some((stream, self));
+                let kept = tls::with(slot, uid, |e| {
+                    let (s, p) = handles.take()?;
+                    match e.cache.push(id, class, ptr, s, p) {
+                        Ok(()) => Some(()),
+                        Err(back) => {
+                            handles = Some(back);
+                            None
+                        }
+                    }
+                });
+                if let Some(Some(())) = kept {
+                    return;
+                }
+                if let Some((stream, pool)) = handles {
+                    pool.release_slow(ptr, bytes, stream, uses);
+                }
+                return;
+            }
+        }
+        self.release_slow(ptr, bytes, stream, uses)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn release_slow(self, ptr: u64, bytes: usize, stream: Stream, uses: Vec<Stream>) {
+        self.with_thread_cache(|tc| {
+            self.inner
+                .cache
+                .free_slow::<DevicePool>(tc, ptr, bytes, stream, None, uses)
+        });
+    }
+
+    /// A buffer of `len` zeroed elements on `stream` (zeroed in stream order).
+    pub fn alloc_zeroed<T: DeviceCopy>(&self, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        let buf = self.alloc::<T>(len, stream)?;
+        if buf.device_ptr() != 0 {
+            // SAFETY: the range is the buffer's own block, queued on its stream after the
+            // allocation.
+            unsafe { memset_d8_async(buf.device_ptr(), 0, buf.byte_len(), stream) }?;
+        }
+        Ok(buf)
+    }
+
+    /// A buffer holding a copy of `src`, on `stream`; returns when the copy is done.
+    pub fn from_host<T: DeviceCopy>(&self, src: &[T], stream: &Stream) -> Result<DeviceBuffer<T>> {
+        let mut buf = self.alloc::<T>(src.len(), stream)?;
+        buf.copy_from_host(src)?;
+        Ok(buf)
+    }
+
+    /// The pool's state (see [`DevicePoolStats`]; `Display` prints a report for users).
+    /// No side effect: reads counters, the driver pool's attributes and `cuMemGetInfo`
+    /// (driver numbers it cannot get read as 0).
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, device::DevicePool};
+    /// if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
+    ///     let _buf = pool.alloc::<f32>(1 << 20, &stream).unwrap();
+    ///     let s = pool.stats();
+    ///     assert!(s.live_bytes >= 4 << 20);
+    ///     println!("{s}"); // device 0: ... live ..., cached ..., reserved ..., free ...
+    /// }
+    /// ```
+    pub fn stats(&self) -> DevicePoolStats {
+        let snap = self.inner.cache.snapshot();
+        let backend = &self.inner.cache.backend;
+        let usage = backend.pool.usage().unwrap_or_default();
+        let (free, total) = mem_info(self.inner.device).unwrap_or((0, backend.device_bytes));
+        let live_bytes = snap
+            .held_bytes
+            .saturating_sub(snap.cached_bytes + snap.pending_bytes);
+        let live_buffers = snap
+            .held_blocks
+            .saturating_sub(snap.cached_blocks + snap.pending_blocks);
+        DevicePoolStats {
+            device: self.inner.device,
+            caching: self.inner.config.cache,
+            live_bytes,
+            live_buffers,
+            cached_bytes: snap.cached_bytes,
+            cached_blocks: snap.cached_blocks,
+            pending_bytes: snap.pending_bytes,
+            pending_blocks: snap.pending_blocks,
+            held_bytes: snap.held_bytes,
+            peak_held_bytes: snap.peak_held_bytes,
+            reserved_bytes: usage.reserved,
+            peak_reserved_bytes: usage.reserved_high,
+            used_bytes: usage.used,
+            peak_used_bytes: usage.used_high,
+            limit: self.inner.config.limit,
+            device_free_bytes: free as u64,
+            device_total_bytes: total as u64,
+            per_stream: snap
+                .per_stream
+                .iter()
+                .map(|&(stream, bytes, blocks)| StreamCacheStats {
+                    stream,
+                    bytes,
+                    blocks,
+                })
+                .collect(),
+            thread_caches: snap.thread_caches,
+            hits: snap.hits,
+            misses: snap.misses,
+            steals: snap.steals,
+            events: snap.marks,
+            failures: snap.failures,
+            released: snap.released,
+            oom_recoveries: snap.oom_recoveries,
+            abandoned_bytes: snap.abandoned_bytes,
+        }
+    }
+
+    fn summary(&self) -> DeviceMemorySummary {
+        let s = self.stats();
+        DeviceMemorySummary {
+            live_bytes: s.live_bytes,
+            cached_bytes: s.cached_bytes,
+            pending_bytes: s.pending_bytes,
+            held_bytes: s.held_bytes,
+            reserved_bytes: s.reserved_bytes,
+            limit_bytes: s.limit as u64,
+            device_free_bytes: s.device_free_bytes,
+        }
+    }
+
+    /// Gives the memory the pool holds but no buffer uses back to the device: this
+    /// thread's cached blocks and the shared ones (blocks freed with uses recorded on
+    /// other streams after waiting for those uses), each freed in its stream's order; then
+    /// waits for those frees and trims the driver pool. Drops the pool's handles of streams
+    /// with nothing cached. Other threads' cached blocks go back to the shared lists at
+    /// their next allocation or free on this pool (or when they exit); trim again then.
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, device::DevicePool};
+    /// if let (Ok(pool), Ok(stream)) = (DevicePool::uncached(0), Stream::new(0)) {
+    ///     drop(pool.alloc::<u8>(16 << 20, &stream).unwrap());
+    ///     stream.synchronize().unwrap();
+    ///     assert!(pool.stats().reserved_bytes >= 16 << 20); // the driver pool keeps it
+    ///     pool.trim();
+    ///     assert_eq!(pool.stats().reserved_bytes, 0);
+    /// }
+    /// ```
+    pub fn trim(&self) {
+        self.with_thread_cache(|tc| self.inner.cache.trim(tc));
+    }
+
+    /// Resets the peaks that [`stats`](Self::stats) reports (held bytes, and the driver
+    /// pool's reserved and used highs) to their current values, to measure one phase of
+    /// a program.
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, device::DevicePool};
+    /// if let (Ok(pool), Ok(stream)) = (DevicePool::uncached(0), Stream::new(0)) {
+    ///     drop(pool.alloc::<u8>(32 << 20, &stream).unwrap());
+    ///     pool.reset_peaks();
+    ///     assert_eq!(pool.stats().peak_held_bytes, 0);
+    /// }
+    /// ```
+    pub fn reset_peaks(&self) {
+        self.inner.cache.reset_peak();
+        if let Err(e) = self.inner.cache.backend.pool.reset_highs() {
+            log::warn!("cudalloc: could not reset the driver pool's highs: {e}");
+        }
+    }
+
+    /// Sets how many freed bytes the driver pool keeps across synchronizations.
+    pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
+        self.inner.cache.backend.pool.set_release_threshold(bytes)
+    }
+
+    /// Lets kernels and copies on device `peer` read and write this pool's memory (every
+    /// block, present and future: `cuMemPoolSetAccess`). Errors with `InvalidArgument` when
+    /// the devices have no peer path (`cuDeviceCanAccessPeer`). On the pool's own device
+    /// it does nothing.
+    ///
+    /// ```
+    /// use cudalloc::device::DevicePool;
+    /// if cudalloc::cuda::device_count() >= 2 {
+    ///     let pool = DevicePool::get(0).unwrap();
+    ///     if cudalloc::cuda::can_access_peer(1, 0).unwrap() {
+    ///         pool.enable_peer_access(1).unwrap();
+    ///         assert!(pool.peer_access(1).unwrap());
+    ///     }
+    /// }
+    /// ```
+    pub fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        if peer == self.inner.device {
+            return Ok(());
+        }
+        if !crate::cuda::can_access_peer(peer, self.inner.device)? {
+            return Err(Error::InvalidArgument(
+                "the devices have no peer path: the peer cannot access this device's memory",
+            ));
+        }
+        self.inner.cache.backend.pool.set_access(peer, true)
+    }
+
+    /// Whether device `peer` may access this pool's memory (always true for the pool's
+    /// own device).
+    pub fn peer_access(&self, peer: usize) -> Result<bool> {
+        if peer == self.inner.device {
+            return Ok(true);
+        }
+        self.inner.cache.backend.pool.access(peer)
+    }
+
+    /// Test switch: with `false`, a stream takes blocks freed on another stream without
+    /// waiting for that stream's work, and blocks freed with recorded uses are reused at
+    /// once (the races the events prevent), so a negative-control test can show them.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_event_guard(&self, on: bool) {
+        self.inner.cache.set_guard(on);
+    }
+}
+
+fn process_pools() -> &'static [OnceLock<DevicePool>] {
+    static POOLS: OnceLock<Box<[OnceLock<DevicePool>]>> = OnceLock::new();
+    POOLS.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect())
+}
+
+/// The process-wide pools created so far, by device (for [`report`](super::report)).
+pub(crate) fn existing_process_pools() -> Vec<Option<DevicePool>> {
+    process_pools().iter().map(|p| p.get().cloned()).collect()
+}

@@ -1,0 +1,8 @@
+//! Guides: which allocator fits which job, what the crate promises, and what its errors
+//! mean. Each is a page of its own (the text lives in `docs/` in the repository).
+
+#[doc = include_str!("../docs/choosing.md")]
+pub mod choosing {}
+
+#[doc = include_str!("../docs/troubleshooting.md")]
+pub mod troubleshooting {}

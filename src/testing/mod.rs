@@ -1,0 +1,16 @@
+//! Scaffolding for the crate's benchmarks, examples and tests: generic workloads and the
+//! raw CUDA reference points (plain `cuMemAlloc` and `cuMemAllocAsync` device memory,
+//! `cuMemHostAlloc` host buffers) that the crate's own types are measured against.
+//!
+//! Hidden from the documentation and outside the API's stability promise: these types
+//! exist to make A/B comparisons honest, not for applications, which use
+//! [`DevicePool`](crate::device::DevicePool), [`PinnedAlloc`](crate::PinnedAlloc) and
+//! [`copy`](crate::copy) instead.
+
+mod raw_pinned;
+pub mod workload;
+
+pub use crate::cuda::async_memory::AsyncDeviceMemory;
+pub use crate::cuda::memory::DeviceMemory;
+pub use crate::source::managed::managed_bytes_held;
+pub use raw_pinned::RawPinnedBuffer;

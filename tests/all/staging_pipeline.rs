@@ -1,0 +1,453 @@
+//! The staging pipeline of `examples/pipeline.rs` (its code is included in this test
+//! binary): the host reference, the checker, the timeline arithmetic, the issue order
+//! against a model of the GPU, and on a GPU every variant with every element of every
+//! batch checked.
+
+use crate::pipeline::{
+    self, hash_rounds, input_value, plan, simulate, union_len, Checker, Config, Costs, Layout, Regime, Step,
+    Tally, Variant, CPP_REFERENCE,
+};
+
+#[test]
+fn host_reference_matches_known_values() {
+    // Computed independently (Python, 32-bit wrapping arithmetic).
+    assert_eq!(hash_rounds(0, 1), 0x7f4a_8281);
+    assert_eq!(hash_rounds(1, 1), 0x1d81_cec5);
+    assert_eq!(hash_rounds(0xdead_beef, 3), 0x3be7_349e);
+    assert_eq!(hash_rounds(12345, 37), 0xf5ff_921e);
+    assert_eq!(hash_rounds(0xffff_ffff, 1000), 0x6005_0c25);
+    assert_eq!(hash_rounds(42, 0), 42);
+    assert_eq!(input_value(0, 0), 0x2545_f491);
+    assert_eq!(input_value(3, 1000), 0xcc59_2ef1);
+    assert_eq!(input_value(70000, 16_777_215), 0x3dd9_9ad3);
+}
+
+#[test]
+fn sampled_positions_are_distinct_cover_both_ends_and_move_per_batch() {
+    let c = Checker {
+        n: 1 << 20,
+        samples: 256,
+        all: false,
+    };
+    let a: Vec<usize> = c.positions(7).collect();
+    let b: Vec<usize> = c.positions(8).collect();
+    assert_eq!(a.len(), 258);
+    assert!(a.contains(&0) && a.contains(&((1 << 20) - 1)));
+    assert!(a.iter().all(|&p| p < 1 << 20));
+    let mut d = a.clone();
+    d.sort();
+    d.dedup();
+    assert_eq!(d.len(), a.len(), "positions repeat");
+    assert_ne!(a, b, "the sampled positions do not move between batches");
+    let tiny = Checker {
+        n: 5,
+        samples: 256,
+        all: false,
+    };
+    assert_eq!(tiny.positions(0).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+}
+
+#[test]
+fn the_checker_catches_a_wrong_or_stale_output() {
+    let c = Checker {
+        n: 4096,
+        samples: 64,
+        all: false,
+    };
+    let rounds = 5;
+    let mut input = vec![0u32; 4096];
+    c.stamp(9, &mut input);
+    let mut output: Vec<u32> = input.iter().map(|&x| hash_rounds(x, rounds)).collect();
+    let mut t = Tally::default();
+    c.check(9, rounds, &output, &mut t);
+    assert_eq!((t.batches_checked, t.elements_checked, t.mismatches), (1, 66, 0));
+    // The last batch's output in the buffer (a copy that has not landed) fails.
+    c.check(10, rounds, &output, &mut t);
+    assert!(t.mismatches > 60, "{} mismatches", t.mismatches);
+    // So does one wrong element.
+    let mut t = Tally::default();
+    output[4095] ^= 1;
+    c.check(9, rounds, &output, &mut t);
+    assert_eq!(t.mismatches, 1);
+    assert!(t.first_mismatch.unwrap().contains("element 4095"));
+    // Full fills are checked everywhere.
+    let all = Checker {
+        n: 4096,
+        samples: 64,
+        all: true,
+    };
+    Checker::fill(3, &mut input);
+    let output: Vec<u32> = input.iter().map(|&x| hash_rounds(x, 2)).collect();
+    let mut t = Tally::default();
+    all.check(3, 2, &output, &mut t);
+    assert_eq!((t.elements_checked, t.mismatches), (4096, 0));
+}
+
+#[test]
+fn the_check_computes_many_rounds_right_at_any_count_of_positions() {
+    // 2390 rounds: the compute-bound regime's work; 17 and 66 positions: a partial group
+    // of 16 after whole ones.
+    for (n, samples) in [(17usize, 1usize), (4096, 64)] {
+        let c = Checker {
+            n,
+            samples,
+            all: false,
+        };
+        let mut input = vec![0u32; n];
+        c.stamp(4, &mut input);
+        let output: Vec<u32> = input.iter().map(|&x| hash_rounds(x, 2390)).collect();
+        let mut t = Tally::default();
+        c.check(4, 2390, &output, &mut t);
+        assert_eq!(t.mismatches, 0, "{:?}", t.first_mismatch);
+        assert_eq!(t.elements_checked, c.positions(4).count());
+        c.check(4, 2389, &output, &mut t);
+        assert_eq!(
+            t.mismatches,
+            t.elements_checked / 2,
+            "one round short must fail everywhere"
+        );
+    }
+}
+
+#[test]
+fn fills_on_several_threads_write_what_one_thread_writes() {
+    let n = 300_001; // not a multiple of any thread count used
+    let mut one = vec![0u32; n];
+    Checker::fill(7, &mut one);
+    assert!(one.iter().enumerate().all(|(i, &x)| x == input_value(7, i)));
+    for threads in [2, 3, 8, 64] {
+        let mut many = vec![0u32; n];
+        Checker::fill_with(7, &mut many, threads);
+        assert!(many == one, "{threads} threads");
+        let mut v = allocator_api2::vec::Vec::new_in(allocator_api2::alloc::Global);
+        v.push(1u32); // fill_new replaces what was there
+        Checker::fill_new(7, n, &mut v, threads).unwrap();
+        assert!(v[..] == one[..], "fill_new with {threads} threads");
+    }
+}
+
+/// Host costs that would stall a pipeline whose issuing thread waited for whole batches:
+/// a check of a millisecond (about what the compute-bound check took before it
+/// interleaved its rounds), a write and a queue step.
+const SLOW_HOST: Costs = Costs {
+    h2d: 0.0,
+    kernel: 0.0,
+    d2h: 0.0,
+    write: 0.05,
+    queue: 0.01,
+    check: 1.0,
+};
+
+/// The GPU's stages in the three regimes on the H200 (copies at the rate both directions
+/// reach together).
+fn gpu_costs(kernel: f64) -> Costs {
+    Costs {
+        h2d: 1.33,
+        kernel,
+        d2h: 1.33,
+        ..Costs::default()
+    }
+}
+
+fn with_host(gpu: Costs, host: Costs) -> Costs {
+    Costs {
+        write: host.write,
+        queue: host.queue,
+        check: host.check,
+        ..gpu
+    }
+}
+
+fn layouts() -> Vec<(Layout, usize, usize)> {
+    let mut v: Vec<_> = (1..=8).map(|s| (Layout::Lanes(s), s, 0)).collect();
+    v.push((Layout::Double, 2, 1));
+    v
+}
+
+#[test]
+fn the_issue_order_never_touches_a_buffer_still_in_use() {
+    let host_profiles = [
+        Costs::default(),
+        SLOW_HOST,
+        Costs {
+            write: 9.0, // a single-threaded fill of 64 MiB
+            ..SLOW_HOST
+        },
+        Costs {
+            check: 20.0,
+            ..SLOW_HOST
+        },
+    ];
+    for (layout, reuse, skew) in layouts() {
+        for batches in [1, 2, 3, 5, 8, 17, 64] {
+            let steps = plan(batches, reuse, skew);
+            assert_eq!(
+                steps.len(),
+                4 * batches - batches.min(reuse),
+                "{layout:?}, {batches} batches"
+            );
+            for kernel in [0.06, 1.24, 5.03] {
+                for host in host_profiles {
+                    let sim = simulate(&steps, layout, batches, with_host(gpu_costs(kernel), host));
+                    assert!(
+                        sim.hazards.is_empty(),
+                        "{layout:?}, {batches} batches, kernel {kernel} ms, {host:?}: {:?}",
+                        sim.hazards
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_model_catches_an_order_that_reuses_a_buffer_too_early() {
+    let costs = with_host(gpu_costs(1.24), Costs::default());
+    // Without the wait for the H2D of b - S, the host writes an input being copied.
+    let no_wait: Vec<Step> = plan(8, 2, 0)
+        .into_iter()
+        .filter(|s| !matches!(s, Step::AwaitInputRead(_)))
+        .collect();
+    let sim = simulate(&no_wait, Layout::Lanes(2), 8, costs);
+    assert!(
+        sim.hazards.iter().any(|h| h.contains("written while the H2D")),
+        "{:?}",
+        sim.hazards
+    );
+    // Queuing a D2H before the output it overwrites was checked.
+    let mut early = plan(8, 2, 0);
+    let i = early.iter().position(|&s| s == Step::CheckOut(0)).unwrap();
+    let j = early.iter().position(|&s| s == Step::QueueOut(2)).unwrap();
+    early.swap(i, j);
+    let sim = simulate(&early, Layout::Lanes(2), 8, costs);
+    assert!(
+        sim.hazards.iter().any(|h| h.contains("before batch 0's output")),
+        "{:?}",
+        sim.hazards
+    );
+    // Double buffering with a D2H queued after the kernel two batches on: that kernel
+    // would wait for an event not recorded yet in this run.
+    let mut late = plan(8, 2, 1);
+    let i = late.iter().position(|&s| s == Step::QueueOut(0)).unwrap();
+    let moved = late.remove(i);
+    late.push(moved);
+    let sim = simulate(&late, Layout::Double, 8, costs);
+    assert!(
+        sim.hazards.iter().any(|h| h.contains("not queued yet")),
+        "{:?}",
+        sim.hazards
+    );
+}
+
+#[test]
+fn the_issuing_thread_keeps_the_gpu_fed() {
+    let batches = 64;
+    for kernel in [0.06, 1.24, 5.03] {
+        let gpu = gpu_costs(kernel);
+        let stage = gpu.h2d.max(gpu.d2h).max(kernel);
+        for (layout, reuse, skew) in layouts() {
+            let steps = plan(batches, reuse, skew);
+            let fast = simulate(&steps, layout, batches, gpu).wall;
+            let slow = simulate(&steps, layout, batches, with_host(gpu, SLOW_HOST)).wall;
+            // The host's work hides behind the GPU's: a millisecond of checking per batch
+            // costs the pipeline almost nothing.
+            assert!(
+                slow <= fast * 1.01 + 0.1,
+                "{layout:?}, kernel {kernel} ms: {slow:.1} ms with host costs, {fast:.1} without"
+            );
+            // With 4 lanes or more (and double buffering) the pipeline runs at its slowest
+            // stage, plus one batch to fill it.
+            let enough = match layout {
+                Layout::Lanes(s) => s >= 4,
+                Layout::Double => true,
+            };
+            if enough {
+                let bound = batches as f64 * stage + gpu.h2d + kernel + gpu.d2h;
+                assert!(
+                    slow <= bound + 0.1,
+                    "{layout:?}, kernel {kernel} ms: {slow:.1} ms > {bound:.1}"
+                );
+            }
+        }
+        // The order it replaces waited for batch b - S's D2H (and checked it) before
+        // queuing anything of batch b: with one stream, every check stalls the GPU.
+        let old: Vec<Step> = (0..batches)
+            .flat_map(|b| {
+                let check = b.checked_sub(1).map(Step::CheckOut);
+                check.into_iter().chain([Step::QueueIn(b), Step::QueueOut(b)])
+            })
+            .chain([Step::CheckOut(batches - 1)])
+            .collect();
+        let old_wall = simulate(&old, Layout::Lanes(1), batches, with_host(gpu, SLOW_HOST));
+        assert!(old_wall.hazards.is_empty(), "{:?}", old_wall.hazards);
+        let new_wall = simulate(
+            &plan(batches, 1, 0),
+            Layout::Lanes(1),
+            batches,
+            with_host(gpu, SLOW_HOST),
+        )
+        .wall;
+        assert!(
+            old_wall.wall > new_wall + 0.9 * (batches - 1) as f64 * SLOW_HOST.check,
+            "kernel {kernel} ms: old order {:.1} ms, new {new_wall:.1} ms",
+            old_wall.wall
+        );
+    }
+}
+
+#[test]
+fn the_cpp_reference_is_matched_by_memory_and_stream_count() {
+    let wall = |v: Variant, r: Regime| v.cpp_reference(r).map(|c| c.wall_ms);
+    assert_eq!(wall(Variant::Pageable, Regime::TransferBound), Some(1076.0));
+    assert_eq!(wall(Variant::Pageable, Regime::Balanced), None);
+    assert_eq!(wall(Variant::Pinned(2), Regime::TransferBound), Some(88.0));
+    assert_eq!(wall(Variant::Raw(4), Regime::TransferBound), Some(87.0));
+    assert_eq!(wall(Variant::Pinned(3), Regime::TransferBound), None);
+    assert_eq!(wall(Variant::Pinned(4), Regime::Balanced), Some(89.0));
+    assert_eq!(wall(Variant::Pinned(8), Regime::Balanced), None);
+    assert_eq!(wall(Variant::Pinned(1), Regime::ComputeBound), Some(485.0));
+    assert_eq!(wall(Variant::DoubleBuffered, Regime::ComputeBound), Some(309.0));
+    assert_eq!(wall(Variant::Ring(4), Regime::ComputeBound), Some(309.0));
+    assert_eq!(wall(Variant::Pinned(2), Regime::Rounds(7)), None);
+    assert_eq!(CPP_REFERENCE[6].label(), "pinned, 4 streams");
+    assert_eq!(CPP_REFERENCE[8].label(), "pinned, 2+ streams");
+}
+
+#[test]
+fn the_tables_put_our_rows_next_to_the_cpp_reference() {
+    let measured = |wall_ms: f64| pipeline::Measured {
+        wall_ms,
+        ideal_ms: 80.0,
+        gpu_busy: 0.5,
+        ..Default::default()
+    };
+    let rows = [
+        (Variant::Pinned(2), 92.4),
+        (Variant::Raw(2), 90.0),
+        (Variant::Pinned(3), 95.0),
+    ]
+    .map(|(variant, w)| pipeline::Row {
+        variant,
+        outcome: Ok(measured(w)),
+    })
+    .to_vec();
+    let results = pipeline::Results {
+        config: Config {
+            variants: rows.iter().map(|r| r.variant).collect(),
+            ..Config::full()
+        },
+        baseline: pipeline::Baseline {
+            h2d_ms: 1.2,
+            d2h_ms: 1.2,
+            bidir_gbps: 100.0,
+            fill_ms: 1.0,
+            fill_threads: 8,
+        },
+        regimes: vec![pipeline::RegimeResult {
+            regime: Regime::TransferBound,
+            rounds: 1,
+            kernel_ms: 0.06,
+            rows,
+        }],
+    };
+    let tables = results.tables();
+    let main = tables.iter().find(|t| t.id == "pipeline").unwrap();
+    let vs_cpp: Vec<String> = main.rows.iter().map(|r| main.cell(r, "vs_cpp")).collect();
+    assert_eq!(vs_cpp, ["1.05x", "1.02x", "-"]);
+    let cpp = tables.iter().find(|t| t.id == "pipeline_cpp").unwrap();
+    assert_eq!(
+        cpp.rows.len(),
+        1,
+        "one C++ row (2 streams) has our rows beside it"
+    );
+    let r = &cpp.rows[0];
+    assert_eq!(cpp.cell(r, "variant"), "pinned, 2 streams");
+    assert_eq!(cpp.cell(r, "cpp_wall_ms"), "88.0 ms");
+    assert_eq!(cpp.cell(r, "vs_cpp"), "1.05x");
+    assert_eq!(cpp.cell(r, "raw_vs_cpp"), "1.02x");
+    let regimes = tables.iter().find(|t| t.id == "pipeline_regimes").unwrap();
+    // 2 x 64 MiB at 100 GB/s: 1.342 ms per batch, 85.9 ms for 64 batches.
+    assert_eq!(regimes.cell(&regimes.rows[0], "floor_ms"), "85.9 ms");
+}
+
+#[test]
+fn busy_time_is_the_union_of_intervals_not_their_sum() {
+    assert_eq!(union_len(vec![]), 0.0);
+    assert_eq!(union_len(vec![(0.0, 1.0), (0.5, 1.5), (3.0, 4.0)]), 2.5);
+    assert_eq!(union_len(vec![(2.0, 3.0), (0.0, 10.0)]), 10.0);
+    assert_eq!(union_len(vec![(0.0, 1.0), (1.0, 2.0)]), 2.0);
+}
+
+#[test]
+fn regimes_and_variants_parse_and_name_themselves() {
+    assert_eq!(Regime::parse("balanced"), Some(Regime::Balanced));
+    assert_eq!(Regime::parse("compute"), Some(Regime::ComputeBound));
+    assert_eq!(Regime::parse("400"), Some(Regime::Rounds(400)));
+    assert_eq!(Regime::parse("0"), None);
+    let all = Variant::all(&[1, 2], 3, None);
+    assert_eq!(all.len(), 1 + 2 + 1 + 2 + 3);
+    let some = Variant::all(&[1, 2], 3, Some(&["fresh".to_string(), "raw".to_string()]));
+    assert_eq!(some, [Variant::Raw(1), Variant::Raw(2), Variant::FreshVec(3)]);
+    assert_eq!(Variant::Ring(4).key(), "ring-4");
+}
+
+#[test]
+fn without_a_driver_the_pipeline_says_so() {
+    if cudalloc::cuda::driver_available() {
+        return;
+    }
+    let err = pipeline::run(&Config::full(), &|_| {}).unwrap_err();
+    assert_eq!(err, cudalloc::Error::NoDriver);
+}
+
+#[test]
+fn every_variant_delivers_every_element_of_every_batch() {
+    gpu!();
+    let batches = 11;
+    // 1 MiB: enough elements that fills use several threads.
+    let batch_bytes = 1 << 20;
+    // Chained copies (the default) and copies ordered by their lane's stream only.
+    for chain_copies in [true, false] {
+        let cfg = Config {
+            batches,
+            batch_bytes,
+            regimes: vec![Regime::Rounds(2), Regime::Rounds(17)],
+            variants: Variant::all(&[1, 2, 3], 2, None),
+            samples: 64,
+            verify_all: true,
+            warmup: true,
+            fresh_headroom: None,
+            fill_threads: 3,
+            chain_copies,
+        };
+        let results = pipeline::run(&cfg, &|_| {}).unwrap();
+        assert_eq!(results.regimes.len(), 2);
+        for g in &results.regimes {
+            assert_eq!(g.rows.len(), cfg.variants.len());
+            for row in &g.rows {
+                let m = row
+                    .outcome
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("{} failed: {e}", row.variant.label()));
+                let who = format!(
+                    "{} at {} (chained: {chain_copies})",
+                    row.variant.label(),
+                    g.regime.name()
+                );
+                assert_eq!(m.mismatches, 0, "{who}: {:?}", m.first_mismatch);
+                assert_eq!(m.batches_checked, batches, "{who}");
+                assert_eq!(m.elements_checked, batches * batch_bytes / 4, "{who}");
+                assert!(m.wall_ms > 0.0 && m.ideal_ms > 0.0, "{who}");
+                assert!(
+                    (0.0..=1.0 + 1e-9).contains(&m.gpu_busy),
+                    "{who}: busy {}",
+                    m.gpu_busy
+                );
+            }
+        }
+        let tables = results.tables();
+        let t = tables.iter().find(|t| t.id == "pipeline").unwrap();
+        assert_eq!(t.rows.len(), 2 * cfg.variants.len());
+    }
+    assert_eq!(cudalloc::cuda::drop_errors(), 0, "last: {:?}", cudalloc::cuda::last_drop_error());
+}
