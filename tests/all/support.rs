@@ -1,9 +1,16 @@
 //! Helpers shared by the integration tests.
 
+// Each test binary that includes this file uses a part of it.
+#![allow(dead_code)]
+
 /// Whether GPU tests should run. Without a driver: prints `skipped: no CUDA driver` and
 /// returns false, or panics when `REQUIRE_GPU=1` (the GPU machine's runs).
+///
+/// With a driver it also arranges, once per process, for the pools' cached memory to be
+/// returned before the process exits (see [`release_cached_memory_at_exit`]).
 pub fn gpu_available(test: &str) -> bool {
     if cudalloc::cuda::driver_available() {
+        release_cached_memory_at_exit();
         return true;
     }
     if std::env::var("REQUIRE_GPU").is_ok_and(|v| v == "1") {
@@ -20,4 +27,81 @@ macro_rules! gpu {
             return;
         }
     };
+}
+
+/// Registers (once) an exit hook that calls `cudalloc::release_cached_memory()` and trims
+/// the process-wide device pools, so that compute-sanitizer's `--leak-check full` sees
+/// the pools' cached blocks returned to the driver instead of reporting each of them as
+/// leaked.
+///
+/// Why here and how: libtest offers no hook after the last test, and the library should
+/// not free memory behind a program's back at exit. A test binary that used the GPU
+/// registers the hook the first time a GPU test asks for the driver (every GPU test starts
+/// with `gpu!()`): `atexit` runs it when `main` returns, after every test, and before the
+/// driver's own teardown (libcuda's exit handlers were registered earlier, when the driver
+/// was loaded, and exit handlers run in reverse order). Under `--test-threads=1` each test
+/// runs on a thread that exits before the next starts, so the per-thread caches have
+/// already gone back to the pools' shared lists, which `release_cached_memory` empties
+/// (after waiting for the GPU uses recorded on pending blocks).
+/// `CUDALLOC_TEST_KEEP_CACHE=1` turns the hook off (to see what the pools hold at exit).
+pub fn release_cached_memory_at_exit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("CUDALLOC_TEST_KEEP_CACHE").is_some_and(|v| v == "1") {
+            return;
+        }
+        extern "C" fn release() {
+            // A panic must not cross the C boundary (it would abort); nothing in the
+            // crate panics here, but a test's fence might.
+            let _ = std::panic::catch_unwind(|| {
+                let released = cudalloc::release_cached_memory();
+                // The device pools' caches too (release_cached_memory covers the pinned
+                // and managed pools only): their blocks are device allocations the leak
+                // check would report.
+                for device in 0..cudalloc::cuda::device_count() {
+                    if let Ok(pool) = cudalloc::device::DevicePool::get(device) {
+                        pool.trim();
+                    }
+                }
+                if std::env::var_os("CUDALLOC_TEST_VERBOSE_EXIT").is_some() {
+                    eprintln!("at exit: released {released} bytes of cached pinned and managed memory");
+                }
+            });
+        }
+        extern "C" {
+            fn atexit(f: extern "C" fn()) -> core::ffi::c_int;
+        }
+        // SAFETY: `atexit` is the C library's (std links it); `release` is a plain
+        // `extern "C" fn` with no arguments that does not unwind.
+        let rc = unsafe { atexit(release) };
+        if rc != 0 {
+            eprintln!("could not register the exit hook that releases cached memory");
+        }
+    });
+}
+
+/// For tests that make `cudalloc::cuda::drop_errors()` grow on purpose (fences that fail):
+/// with a driver, runs the test `name` (its path in this binary, `module::test`) alone in a
+/// child process and returns true, so that GPU tests of this process that assert no drop
+/// errors are not disturbed; in that child, or without a driver (where no test asserts
+/// that), returns false: the caller runs the test body.
+pub fn in_a_child_process_with_a_driver(name: &str) -> bool {
+    const CHILD: &str = "CUDALLOC_TEST_CHILD";
+    if std::env::var_os(CHILD).is_some() || !cudalloc::cuda::driver_available() {
+        return false;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args([name, "--exact", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .expect("run the test in a child process");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{name} in a child process: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    true
 }
