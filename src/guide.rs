@@ -6,3 +6,6 @@ pub mod choosing {}
 
 #[doc = include_str!("../docs/troubleshooting.md")]
 pub mod troubleshooting {}
+
+#[doc = include_str!("../docs/guarantees.md")]
+pub mod guarantees {}

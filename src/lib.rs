@@ -36,6 +36,9 @@
 //!   without prefetch, write-combined reads, no driver, compute-sanitizer).
 //! - [Troubleshooting](guide::troubleshooting): each error, the message the crate prints,
 //!   and what to do.
+//! - [Guarantees](guide::guarantees): what every allocator promises (alignment, zero
+//!   size, bad input, zeroed memory, threads, reuse after GPU use, limits, no driver,
+//!   source failures) and the test that holds it to each promise.
 //!
 //! ## Layers
 //!

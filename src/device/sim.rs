@@ -1,5 +1,5 @@
 //! A device pool on a simulated GPU, for benchmarks and tests on machines without one:
-//! the same cache, thread caches and hot path ([`local`](super::local)) as
+//! the same cache, thread caches and hot path (`device::local`) as
 //! [`DevicePool`](super::DevicePool), over the simulated streams and memory of
 //! `backend::fake` instead of the driver. The `device_hit_sim` benchmark measures the hit
 //! path with it.

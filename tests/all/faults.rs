@@ -101,7 +101,7 @@ unsafe impl MemorySource for Faulty {
         let call = self.0.calls.fetch_add(1, Ordering::SeqCst);
         let refuse = {
             let plan = self.0.plan.lock().unwrap();
-            plan.fail_all.or_else(|| {
+            plan.fail_all.clone().or_else(|| {
                 plan.fail_calls
                     .contains(&call)
                     .then_some(Error::OutOfMemory { requested: size })
@@ -460,9 +460,9 @@ fn every_source_error_reaches_the_caller_unchanged() {
             layout(5 * MIB, 8),
         ] {
             let source = Faulty::default();
-            source.fail_every(e);
+            source.fail_every(e.clone());
             let pool = Pool::with_config(source.clone(), tight());
-            assert_eq!(pool.try_allocate(l).unwrap_err(), e, "pool, {l:?}");
+            assert_eq!(pool.try_allocate(l).unwrap_err(), e.clone(), "pool, {l:?}");
             assert!(pool.allocate(l).is_err());
             let counting = Counting::new(&pool);
             assert!(counting.allocate(l).is_err());
@@ -471,7 +471,7 @@ fn every_source_error_reaches_the_caller_unchanged() {
             assert_pool_counts(&pool, 0, 3);
 
             let arena = Arena::with_config(source.clone(), ArenaConfig::host().with_first_chunk(4 * KIB));
-            assert_eq!(arena.try_alloc_layout(l).unwrap_err(), e, "arena, {l:?}");
+            assert_eq!(arena.try_alloc_layout(l).unwrap_err(), e.clone(), "arena, {l:?}");
             assert!((&arena).allocate(l).is_err());
             assert_eq!(arena.allocated_bytes(), 0);
 
