@@ -27,6 +27,14 @@ const MIB: usize = 1 << 20;
 #[cfg(feature = "cudarc")]
 #[path = "gated/cudarc.rs"]
 mod cudarc;
+#[path = "gated/device_arena.rs"]
+mod device_arena;
+#[path = "gated/device_multi.rs"]
+mod device_multi;
+#[path = "gated/device_race.rs"]
+mod device_race;
+#[path = "all/gpu_support.rs"]
+mod gpu_support;
 
 static GATED: Mutex<()> = Mutex::new(());
 

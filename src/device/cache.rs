@@ -36,14 +36,16 @@
 //! where the driver pool can reuse them for any size) while idle bytes exceed 1/32 of live
 //! bytes (at least 64 MiB): a workload that changes sizes keeps its memory near what it
 //! uses, one that repeats never misses. The driver pool keeps what it gets back and carves
-//! it for later requests, so its reservations drift above what the cache holds; after a
-//! release, when they exceed the held bytes by more than 1/32, its idle reservations go
-//! back to the device (`trim_backend`). In RMM's random workload this keeps the memory the
-//! device gives up within 15% of the memory requested (held / requested 1.06, reserved /
-//! requested 1.13 on the simulated driver pool of `backend::fake`, against 1.21 without
-//! the trims). Out of memory: every idle block is released, other
-//! threads are asked for theirs, and the allocation is retried; then the streams involved
-//! are synchronized, the driver pool trimmed, and retried once more.
+//! it for later requests, so its reservations drift above what the cache holds. A
+//! reservation policy that trims the driver pool's idle reservations after a release
+//! (`Settings::trim_backend`) brings RMM's random workload from 1.21 to 1.13 reserved /
+//! requested on the simulated driver pool of `backend::fake`, but not on the H200
+//! (2026-11-30: 1.33 with it, 1.26 for `cuMemAllocAsync`, 47852 trims making the run 4x
+//! slower), whose pool keeps chunks that hold any live block: it is off by default.
+//!
+//! Out of memory: every idle block is released, other threads are asked for theirs, and
+//! the allocation is retried; then the streams involved are synchronized, the driver pool
+//! trimmed, and retried once more.
 
 use std::collections::VecDeque;
 
@@ -77,8 +79,8 @@ pub(crate) struct Settings {
     pub(crate) limit: usize,
     /// Idle bytes a miss always tolerates (64 MiB by default).
     pub(crate) idle_floor: usize,
-    /// Whether releases trim the backend's idle reservations (always, except in the
-    /// tests that show what the policy saves).
+    /// Whether releases trim the backend's idle reservations (off: on the H200 it cost
+    /// time and saved nothing; the simulated-pool tests show the mechanism).
     pub(crate) trim_backend: bool,
 }
 
@@ -118,7 +120,7 @@ impl Settings {
             thread_cache_bytes,
             limit: limit.unwrap_or(usize::MAX),
             idle_floor: 64 << 20,
-            trim_backend: true,
+            trim_backend: false,
         }
     }
 }
@@ -296,7 +298,8 @@ pub(crate) struct Counters {
     pub(crate) released: AtomicU64,
     /// Out-of-memory recoveries attempted (release everything, retry).
     pub(crate) oom_recoveries: AtomicU64,
-    /// Times the reservation policy trimmed the backend.
+    /// Times the backend's idle reservations were trimmed (out-of-memory recoveries,
+    /// `trim`, and the reservation policy when it is on).
     pub(crate) trims: AtomicU64,
     /// Bytes given up on (never reused, never freed) because a wait for the GPU failed.
     pub(crate) abandoned_bytes: AtomicU64,
@@ -644,6 +647,7 @@ impl<B: Backend> Cache<B> {
             }
         }
         self.backend.trim_to(0);
+        self.counters.trims.fetch_add(1, Ordering::Relaxed);
         self.reserve_and_alloc(bytes, stream).map_err(|e| self.failed(e))
     }
 
@@ -1007,6 +1011,7 @@ impl<B: Backend> Cache<B> {
         }
         drop(touched);
         self.backend.trim_to(0);
+        self.counters.trims.fetch_add(1, Ordering::Relaxed);
         let idle_streams = {
             let mut sh = lock(&self.shared);
             let pruned = sh.prune();

@@ -38,9 +38,7 @@
 //!   splits and merges extents itself in stream order; requests above
 //!   [`DevicePoolConfig::max_cached_block`] (1 GiB) bypass the cache. A miss that must
 //!   allocate releases idle blocks first while they exceed 1/32 of the live bytes (at
-//!   least 64 MiB), so a workload whose sizes change keeps its memory near its use; and
-//!   when the driver pool then reserves more than 1/32 above what the cache holds, its
-//!   idle reservations go back to the device (`cuMemPoolTrimTo`).
+//!   least 64 MiB), so a workload whose sizes change keeps its memory near its use.
 //! - **Out of memory**: the pool releases every cached block (each freed in its stream's
 //!   order), asks other threads for theirs, retries, then synchronizes, trims the driver
 //!   pool and retries once more; then it returns [`Error::DeviceOutOfMemory`] naming the

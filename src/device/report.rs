@@ -83,9 +83,9 @@ pub struct DevicePoolStats {
     pub released: u64,
     /// Times the pool ran out of memory and released its cache to retry.
     pub oom_recoveries: u64,
-    /// Times the pool returned the driver pool's idle reservations to the device after
-    /// releasing blocks (when the driver pool reserved more than 1/32 above what the pool
-    /// held).
+    /// Times the pool returned the driver pool's idle reservations to the device
+    /// (`cuMemPoolTrimTo`): in [`DevicePool::trim`](super::DevicePool::trim) and in
+    /// out-of-memory recoveries.
     pub trims: u64,
     /// Bytes given up on (never reused, never freed) because waiting for the GPU failed.
     /// Nonzero means the GPU reported an error.

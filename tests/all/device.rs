@@ -1,112 +1,12 @@
 //! Typed device buffers from stream-ordered device pools.
 
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
-
 use cudalloc::cuda::Stream;
 use cudalloc::device::{DeviceBuffer, DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
 const MIB: usize = 1 << 20;
 
-pub fn stream() -> Stream {
-    Stream::new(0).unwrap()
-}
-
-/// A host function queued on a stream that holds the stream until the gate is opened:
-/// work queued on the stream behind it waits, and so does work on other streams ordered
-/// after it by events. A race test queues the late access behind a gate, queues the
-/// conflicting access on another stream, lets that stream run (or sees that it cannot),
-/// and only then opens the gate: the outcome does not depend on timing.
-///
-/// Never hangs the GPU: dropping the gate (a failing test included) opens it, and the
-/// host function gives up waiting after 10 s.
-pub struct Gate {
-    open: Arc<(Mutex<bool>, Condvar)>,
-}
-
-impl Gate {
-    /// Queues a closed gate on `stream`.
-    pub fn hold(stream: &Stream) -> Gate {
-        let open = Arc::new((Mutex::new(false), Condvar::new()));
-        let held = open.clone();
-        stream
-            .launch_host_fn(move || {
-                let (lock, cv) = &*held;
-                let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
-                let _ = cv.wait_timeout_while(guard, Duration::from_secs(10), |open| !*open);
-            })
-            .unwrap();
-        Gate { open }
-    }
-
-    /// Opens the gate: the stream goes on.
-    pub fn open(&self) {
-        let (lock, cv) = &*self.open;
-        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        cv.notify_all();
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.open();
-    }
-}
-
-/// Whether all work queued on `stream` completes within `timeout` (polled, never a
-/// blocking synchronize: the stream may be held behind a closed [`Gate`]).
-pub fn finishes_within(stream: &Stream, timeout: Duration) -> bool {
-    let t0 = Instant::now();
-    loop {
-        if stream.is_idle().unwrap() {
-            return true;
-        }
-        if t0.elapsed() >= timeout {
-            return false;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
-
-/// How long a race test lets the conflicting stream run before it opens the gate: ample
-/// for a 64 MiB memset (tens of microseconds on the H200) on a loaded machine.
-pub const RUN_FOR: Duration = Duration::from_millis(500);
-
-/// Queues a fill of the `len` bytes at `ptr` with `value` on `stream` (`cuMemsetD8Async`:
-/// a device operation, ordered only by streams and events, unlike a copy from pageable
-/// host memory, which the driver may serialize with other streams).
-///
-/// # Safety
-/// 1. `ptr..ptr + len` is device memory of the stream's device that stays allocated until
-///    the fill has run (a block the caller owns, or one whose reuse the test studies).
-pub unsafe fn fill(ptr: u64, value: u8, len: usize, stream: &Stream) {
-    // SAFETY: obligation 1; the host never touches device memory.
-    unsafe { cudalloc::cuda::memset_d8_async(ptr, value, len, stream) }.unwrap();
-}
-
-/// How many bytes of `data` differ from `expected`.
-pub fn mismatches(data: &[u8], expected: u8) -> usize {
-    data.iter().filter(|&&b| b != expected).count()
-}
-
-/// Whether a test that needs `n` GPUs can run: with fewer, prints `skipped: needs n GPUs`
-/// and returns false, or panics when `REQUIRE_GPUS` asks for at least `n`.
-pub fn gpus(test: &str, n: usize) -> bool {
-    let have = cudalloc::cuda::device_count();
-    if have >= n {
-        return true;
-    }
-    let required = std::env::var("REQUIRE_GPUS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or(0);
-    if required >= n {
-        panic!("{test}: REQUIRE_GPUS={required} but {have} GPU(s) are available");
-    }
-    println!("{test}: skipped: needs {n} GPUs");
-    false
-}
+pub use crate::gpu_support::stream;
 
 #[test]
 fn without_a_driver_device_pools_say_so() {
@@ -280,18 +180,25 @@ fn threads_with_their_own_streams_share_a_pool() {
     // shared with tests running at the same time (fault-injection tests count errors).
     let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
     std::thread::scope(|sc| {
-        for t in 0..8u32 {
-            let pool = pool.clone();
-            sc.spawn(move || {
-                let s = stream();
-                for round in 0..50u32 {
-                    let data: Vec<u32> = (0..(1000 + t * 100 + round))
-                        .map(|i| i ^ (t << 24) ^ round)
-                        .collect();
-                    let buf = pool.from_host(&data, &s).unwrap();
-                    assert_eq!(buf.to_vec().unwrap(), data);
-                }
-            });
+        let threads: Vec<_> = (0..8u32)
+            .map(|t| {
+                let pool = pool.clone();
+                sc.spawn(move || {
+                    let s = stream();
+                    for round in 0..50u32 {
+                        let data: Vec<u32> = (0..(1000 + t * 100 + round))
+                            .map(|i| i ^ (t << 24) ^ round)
+                            .collect();
+                        let buf = pool.from_host(&data, &s).unwrap();
+                        assert_eq!(buf.to_vec().unwrap(), data);
+                    }
+                })
+            })
+            .collect();
+        // An explicit join waits for the thread's exit, its thread-local destructors
+        // (which flush its cache into the pool) included; the scope's own join does not.
+        for h in threads {
+            h.join().unwrap();
         }
     });
     let st = pool.stats();

@@ -178,52 +178,60 @@ fn random_workload(name: &str, pool: &DevicePool, n_streams: usize) {
     let mailbox: Arc<Mutex<Vec<Checked>>> = Arc::new(Mutex::new(Vec::new()));
     let start = std::time::Instant::now();
     std::thread::scope(|sc| {
-        for t in 0..16usize {
-            let (pool, streams, mailbox) = (pool.clone(), streams.clone(), mailbox.clone());
-            sc.spawn(move || {
-                let mut rng = 0x9E37_79B9u64 ^ (t as u64) << 32;
-                let mut next = move |n: usize| {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    (rng % n as u64) as usize
-                };
-                let mut mine: Vec<Checked> = Vec::new();
-                for op in 0..120 {
-                    if mine.len() < 8 && next(3) != 0 {
-                        let s = &streams[next(streams.len())];
-                        let len = 1 + next(64 << 10);
-                        let data = pattern(t, op, len);
-                        let mut b = pool.alloc::<u32>(len, s).unwrap();
-                        b.copy_from_host(&data).unwrap();
-                        if next(5) == 0 {
-                            mailbox.lock().unwrap().push((b, data));
+        let threads: Vec<_> = (0..16usize)
+            .map(|t| {
+                let (pool, streams, mailbox) = (pool.clone(), streams.clone(), mailbox.clone());
+                sc.spawn(move || {
+                    let mut rng = 0x9E37_79B9u64 ^ (t as u64) << 32;
+                    let mut next = move |n: usize| {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        (rng % n as u64) as usize
+                    };
+                    let mut mine: Vec<Checked> = Vec::new();
+                    for op in 0..120 {
+                        if mine.len() < 8 && next(3) != 0 {
+                            let s = &streams[next(streams.len())];
+                            let len = 1 + next(64 << 10);
+                            let data = pattern(t, op, len);
+                            let mut b = pool.alloc::<u32>(len, s).unwrap();
+                            b.copy_from_host(&data).unwrap();
+                            if next(5) == 0 {
+                                mailbox.lock().unwrap().push((b, data));
+                            } else {
+                                mine.push((b, data));
+                            }
                         } else {
-                            mine.push((b, data));
-                        }
-                    } else {
-                        let item = if next(2) == 0 {
-                            mailbox.lock().unwrap().pop()
-                        } else if mine.is_empty() {
-                            None
-                        } else {
-                            Some(mine.swap_remove(next(mine.len())))
-                        };
-                        if let Some((b, data)) = item {
-                            assert!(
-                                b.to_vec().unwrap() == data,
-                                "{name}: thread {t} op {op}: contents changed"
-                            );
+                            let item = if next(2) == 0 {
+                                mailbox.lock().unwrap().pop()
+                            } else if mine.is_empty() {
+                                None
+                            } else {
+                                Some(mine.swap_remove(next(mine.len())))
+                            };
+                            if let Some((b, data)) = item {
+                                assert!(
+                                    b.to_vec().unwrap() == data,
+                                    "{name}: thread {t} op {op}: contents changed"
+                                );
+                            }
                         }
                     }
-                }
-                for (b, data) in mine {
-                    assert!(
-                        b.to_vec().unwrap() == data,
-                        "{name}: thread {t}: contents changed"
-                    );
-                }
-            });
+                    for (b, data) in mine {
+                        assert!(
+                            b.to_vec().unwrap() == data,
+                            "{name}: thread {t}: contents changed"
+                        );
+                    }
+                })
+            })
+            .collect();
+        // An explicit join waits for the thread's exit, its thread-local destructors
+        // (which flush its cache into the pool) included; the scope's own join does not,
+        // and the live count below would race with those flushes.
+        for h in threads {
+            h.join().unwrap();
         }
     });
     for (b, data) in mailbox.lock().unwrap().drain(..) {

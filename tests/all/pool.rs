@@ -671,6 +671,11 @@ fn backpressure_staging_loop_outrunning_the_gpu_waits_instead_of_failing() {
         .collect();
     let fill = |round: usize| (round as u8).wrapping_mul(37) ^ 0x5A;
     let mut peak = 0;
+    // The GPU starts 1 s late: the loop reaches the cap within its first rounds however
+    // slow the host is (other tests share its cores), and must wait.
+    stream
+        .launch_host_fn(|| std::thread::sleep(std::time::Duration::from_secs(1)))
+        .unwrap();
     let t = std::time::Instant::now();
     for (round, dev) in devs.iter_mut().enumerate() {
         let mut v: AVec<u8, _> = AVec::new_in(&pool);

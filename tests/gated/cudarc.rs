@@ -188,6 +188,10 @@ fn pinned_views_stay_asynchronous_on_crate_streams_and_wait_on_others() {
             })
             .unwrap();
     } // no crate handle of `theirs` is left
+      // The first copy has completed (`to_vec` waited for `ours`): collecting pending
+      // blocks now takes v's, so that what is pending below is w's alone.
+    pool.collect_pending();
+    assert_eq!(pool.stats().pending_blocks, 0);
     let mut w: Vec<u32, _> = Vec::with_capacity_in(1024, &pool);
     w.resize(1024, 4);
     theirs

@@ -13,7 +13,7 @@
 use cudalloc::cuda::{copy_async, Stream};
 use cudalloc::device::{DevicePool, DevicePoolConfig};
 
-use crate::device::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
+use crate::gpu_support::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
 
 const N: usize = 64 << 20;
 
@@ -81,6 +81,7 @@ fn steal_race(pool: &DevicePool, guard: bool) -> Race {
 #[test]
 fn a_block_freed_on_one_stream_is_taken_by_another_only_after_its_work() {
     gpu!();
+    let _one = crate::one_at_a_time();
     for thread_cache in [true, false] {
         let pool = pool(thread_cache);
         let race = steal_race(&pool, true);
@@ -102,6 +103,7 @@ fn a_block_freed_on_one_stream_is_taken_by_another_only_after_its_work() {
 #[test]
 fn without_the_event_a_taken_block_is_corrupted() {
     gpu!();
+    let _one = crate::one_at_a_time();
     for thread_cache in [true, false] {
         let pool = pool(thread_cache);
         let race = steal_race(&pool, false);
@@ -153,6 +155,7 @@ fn record_use_race(pool: &DevicePool, guard: bool) -> (Race, u64, bool) {
 #[test]
 fn a_block_used_on_another_stream_is_reused_after_that_work() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let pool = pool(true);
     let (race, pending, reused) = record_use_race(&pool, true);
     // T's read is held by the gate, so its event cannot have completed at the allocation:
@@ -172,6 +175,7 @@ fn a_block_used_on_another_stream_is_reused_after_that_work() {
 #[test]
 fn without_the_event_a_block_used_on_another_stream_is_corrupted() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let pool = pool(true);
     let (race, pending, reused) = record_use_race(&pool, false);
     assert_eq!(pending, 0);
@@ -183,6 +187,7 @@ fn without_the_event_a_block_used_on_another_stream_is_corrupted() {
 #[test]
 fn a_device_copy_orders_both_streams() {
     gpu!();
+    let _one = crate::one_at_a_time();
     // dst on T copies from src on S behind a gate; src is dropped at once and its block
     // reused on S and overwritten: S must wait for the copy, which reads the old contents.
     let pool = pool(true);
@@ -211,6 +216,7 @@ fn a_device_copy_orders_both_streams() {
 #[test]
 fn a_borrowed_stream_handle_is_kept_alive_by_the_cache() {
     gpu!();
+    let _one = crate::one_at_a_time();
     // A stream dropped by its user while the cache holds its blocks stays alive until
     // trim: taking its block from another stream records an event on it (on a destroyed
     // stream that would fail, and the take would allocate anew and count a failure).

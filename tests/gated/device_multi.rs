@@ -6,7 +6,7 @@ use cudalloc::cuda::{can_access_peer, copy_async, Stream};
 use cudalloc::device::{DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
-use crate::device::{fill, finishes_within, gpus, mismatches, Gate, RUN_FOR};
+use crate::gpu_support::{fill, finishes_within, gpus, mismatches, Gate, RUN_FOR};
 
 const MIB: usize = 1 << 20;
 
@@ -15,6 +15,7 @@ macro_rules! two_gpus {
         if !gpus(module_path!(), 2) {
             return;
         }
+        let _one = crate::one_at_a_time();
     };
 }
 

@@ -5,7 +5,7 @@ use cudalloc::cuda::copy_async;
 use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
-use crate::device::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
+use crate::gpu_support::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
 
 const N: usize = 16 << 20;
 
@@ -16,6 +16,7 @@ fn pool() -> DevicePool {
 #[test]
 fn slices_are_aligned_distinct_and_round_trip() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let pool = pool();
     let s = stream();
     let arena = DeviceArena::with_chunk_size(&pool, &s, 1 << 20).unwrap();
@@ -45,6 +46,7 @@ fn slices_are_aligned_distinct_and_round_trip() {
 #[test]
 fn a_same_stream_reset_waits_for_nothing_and_reuses_the_memory() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let pool = pool();
     let s = stream();
     let mut arena = DeviceArena::new(&pool, &s).unwrap();
@@ -120,6 +122,7 @@ fn foreign_use_race(guard: bool) -> (usize, bool) {
 #[test]
 fn a_reset_after_a_foreign_use_waits_for_it() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let (bad, ran_ahead) = foreign_use_race(true);
     assert!(!ran_ahead, "the arena's stream waited for T's read");
     assert_eq!(bad, 0);
@@ -129,6 +132,7 @@ fn a_reset_after_a_foreign_use_waits_for_it() {
 #[test]
 fn without_the_event_a_reset_after_a_foreign_use_corrupts() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let (bad, ran_ahead) = foreign_use_race(false);
     assert!(ran_ahead, "nothing held the arena's stream");
     assert_eq!(bad, N, "negative control: every byte read wrong");
@@ -137,6 +141,7 @@ fn without_the_event_a_reset_after_a_foreign_use_corrupts() {
 #[test]
 fn dropping_an_arena_orders_its_free_after_foreign_uses() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let pool = pool();
     let (s, t) = (stream(), stream());
     let z = pool.alloc::<u8>(N, &t).unwrap();
@@ -170,6 +175,7 @@ fn dropping_an_arena_orders_its_free_after_foreign_uses() {
 #[test]
 fn checkpoints_rewind_nested_scratch() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let pool = pool();
     let s = stream();
     let mut arena = DeviceArena::with_chunk_size(&pool, &s, 1 << 20).unwrap();
@@ -209,7 +215,7 @@ fn checkpoints_rewind_nested_scratch() {
 
 #[test]
 fn an_arena_refuses_a_stream_of_another_device() {
-    if !crate::device::gpus(module_path!(), 2) {
+    if !crate::gpu_support::gpus(module_path!(), 2) {
         return;
     }
     let pool = DevicePool::get(0).unwrap();
