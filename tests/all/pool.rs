@@ -671,6 +671,18 @@ fn backpressure_staging_loop_outrunning_the_gpu_waits_instead_of_failing() {
         .collect();
     let fill = |round: usize| (round as u8).wrapping_mul(37) ^ 0x5A;
     let mut peak = 0;
+    // Grow the pool to its cap before the loop: growing calls cuMemHostAlloc, which may
+    // wait for the device, pacing the loop with the GPU so that nothing is ever pending
+    // when the cap is reached (seen on the H200: 0 waits, 128 MiB held at most).
+    let warm: std::vec::Vec<AVec<u8, _>> = (0..CAP / ROUND)
+        .map(|_| {
+            let mut v = AVec::new_in(&pool);
+            v.try_reserve_exact(ROUND).unwrap();
+            v
+        })
+        .collect();
+    drop(warm);
+    assert_eq!(pool.stats().source_bytes, CAP);
     // The GPU starts 1 s late: the loop reaches the cap within its first rounds however
     // slow the host is (other tests share its cores), and must wait.
     stream
