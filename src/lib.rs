@@ -118,6 +118,7 @@ if let (Ok(pool), Ok(stream)) = (DevicePool::get(0), Stream::new(0)) {
 
 pub mod arena;
 mod budget;
+mod class_geometry;
 pub mod copy;
 pub mod count;
 pub mod cuda;

@@ -11,45 +11,35 @@
 //! multi-stream benchmark is at most 15% more memory held than requested, cache
 //! included. More classes cost only bins, which the per-thread caches keep lazily.
 
+use crate::class_geometry::Geometry;
+
+/// The classes: multiples of 256 up to 4 KiB, then 16 per power of two up to 1 TiB.
+const CLASSES: Geometry = Geometry {
+    quantum: 256,
+    exact_max_log2: 12,
+    per_doubling_log2: 4,
+    max_log2: 40,
+};
 /// The alignment and granule of every block.
-pub(crate) const GRANULE: usize = 256;
-/// Classes below this are exact multiples of [`GRANULE`].
-const EXACT_MAX: usize = 4096;
-const EXACT_CLASSES: usize = EXACT_MAX / GRANULE;
-const EXACT_MAX_LOG2: u32 = 12;
-/// Classes per power of two above [`EXACT_MAX`].
-const PER_DOUBLING: usize = 16;
-const PER_DOUBLING_LOG2: u32 = 4;
+pub(crate) const GRANULE: usize = CLASSES.quantum;
+/// Classes per power of two above the exact ones.
+const PER_DOUBLING: usize = CLASSES.per_doubling();
 /// The largest class: 2^40 bytes (1 TiB). Larger requests are never cached.
-pub(crate) const MAX_CLASS_SIZE: usize = 1 << 40;
+pub(crate) const MAX_CLASS_SIZE: usize = CLASSES.max_class_size();
 /// Number of classes.
-pub(crate) const NUM_CLASSES: usize = EXACT_CLASSES + PER_DOUBLING * (40 - EXACT_MAX_LOG2 as usize);
+pub(crate) const NUM_CLASSES: usize = CLASSES.num_classes();
 
 /// The class of a request of `bytes` (`1..=MAX_CLASS_SIZE`): the smallest class at
 /// least `bytes`.
 #[inline(always)]
 pub(crate) const fn class_of(bytes: usize) -> usize {
-    debug_assert!(bytes > 0 && bytes <= MAX_CLASS_SIZE);
-    if bytes <= EXACT_MAX {
-        (bytes - 1) / GRANULE
-    } else {
-        let s = bytes - 1;
-        let k = usize::BITS - 1 - s.leading_zeros(); // s in [2^k, 2^(k+1)), k >= 12
-        let sub = (s >> (k - PER_DOUBLING_LOG2)) & (PER_DOUBLING - 1);
-        EXACT_CLASSES + (k - EXACT_MAX_LOG2) as usize * PER_DOUBLING + sub
-    }
+    CLASSES.class_of(bytes)
 }
 
 /// The block size of class `class` (`< NUM_CLASSES`).
 #[inline(always)]
 pub(crate) const fn class_size(class: usize) -> usize {
-    if class < EXACT_CLASSES {
-        (class + 1) * GRANULE
-    } else {
-        let j = class - EXACT_CLASSES;
-        let k = EXACT_MAX_LOG2 as usize + j / PER_DOUBLING;
-        (1 << k) + (j % PER_DOUBLING + 1) * (1 << (k - PER_DOUBLING_LOG2 as usize))
-    }
+    CLASSES.class_size(class)
 }
 
 /// `bytes` rounded up to [`GRANULE`] (for blocks too large for any class); `None` on

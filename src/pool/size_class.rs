@@ -12,45 +12,33 @@
 
 use crate::util::PAGE_SIZE;
 
+use crate::class_geometry::Geometry;
+
+/// The classes: multiples of 16 up to 256 B, then 8 per power of two up to 1 MiB.
+const CLASSES: Geometry = Geometry {
+    quantum: 16,
+    exact_max_log2: 8,
+    per_doubling_log2: 3,
+    max_log2: 20,
+};
 /// Smallest block and the step of the exact classes.
-pub(crate) const QUANTUM: usize = 16;
-/// Largest exact class (multiples of [`QUANTUM`]).
-const EXACT_MAX: usize = 256;
-const EXACT_CLASSES: usize = EXACT_MAX / QUANTUM;
-/// Classes per power of two above [`EXACT_MAX`].
-const PER_DOUBLING: usize = 8;
-/// `log2(EXACT_MAX)`.
-const EXACT_MAX_LOG2: u32 = 8;
+pub(crate) const QUANTUM: usize = CLASSES.quantum;
 /// The largest class; larger blocks are never carved from chunks.
-pub(crate) const MAX_CLASS_SIZE: usize = 1 << 20;
+pub(crate) const MAX_CLASS_SIZE: usize = CLASSES.max_class_size();
 /// Number of classes.
-pub(crate) const NUM_CLASSES: usize = EXACT_CLASSES + PER_DOUBLING * (20 - EXACT_MAX_LOG2 as usize);
+pub(crate) const NUM_CLASSES: usize = CLASSES.num_classes();
 
 /// The class index for a request of `size` bytes (`1..=MAX_CLASS_SIZE`), alignment 16 or
 /// less: the smallest class at least `size`.
 #[inline(always)]
 pub(crate) const fn class_of(size: usize) -> usize {
-    debug_assert!(size > 0 && size <= MAX_CLASS_SIZE);
-    if size <= EXACT_MAX {
-        (size - 1) / QUANTUM
-    } else {
-        let s = size - 1;
-        let k = usize::BITS - 1 - s.leading_zeros(); // s in [2^k, 2^(k+1))
-        let sub = (s >> (k - 3)) & (PER_DOUBLING - 1);
-        EXACT_CLASSES + (k - EXACT_MAX_LOG2) as usize * PER_DOUBLING + sub
-    }
+    CLASSES.class_of(size)
 }
 
 /// The block size of class `class`.
 #[inline(always)]
 pub(crate) const fn class_size(class: usize) -> usize {
-    if class < EXACT_CLASSES {
-        (class + 1) * QUANTUM
-    } else {
-        let j = class - EXACT_CLASSES;
-        let k = EXACT_MAX_LOG2 as usize + j / PER_DOUBLING;
-        (1 << k) + (j % PER_DOUBLING + 1) * (1 << (k - 3))
-    }
+    CLASSES.class_size(class)
 }
 
 /// The class for `size` bytes aligned to `align` (a power of two up to [`PAGE_SIZE`]): the
