@@ -433,7 +433,8 @@ impl<S: HostVisible> Bump<S> {
         Checkpoint { in_use, base, ptr }
     }
 
-    /// Whether rewinding to `cp` only frees blocks (moves the bump pointer up).
+    /// Whether `cp` names a position in the arena's current chunks (so that rewinding to
+    /// it only frees blocks: the bump pointer never moves down).
     pub(crate) fn reaches(&mut self, cp: &Checkpoint) -> bool {
         let in_use = self.in_use.get();
         if cp.in_use > in_use {
@@ -443,12 +444,7 @@ impl<S: HostVisible> Bump<S> {
             return true;
         }
         let c = self.chunks.get_mut()[cp.in_use - 1];
-        let now = if cp.in_use == in_use {
-            self.ptr.get() as usize
-        } else {
-            c.left_at
-        };
-        c.base.as_ptr() as usize == cp.base && (now..=c.end()).contains(&cp.ptr)
+        c.base.as_ptr() as usize == cp.base && (cp.base..=c.end()).contains(&cp.ptr)
     }
 
     /// Frees every block allocated after `cp` (which `reaches` accepted); emptied chunks
@@ -462,9 +458,17 @@ impl<S: HostVisible> Bump<S> {
             self.leave_all();
         } else {
             let chunk = self.chunks.get_mut()[in_use - 1];
+            // Where the chunk's blocks end now: above the mark when the blocks after it
+            // were freed already (the newest one reclaimed, or an earlier rewind); the
+            // pointer then stays there (it only moves up, never over a live block).
+            let now = if in_use == self.in_use.get() {
+                self.ptr.get() as usize
+            } else {
+                chunk.left_at
+            };
             self.in_use.set(in_use);
             self.enter(&chunk);
-            self.ptr.set(chunk.base.as_ptr().with_addr(ptr));
+            self.ptr.set(chunk.base.as_ptr().with_addr(ptr.max(now)));
         }
         self.debug_check();
     }
@@ -693,6 +697,27 @@ mod tests {
         // SAFETY: `y` is the most recent block, unprotected: freeing it reclaims it.
         unsafe { b.dealloc(y, 64) };
         assert_eq!(alloc(&b, 64, 8), y);
+        b.debug_check();
+    }
+
+    #[test]
+    fn a_rewind_never_moves_the_pointer_down() {
+        let mut b = bump(4 * PAGE_SIZE);
+        let keep = alloc(&b, 100, 8);
+        let early = b.checkpoint();
+        let newest = alloc(&b, 200, 8);
+        let mark = b.checkpoint();
+        // SAFETY: the most recent block, unprotected: freeing it reclaims it, and the
+        // pointer moves above `mark`.
+        unsafe { b.dealloc(newest, 200) };
+        let used = b.used_bytes();
+        assert!(b.reaches(&mark));
+        b.rewind(mark, &NoGpu);
+        assert_eq!(b.used_bytes(), used, "nothing after the mark was live");
+        b.rewind(early, &NoGpu);
+        assert_eq!(b.used_bytes(), used);
+        assert_eq!(alloc(&b, 200, 8), newest, "the space above stays free");
+        assert_ne!(keep, newest);
         b.debug_check();
     }
 

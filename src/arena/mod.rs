@@ -552,19 +552,21 @@ impl<S: HostVisible> Arena<S> {
     /// Waits first for the GPU uses recorded on the arena's memory. Taking `&mut self`
     /// proves that no collection still borrows the arena.
     ///
+    /// A checkpoint below where the arena stands (every block after it freed already: the
+    /// newest block reclaimed by its free, or an earlier rewind to an earlier checkpoint)
+    /// frees nothing: the bump pointer only ever moves up.
+    ///
     /// # Panics
-    /// If `checkpoint` does not describe a position this arena's blocks still reach: one
-    /// of another arena, one taken after a position already rewound to, or one from
-    /// before a reset that emptied its chunk.
+    /// If `checkpoint` is not a position in this arena's current chunks: one of another
+    /// arena, or one in a chunk that an earlier rewind or a reset emptied.
     ///
     /// ```should_panic
     /// use core::alloc::Layout;
     /// let mut arena = cudalloc::arena::Arena::host();
-    /// let early = arena.checkpoint();
+    /// let other = cudalloc::arena::Arena::host();
+    /// other.try_alloc_layout(Layout::new::<u64>()).unwrap();
     /// arena.try_alloc_layout(Layout::new::<u64>()).unwrap();
-    /// let late = arena.checkpoint();
-    /// arena.rewind(early);
-    /// arena.rewind(late); // later than where the arena now stands
+    /// arena.rewind(other.checkpoint()); // another arena's position
     /// ```
     pub fn rewind(&mut self, checkpoint: Checkpoint) {
         assert!(

@@ -883,8 +883,9 @@ fn run_arena_model_with(
     let mut guarded: Vec<Guarded> = Vec::new();
     let mut uses: Vec<Arc<AtomicBool>> = Vec::new();
     // Checkpoints, when they were taken, and whether a block older than them was freed
-    // or shrunk since (the arena may then have reclaimed memory above the mark, and
-    // refuses to rewind to it: see `rewind_after_freeing_the_block_before_the_mark`).
+    // or shrunk since (the arena may then have reclaimed memory above the mark; the
+    // model does not rewind to such a mark, `rewind_after_freeing_the_block_before_the_mark`
+    // covers it).
     let mut marks: Vec<Mark> = Vec::new();
     let mut seq = 0u64;
     // The arena holds no block (fresh, reset, or rewound to an empty mark): any request
@@ -1312,11 +1313,10 @@ fn the_arena_model_catches_an_arena_that_does_not_wait() {
 
 /// Found by the arena model: a checkpoint taken while the arena's newest block is live,
 /// then that block freed (the arena reclaims it, so its bump pointer moves above the
-/// mark), then a rewind to the mark: the rewind panics ("not a position of this arena's
-/// current blocks"), though none of the documented reasons applies and nothing allocated
-/// after the mark is live. Rewinding there could simply leave the pointer where it is.
+/// mark), then a rewind to the mark: the rewind panicked ("not a position of this
+/// arena's current blocks"), though nothing allocated after the mark was live. The
+/// rewind now leaves the pointer where it is.
 #[test]
-#[ignore = "bug: Arena::rewind panics on a mark taken before the newest block was freed (Bump::reaches requires mark.ptr >= ptr)"]
 fn rewind_after_freeing_the_block_before_the_mark() {
     let mut arena = Arena::host();
     let v: allocator_api2::vec::Vec<u8, _> = allocator_api2::vec::Vec::with_capacity_in(100, &arena);
