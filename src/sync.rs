@@ -51,7 +51,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
     #[cfg(not(loom))]
     {
-        m.lock().unwrap_or_else(|poison| poison.into_inner())
+        global::lock(m)
     }
 }
 

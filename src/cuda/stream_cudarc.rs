@@ -201,13 +201,12 @@ pub(crate) fn known(stream: &CudaStream) -> Option<Stream> {
 /// Makes work queued on `later` from now on wait for the work queued on `stream` so far
 /// (an event recorded on `stream`, waited for on the GPU: the host does not block).
 pub(crate) fn order_after(later: &CudaStream, stream: &Stream) -> Result<()> {
-    let event = super::Event::new(stream.device())?;
-    event.record(stream)?;
+    let event = crate::cuda::PooledEvent::record(stream)?;
     later.context().bind_to_thread().map_err(CudaError::from)?;
     // SAFETY: both handles are live: `later` is borrowed for this call, the event is
-    // owned here (destroying it after the wait is queued is allowed: the wait keeps
-    // the state captured at the call).
-    crate::cuda::driver::check(unsafe { sys::cuStreamWaitEvent(later.cu_stream(), event.raw, 0) })?;
+    // held here (returning it to its pool after the wait is queued is allowed: the wait
+    // keeps the state captured at the call).
+    crate::cuda::driver::check(unsafe { sys::cuStreamWaitEvent(later.cu_stream(), event.event().raw, 0) })?;
     Ok(())
 }
 

@@ -284,6 +284,11 @@ impl DeviceArena {
         if !self.order_after_uses() {
             self.abandon_all();
         }
+        self.start_over();
+    }
+
+    /// Back to the first chunk, empty; checkpoints taken so far go stale.
+    fn start_over(&mut self) {
         self.current.set(0);
         self.offset.set(0);
         self.epoch.set(self.epoch.get() + 1);
@@ -332,9 +337,7 @@ impl DeviceArena {
         }
         if !self.order_after_uses() {
             self.abandon_all();
-            self.current.set(0);
-            self.offset.set(0);
-            self.epoch.set(self.epoch.get() + 1);
+            self.start_over();
             return Ok(());
         }
         self.current.set(chunk);

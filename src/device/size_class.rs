@@ -45,10 +45,7 @@ pub(crate) const fn class_size(class: usize) -> usize {
 /// `bytes` rounded up to [`GRANULE`] (for blocks too large for any class); `None` on
 /// overflow.
 pub(crate) const fn round_to_granule(bytes: usize) -> Option<usize> {
-    match bytes.checked_add(GRANULE - 1) {
-        Some(b) => Some(b & !(GRANULE - 1)),
-        None => None,
-    }
+    crate::util::align_up(bytes, GRANULE)
 }
 
 // Compile-time checks: classes increase, are multiples of the granule, map back to

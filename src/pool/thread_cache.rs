@@ -244,10 +244,14 @@ impl CacheCore {
     }
 
     /// The entry of `lent` for the large block at `addr` (page-aligned): a direct-mapped
-    /// table, so that lending and the free's lookup are one index each.
+    /// table, so that lending and the free's lookup are one index each. The page number
+    /// is hashed (Fibonacci hashing, top bits of the product): its low bits alone would
+    /// put blocks of one power-of-two size, handed out side by side, in one entry.
     #[inline(always)]
     fn lent_slot(addr: usize) -> usize {
-        (addr / super::PAGE_SIZE) % LENT_ENTRIES
+        const BITS: u32 = LENT_ENTRIES.trailing_zeros();
+        ((addr / super::PAGE_SIZE) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize
+            >> (usize::BITS - BITS)
     }
 
     /// Remembers that this thread handed out the large block at `addr` of `size` bytes
