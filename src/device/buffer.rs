@@ -245,7 +245,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 }
 
 impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
         // SAFETY: called once, here; the block is not used afterwards.
         unsafe { self.block.release(self.len * size_of::<T>()) }

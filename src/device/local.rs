@@ -123,7 +123,7 @@ pub(crate) fn try_alloc_fast<P: PoolHandle>(
         class,
         stream: ManuallyDrop::new(stream),
         pool: ManuallyDrop::new(pool),
-        uses: None,
+        uses: ManuallyDrop::new(None),
     })
 }
 
@@ -188,9 +188,11 @@ pub(crate) struct Owned<P: PoolHandle> {
     stream: ManuallyDrop<StreamOf<P>>,
     pool: ManuallyDrop<P>,
     /// Other streams whose work uses the block (`record_use`). Boxed: one word in every
-    /// buffer rather than a `Vec`'s three, since few buffers record uses.
+    /// buffer rather than a `Vec`'s three, since few buffers record uses. In a
+    /// `ManuallyDrop` like the handles, so that `Owned` has no drop glue and a buffer's
+    /// drop is its `release` alone, small enough to inline at every drop site.
     #[allow(clippy::box_collection)]
-    uses: Option<Box<Vec<StreamOf<P>>>>,
+    uses: ManuallyDrop<Option<Box<Vec<StreamOf<P>>>>>,
 }
 
 impl<P: PoolHandle> Owned<P> {
@@ -205,7 +207,7 @@ impl<P: PoolHandle> Owned<P> {
             class,
             stream: ManuallyDrop::new(stream),
             pool: ManuallyDrop::new(pool),
-            uses: None,
+            uses: ManuallyDrop::new(None),
         }
     }
 
@@ -257,18 +259,17 @@ impl<P: PoolHandle> Owned<P> {
     ///    handles are moved out of their `ManuallyDrop`s).
     #[inline(always)]
     pub(crate) unsafe fn release(&mut self, bytes: usize) {
-        // SAFETY: obligation 1: the handles are taken once and never touched again.
-        let (stream, pool) = unsafe {
+        // SAFETY: obligation 1: the handles and the uses are taken once and never touched
+        // again.
+        let (stream, pool, uses) = unsafe {
             (
                 ManuallyDrop::take(&mut self.stream),
                 ManuallyDrop::take(&mut self.pool),
+                ManuallyDrop::take(&mut self.uses),
             )
         };
-        if self.ptr == 0 {
-            return;
-        }
         let core = pool.core();
-        if let (None, Some(slot), true) = (&self.uses, core.slot, self.class != NOT_CACHED) {
+        if let (Some(slot), None, true) = (core.slot, &uses, self.ptr != 0 && self.class != NOT_CACHED) {
             let id = P::B::stream_id(&stream);
             if let Some(mut e) = local_cache::<P>(slot, core.uid) {
                 // SAFETY: as in `try_alloc_fast`: the entry stays in the table during
@@ -279,19 +280,31 @@ impl<P: PoolHandle> Owned<P> {
                     .cache
                     .push(id, self.class, self.ptr, stream, pool);
                 if let Err((stream, pool)) = pushed {
-                    release_slow(pool, self.ptr, bytes, stream, Vec::new());
+                    release_slow(pool, self.ptr, bytes, stream, None);
                 }
                 return;
             }
         }
-        let uses = self.uses.take().map_or_else(Vec::new, |b| *b);
         release_slow(pool, self.ptr, bytes, stream, uses);
     }
 }
 
+/// Everything but the free into this thread's bin: an empty buffer's handles dropped, a
+/// block with recorded uses, a block too large to cache, a full bin.
 #[cold]
 #[inline(never)]
-fn release_slow<P: PoolHandle>(pool: P, ptr: u64, bytes: usize, stream: StreamOf<P>, uses: Vec<StreamOf<P>>) {
+#[allow(clippy::box_collection)]
+fn release_slow<P: PoolHandle>(
+    pool: P,
+    ptr: u64,
+    bytes: usize,
+    stream: StreamOf<P>,
+    uses: Option<Box<Vec<StreamOf<P>>>>,
+) {
+    if ptr == 0 {
+        return; // an empty buffer: no block, only its handles to drop
+    }
+    let uses = uses.map_or_else(Vec::new, |b| *b);
     with_thread_cache(&pool, |tc| {
         pool.core()
             .cache
