@@ -133,6 +133,7 @@ fn load() -> Option<Driver> {
     }
 }
 
+#[inline]
 fn state() -> Option<&'static Driver> {
     DRIVER.get_or_init(load).as_ref()
 }
@@ -147,6 +148,7 @@ fn state() -> Option<&'static Driver> {
 ///     println!("no GPU here: PinnedAlloc falls back to pageable memory");
 /// }
 /// ```
+#[inline]
 pub fn driver_available() -> bool {
     state().is_some()
 }
