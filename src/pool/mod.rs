@@ -893,6 +893,7 @@ pub(crate) unsafe fn zero_grown(
 /// # Safety
 /// 1. `ptr` was allocated by `a` for `old` and is not used after this call.
 /// 2. `block` is live, distinct from `ptr`'s block and holds at least `new.size()` bytes.
+#[inline]
 pub(crate) unsafe fn move_block<A: Allocator>(
     a: &A,
     ptr: NonNull<u8>,
