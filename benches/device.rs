@@ -371,24 +371,17 @@ fn device_random(c: &mut Criterion) {
     pool.trim();
 }
 
-const SCRATCH: [usize; 16] = [
-    4 << 10,
-    16 << 10,
-    64 << 10,
-    256 << 10,
-    1 << 20,
-    4 << 20,
-    4 << 10,
-    16 << 10,
-    64 << 10,
-    256 << 10,
-    1 << 20,
-    4 << 20,
-    4 << 10,
-    16 << 10,
-    64 << 10,
-    256 << 10,
-];
+/// Scratch request sizes: 4 KiB to 4 MiB by fours, cycled to sixteen requests.
+const SCRATCH: [usize; 16] = {
+    const STEPS: [usize; 6] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20];
+    let mut sizes = [0; 16];
+    let mut i = 0;
+    while i < sizes.len() {
+        sizes[i] = STEPS[i % STEPS.len()];
+        i += 1;
+    }
+    sizes
+};
 
 fn device_scratch(c: &mut Criterion, stream: &Stream) {
     let mut g = c.benchmark_group("device_scratch");

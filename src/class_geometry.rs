@@ -39,6 +39,39 @@ impl Geometry {
         1 << self.max_log2
     }
 
+    /// The checks every table passes, for a `const _` item: the first class is the
+    /// quantum and the last the largest; classes increase and are multiples of the
+    /// quantum; `class_of` maps each class, and the request just above the class before
+    /// it, to it; a request wastes less than a quantum or at most `1 / per_doubling()` of
+    /// itself. Panics (fails the build) where one does not hold.
+    pub(crate) const fn check(&self) {
+        let n = self.num_classes();
+        assert!(self.class_size(0) == self.quantum);
+        assert!(self.class_size(n - 1) == self.max_class_size());
+        assert!(self.class_of(self.max_class_size()) == n - 1);
+        let mut i = 0;
+        while i < n {
+            let c = self.class_size(i);
+            assert!(c % self.quantum == 0, "classes are multiples of the quantum");
+            assert!(self.class_of(c) == i, "class_of(class_size(i)) == i");
+            if i > 0 {
+                let prev = self.class_size(i - 1);
+                assert!(prev < c, "classes increase");
+                assert!(
+                    self.class_of(prev + 1) == i,
+                    "the request just above a class maps to the next"
+                );
+                // The worst request for class i is prev + 1; its waste is c - prev - 1.
+                let waste = c - prev - 1;
+                assert!(
+                    waste < self.quantum || waste * self.per_doubling() <= prev + 1,
+                    "waste under a quantum or at most 1 / per_doubling of the request"
+                );
+            }
+            i += 1;
+        }
+    }
+
     /// The class of a request of `bytes` (`1..=max_class_size()`): the smallest class at
     /// least `bytes`.
     #[inline(always)]
@@ -66,3 +99,30 @@ impl Geometry {
         }
     }
 }
+
+/// The items a user of a [`Geometry`] defines from its constant (named `$classes`):
+/// `MAX_CLASS_SIZE`, `NUM_CLASSES`, and the `#[inline(always)]` const functions
+/// `class_of` and `class_size`, which fold to its own table's shifts and masks.
+macro_rules! class_table {
+    ($classes:ident) => {
+        /// The largest class; larger requests are served outside the classes.
+        pub(crate) const MAX_CLASS_SIZE: usize = $classes.max_class_size();
+        /// Number of classes.
+        #[allow(dead_code)] // not every user counts its classes
+        pub(crate) const NUM_CLASSES: usize = $classes.num_classes();
+
+        /// The class of a request of `bytes` (`1..=MAX_CLASS_SIZE`): the smallest class at
+        /// least `bytes`.
+        #[inline(always)]
+        pub(crate) const fn class_of(bytes: usize) -> usize {
+            $classes.class_of(bytes)
+        }
+
+        /// The block size of class `class` (`< NUM_CLASSES`).
+        #[inline(always)]
+        pub(crate) const fn class_size(class: usize) -> usize {
+            $classes.class_size(class)
+        }
+    };
+}
+pub(crate) use class_table;

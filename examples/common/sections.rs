@@ -219,19 +219,63 @@ fn contender<'a, A: Allocator + 'a>(name: &'static str, a: A) -> Contender<'a> {
     }
 }
 
-/// Times every contender at every size; ratios against the first contender.
-fn latency_table(
+/// `x` against `base`, where both were measured and the base is not zero.
+fn ratio(x: Option<f64>, base: Option<f64>) -> Option<f64> {
+    match (x, base) {
+        (Some(x), Some(b)) if b > 0.0 => Some(x / b),
+        _ => None,
+    }
+}
+
+/// A size-swept table: a row per size and `series` (key, title) holding the measured
+/// `value` (key, title, unit) and its ratio (titled `ratio_title`) against the series
+/// measured first at that size; wide by size, charted by series.
+fn by_size_table(
+    id: &str,
+    section: &str,
+    title: &str,
+    series: (&str, &str),
+    value: (&str, &str, Unit),
+    ratio_title: &str,
+    log_y: bool,
+) -> Table {
+    Table::new(id, section, title)
+        .col("size_bytes", "size", Unit::Bytes)
+        .col(series.0, series.1, Unit::Label)
+        .col(value.0, value.1, value.2)
+        .col("ratio", ratio_title, Unit::Ratio)
+        .wide("size_bytes", series.0, value.0, Some("ratio"))
+        .chart("size_bytes", series.0, value.0, log_y)
+}
+
+/// The empty latency table of `section` (its id too): median time per allocator and size.
+fn latency_table(section: &str, title: &str, ratio_title: &str) -> Table {
+    let median = ("median_ns", "median", Unit::Nanos);
+    by_size_table(
+        section,
+        section,
+        title,
+        ("allocator", "allocator"),
+        median,
+        ratio_title,
+        true,
+    )
+}
+
+/// Times every contender at every size into `table` (see [`latency_table`]); ratios
+/// against the first contender.
+fn time_sizes(
     mut table: Table,
     sizes: &[usize],
     contenders: &mut [Contender<'_>],
     budget: Duration,
-    section: &str,
     progress: &Progress,
 ) -> Table {
+    let section = table.section.clone();
     for &size in sizes {
         let mut base = None;
         for c in contenders.iter_mut() {
-            progress.step(section, format_args!("{} {}", c.name, fmt_size(size)));
+            progress.step(&section, format_args!("{} {}", c.name, fmt_size(size)));
             let t = if (c.run)(size) {
                 let t = ns(median_per_call(budget, || {
                     black_box((c.run)(size));
@@ -241,11 +285,7 @@ fn latency_table(
                 None
             };
             let base = *base.get_or_insert(t);
-            let ratio = match (t, base) {
-                (Some(t), Some(b)) if b > 0.0 => Some(t / b),
-                _ => None,
-            };
-            table.push(vec![size.into(), c.name.into(), t.into(), ratio.into()]);
+            table.push(vec![size.into(), c.name.into(), t.into(), ratio(t, base).into()]);
         }
     }
     table
@@ -274,25 +314,12 @@ fn latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
             Direct::new(RegisteredSource::new(false)),
         ));
     }
-    let table = Table::new(
-        "latency",
+    let table = latency_table(
         "latency",
         "Allocation latency: allocate + touch first and last byte + free, median per pair",
-    )
-    .col("size_bytes", "size", Unit::Bytes)
-    .col("allocator", "allocator", Unit::Label)
-    .col("median_ns", "median", Unit::Nanos)
-    .col("ratio", "vs Global", Unit::Ratio)
-    .wide("size_bytes", "allocator", "median_ns", Some("ratio"))
-    .chart("size_bytes", "allocator", "median_ns", true);
-    let mut table = latency_table(
-        table,
-        &sizes,
-        &mut contenders,
-        opts.budget(300),
-        "latency",
-        progress,
+        "vs Global",
     );
+    let mut table = time_sizes(table, &sizes, &mut contenders, opts.budget(300), progress);
     table.note("Ratios are against Global in the same row. raw = one driver call per allocation, no pool.");
     Ok(vec![table])
 }
@@ -316,25 +343,12 @@ fn device_latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, Str
             run: Box::new(|size| DeviceMemory::new(size, 0).is_ok()),
         },
     ];
-    let table = Table::new(
-        "device",
+    let table = latency_table(
         "device",
         "Device allocation latency: allocate + free on one stream, median per pair (host time)",
-    )
-    .col("size_bytes", "size", Unit::Bytes)
-    .col("allocator", "allocator", Unit::Label)
-    .col("median_ns", "median", Unit::Nanos)
-    .col("ratio", "vs raw cuMemAllocAsync", Unit::Ratio)
-    .wide("size_bytes", "allocator", "median_ns", Some("ratio"))
-    .chart("size_bytes", "allocator", "median_ns", true);
-    let mut table = latency_table(
-        table,
-        &sizes,
-        &mut contenders,
-        opts.budget(300),
-        "device",
-        progress,
+        "vs raw cuMemAllocAsync",
     );
+    let mut table = time_sizes(table, &sizes, &mut contenders, opts.budget(300), progress);
     stream.synchronize().map_err(|e| e.to_string())?;
     table.note(
         "raw cuMemAllocAsync: the device's default pool with its release threshold raised to the \
@@ -344,144 +358,114 @@ fn device_latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, Str
     Ok(vec![table])
 }
 
-fn timed_rows(table: &mut Table, rows: Vec<(&'static str, Option<Duration>)>, base_name: &str) {
-    let base = rows
-        .iter()
-        .find(|(n, _)| *n == base_name)
-        .and_then(|(_, t)| *t)
-        .map(ns);
-    for (name, t) in rows {
-        let t = t.map(ns);
-        let ratio = match (t, base) {
-            (Some(t), Some(b)) if b > 0.0 => Some(t / b),
-            _ => None,
-        };
-        table.push(vec![name.into(), t.into(), ratio.into()]);
+/// Timed runs of one section, a row per allocator: its median time per run and the
+/// ratio against a named row.
+struct Timings<'p> {
+    section: &'static str,
+    budget: Duration,
+    progress: &'p Progress,
+    rows: Vec<(&'static str, Option<Duration>)>,
+}
+
+impl<'p> Timings<'p> {
+    fn new(section: &'static str, budget: Duration, progress: &'p Progress) -> Self {
+        Self {
+            section,
+            budget,
+            progress,
+            rows: Vec::new(),
+        }
+    }
+
+    /// Times `f` (median per call within the budget) as `name`'s row.
+    fn time(&mut self, name: &'static str, f: impl FnMut()) {
+        self.progress.step(self.section, name);
+        self.rows.push((name, Some(median_per_call(self.budget, f))));
+    }
+
+    /// The section's table (its id too), ratios against `base_name`'s row.
+    fn table(self, title: &str, base_name: &str, ratio_title: &str) -> Table {
+        let mut table = Table::new(self.section, self.section, title)
+            .col("allocator", "allocator", Unit::Label)
+            .col("median_ns", "time", Unit::Nanos)
+            .col("ratio", ratio_title, Unit::Ratio)
+            .chart("allocator", "allocator", "median_ns", false);
+        let base = self
+            .rows
+            .iter()
+            .find(|(n, _)| *n == base_name)
+            .and_then(|(_, t)| *t)
+            .map(ns);
+        for (name, t) in self.rows {
+            let t = t.map(ns);
+            table.push(vec![name.into(), t.into(), ratio(t, base).into()]);
+        }
+        table
     }
 }
 
 fn vec_growth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
     let gpu = cuda::driver_available();
     let n = if opts.quick { 10_000 } else { 1_000_000 };
-    let budget = opts.budget(500);
     let mut bump = bumpalo::Bump::new();
     let mut arena = Arena::<HostSource>::host();
-    let mut rows: Vec<(&'static str, Option<Duration>)> = Vec::new();
-    progress.step("growth", "Global");
-    rows.push((
-        "Global",
-        Some(median_per_call(budget, || {
-            black_box(workload::vec_push(Global, n));
-        })),
-    ));
-    progress.step("growth", "bumpalo::Bump");
-    rows.push((
-        "bumpalo::Bump",
-        Some(median_per_call(budget, || {
-            black_box(workload::vec_push(&bump, n));
-            bump.reset();
-        })),
-    ));
-    progress.step("growth", "Arena<HostSource>");
-    rows.push((
-        "Arena<HostSource>",
-        Some(median_per_call(budget, || {
-            black_box(workload::vec_push(&arena, n));
-            arena.reset();
-        })),
-    ));
+    let mut rows = Timings::new("growth", opts.budget(500), progress);
+    rows.time("Global", || {
+        black_box(workload::vec_push(Global, n));
+    });
+    rows.time("bumpalo::Bump", || {
+        black_box(workload::vec_push(&bump, n));
+        bump.reset();
+    });
+    rows.time("Arena<HostSource>", || {
+        black_box(workload::vec_push(&arena, n));
+        arena.reset();
+    });
     if gpu {
-        progress.step("growth", "PinnedAlloc");
-        rows.push((
-            "PinnedAlloc",
-            Some(median_per_call(budget, || {
-                black_box(workload::vec_push(PinnedAlloc, n));
-            })),
-        ));
-        progress.step("growth", "ManagedAlloc");
-        rows.push((
-            "ManagedAlloc",
-            Some(median_per_call(budget, || {
-                black_box(workload::vec_push(ManagedAlloc, n));
-            })),
-        ));
+        rows.time("PinnedAlloc", || {
+            black_box(workload::vec_push(PinnedAlloc, n));
+        });
+        rows.time("ManagedAlloc", || {
+            black_box(workload::vec_push(ManagedAlloc, n));
+        });
     }
-    let mut table = Table::new(
-        "growth",
-        "growth",
-        &format!("Vec growth: push {n} u64 one at a time, median per run"),
-    )
-    .col("allocator", "allocator", Unit::Label)
-    .col("median_ns", "time", Unit::Nanos)
-    .col("ratio", "vs Global", Unit::Ratio)
-    .chart("allocator", "allocator", "median_ns", false);
-    timed_rows(&mut table, rows, "Global");
-    Ok(vec![table])
+    let title = format!("Vec growth: push {n} u64 one at a time, median per run");
+    Ok(vec![rows.table(&title, "Global", "vs Global")])
 }
 
 fn small_objects(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
     let gpu = cuda::driver_available();
     let n = if opts.quick { 10_000 } else { 1_000_000 };
-    let budget = opts.budget(1500);
-    let mut rows: Vec<(&'static str, Option<Duration>)> = Vec::new();
+    let mut rows = Timings::new("staging", opts.budget(1500), progress);
     let mut bump = bumpalo::Bump::new();
-    progress.step("staging", "bumpalo::Bump");
-    rows.push((
-        "bumpalo::Bump",
-        Some(median_per_call(budget, || {
-            black_box(workload::small_objects(&&bump, n));
-            bump.reset();
-        })),
-    ));
+    rows.time("bumpalo::Bump", || {
+        black_box(workload::small_objects(&&bump, n));
+        bump.reset();
+    });
     let mut arena = Arena::<HostSource>::host();
-    progress.step("staging", "Arena<HostSource>");
-    rows.push((
-        "Arena<HostSource>",
-        Some(median_per_call(budget, || {
-            black_box(workload::small_objects(&&arena, n));
-            arena.reset();
-        })),
-    ));
+    rows.time("Arena<HostSource>", || {
+        black_box(workload::small_objects(&&arena, n));
+        arena.reset();
+    });
     if gpu {
         let mut pinned = Arena::pinned();
-        progress.step("staging", "Arena<PinnedSource>");
-        rows.push((
-            "Arena<PinnedSource>",
-            Some(median_per_call(budget, || {
-                black_box(workload::small_objects(&&pinned, n));
-                pinned.reset();
-            })),
-        ));
+        rows.time("Arena<PinnedSource>", || {
+            black_box(workload::small_objects(&&pinned, n));
+            pinned.reset();
+        });
     }
-    progress.step("staging", "Global");
-    rows.push((
-        "Global",
-        Some(median_per_call(budget, || {
-            black_box(workload::small_objects(&Global, n));
-        })),
-    ));
+    rows.time("Global", || {
+        black_box(workload::small_objects(&Global, n));
+    });
     if gpu {
-        progress.step("staging", "PinnedAlloc");
-        rows.push((
-            "PinnedAlloc",
-            Some(median_per_call(budget, || {
-                black_box(workload::small_objects(&PinnedAlloc, n));
-            })),
-        ));
+        rows.time("PinnedAlloc", || {
+            black_box(workload::small_objects(&PinnedAlloc, n));
+        });
     }
-    let mut table = Table::new(
-        "staging",
-        "staging",
-        &format!(
-            "Per-batch staging: {n} objects of 8..256 B, then free all (arenas: reset), median per batch"
-        ),
-    )
-    .col("allocator", "allocator", Unit::Label)
-    .col("median_ns", "time", Unit::Nanos)
-    .col("ratio", "vs bumpalo", Unit::Ratio)
-    .chart("allocator", "allocator", "median_ns", false);
-    timed_rows(&mut table, rows, "bumpalo::Bump");
-    Ok(vec![table])
+    let title = format!(
+        "Per-batch staging: {n} objects of 8..256 B, then free all (arenas: reset), median per batch"
+    );
+    Ok(vec![rows.table(&title, "bumpalo::Bump", "vs bumpalo")])
 }
 
 /// A host buffer to copy from and to, of each kind the bandwidth table compares.
@@ -595,17 +579,15 @@ fn bandwidth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> 
     let stream = Stream::new(0).map_err(|e| e.to_string())?;
     let mut tables = Vec::new();
     for (to_device, id, dir) in [(true, "bandwidth_h2d", "H2D"), (false, "bandwidth_d2h", "D2H")] {
-        let mut table = Table::new(
+        let mut table = by_size_table(
             id,
             "bandwidth",
             &format!("{dir} bandwidth, GB/s (cuMemcpyAsync, synchronized, median)"),
-        )
-        .col("size_bytes", "size", Unit::Bytes)
-        .col("memory", "host memory", Unit::Label)
-        .col("gbps", "GB/s", Unit::GBps)
-        .col("ratio", "vs raw cuMemHostAlloc", Unit::Ratio)
-        .wide("size_bytes", "memory", "gbps", Some("ratio"))
-        .chart("size_bytes", "memory", "gbps", false);
+            ("memory", "host memory"),
+            ("gbps", "GB/s", Unit::GBps),
+            "vs raw cuMemHostAlloc",
+            false,
+        );
         for &size in &sizes {
             let mut dev = DeviceMemory::new(size, 0).map_err(|e| e.to_string())?;
             let mut base = None;
@@ -615,11 +597,7 @@ fn bandwidth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> 
                     .and_then(|mut buf| copy_gbps(&mut buf, &mut dev, &stream, to_device, opts.quick))
                     .ok();
                 let b = *base.get_or_insert(g);
-                let ratio = match (g, b) {
-                    (Some(g), Some(b)) if b > 0.0 => Some(g / b),
-                    _ => None,
-                };
-                table.push(vec![size.into(), (*name).into(), g.into(), ratio.into()]);
+                table.push(vec![size.into(), (*name).into(), g.into(), ratio(g, b).into()]);
             }
         }
         table.note("Ratios are against raw cuMemHostAlloc memory at the same size.");

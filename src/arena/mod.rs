@@ -766,12 +766,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
         old: Layout,
         new: Layout,
     ) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: as in `grow`.
-        let block = unsafe { self.grow(ptr, old, new) }?;
-        // SAFETY: the block has new.size() bytes (its length); the tail past old.size()
-        // is ours to zero.
-        unsafe { crate::pool::zero_tail(block, old.size()) };
-        Ok(block)
+        // SAFETY: as in `grow`; the grown block has new.size() >= old.size() bytes (its
+        // length) and the tail past old.size() is ours to zero.
+        unsafe { crate::pool::zero_grown(self.grow(ptr, old, new), old.size()) }
     }
 
     #[inline]

@@ -194,6 +194,12 @@ pub(crate) fn bind(ordinal: usize) -> Result<()> {
     Ok(())
 }
 
+/// Device `ordinal` as the driver's `int` (`CUdevice`, a `CUmemLocation`'s id): an
+/// ordinal past `i32::MAX` is an invalid argument.
+pub(crate) fn ordinal_i32(ordinal: usize) -> Result<i32> {
+    i32::try_from(ordinal).map_err(|_| Error::InvalidArgument("device ordinal out of range"))
+}
+
 /// Free and total memory of device `ordinal`, in bytes, as `cuMemGetInfo` reports them.
 ///
 /// ```

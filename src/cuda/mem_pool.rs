@@ -5,7 +5,7 @@
 
 use cudarc::driver::sys;
 
-use super::driver::{bind, check, driver, record_drop_error};
+use super::driver::{bind, check, driver, ordinal_i32, record_drop_error};
 use super::stream::Stream;
 use crate::error::{Error, Result};
 
@@ -38,8 +38,7 @@ impl MemPool {
     pub(crate) fn new(device: usize, max_size: usize, release_threshold: u64) -> Result<Self> {
         driver()?;
         bind(device)?;
-        let ordinal =
-            i32::try_from(device).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?;
+        let ordinal = ordinal_i32(device)?;
         // SAFETY: an all-zero CUmemPoolProps is the documented "no options" value
         // (handle type none, no security attributes, reserved bytes zero).
         let mut props: sys::CUmemPoolProps = unsafe { core::mem::zeroed() };
@@ -187,7 +186,7 @@ impl MemPool {
 fn location(ordinal: usize) -> Result<sys::CUmemLocation> {
     Ok(sys::CUmemLocation {
         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: i32::try_from(ordinal).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?,
+        id: ordinal_i32(ordinal)?,
     })
 }
 
@@ -199,7 +198,7 @@ pub fn default_pool_reserved(device: usize, reset_high: bool) -> Result<(u64, u6
     use sys::CUmemPool_attribute as A;
     driver()?;
     bind(device)?;
-    let dev = i32::try_from(device).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?;
+    let dev = ordinal_i32(device)?;
     let mut pool: sys::CUmemoryPool = core::ptr::null_mut();
     // SAFETY: cuDeviceGetDefaultMemPool writes the pool handle of a valid device.
     check(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, dev) })?;

@@ -8,12 +8,12 @@
 
 use cudarc::driver::{result, sys};
 
-use super::driver::{bind, check, driver, CudaError};
+use super::driver::{bind, check, driver, ordinal_i32, CudaError};
 use super::stream::Stream;
 use crate::error::{Error, Result};
 
 fn cu_device(ordinal: usize) -> Result<sys::CUdevice> {
-    let n = i32::try_from(ordinal).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?;
+    let n = ordinal_i32(ordinal)?;
     Ok(result::device::get(n).map_err(CudaError::from)?)
 }
 

@@ -314,6 +314,37 @@ impl Stream {
         Ok(())
     }
 
+    /// Makes work queued on this stream from now on wait for the work queued on `other`
+    /// so far: an event recorded on `other` and waited for on the GPU, so neither stream
+    /// nor the host blocks. If that wait cannot be queued, waits for `other` on the host
+    /// instead (as safe, only slower); fails only if that fails too. `other` may be a
+    /// stream of another device.
+    ///
+    /// ```
+    /// use cudalloc::cuda::Stream;
+    /// if let (Ok(producer), Ok(consumer)) = (Stream::new(0), Stream::new(0)) {
+    ///     consumer.wait_for(&producer).unwrap(); // consumer's later work runs after producer's work so far
+    ///     consumer.synchronize().unwrap();
+    /// }
+    /// ```
+    pub fn wait_for(&self, other: &Stream) -> Result<()> {
+        self.wait_queued(other).or_else(|e| {
+            log::warn!(
+                "cudalloc: could not order stream {} after stream {} on the GPU ({e}); waiting on the host",
+                self.id(),
+                other.id()
+            );
+            other.synchronize()
+        })
+    }
+
+    /// The GPU-side wait of [`wait_for`](Self::wait_for) alone: fails if it cannot be
+    /// queued.
+    pub(crate) fn wait_queued(&self, other: &Stream) -> Result<()> {
+        let event = super::PooledEvent::record(other)?;
+        self.wait(event.event())
+    }
+
     /// Queues `f` to run on a driver thread once all work queued before it has completed
     /// (`cuLaunchHostFunc`); later work on the stream waits for it. `f` must not call
     /// CUDA. A host function that sleeps is the simplest way to queue GPU-side delay

@@ -19,7 +19,7 @@ use super::buffer::{copy_from_host_async, copy_to_host_async, DeviceBuffer};
 use super::pool::DevicePool;
 use super::size_class::{round_to_granule, GRANULE};
 use super::DeviceCopy;
-use crate::cuda::{memset_d8_async, PooledEvent, Stream};
+use crate::cuda::{memset_d8_async, Stream};
 use crate::error::{Error, Result};
 use crate::sync::global::{AtomicU64, Ordering};
 
@@ -252,8 +252,7 @@ impl DeviceArena {
             return true;
         }
         for s in &foreign {
-            let ordered = PooledEvent::record(s).and_then(|e| self.stream.wait(e.event()));
-            match ordered.or_else(|_| s.synchronize()) {
+            match self.stream.wait_for(s) {
                 Ok(()) => self.foreign_waits.set(self.foreign_waits.get() + 1),
                 Err(e) => {
                     crate::cuda::record_drop_error("ordering a device arena after a recorded use", e);
@@ -415,20 +414,7 @@ impl<T: DeviceCopy> fmt::Debug for ArenaSlice<'_, T> {
 }
 
 impl<'a, T: DeviceCopy> ArenaSlice<'a, T> {
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it holds no element.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Size in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.len * size_of::<T>()
-    }
+    super::element_len!();
 
     /// The device address (0 for an empty slice; a multiple of 256 otherwise).
     pub fn device_ptr(&self) -> u64 {

@@ -10,7 +10,7 @@ use zerocopy::IntoBytes;
 use super::local::Owned;
 use super::pool::DevicePool;
 use super::DeviceCopy;
-use crate::cuda::{copy_async, raw, PooledEvent, Stream};
+use crate::cuda::{copy_async, raw, Stream};
 use crate::error::{Error, Result};
 
 /// `len` elements of `T` in device memory from a [`DevicePool`], bound to the stream it
@@ -77,20 +77,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         }
     }
 
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether it holds no element.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Size in bytes.
-    pub fn byte_len(&self) -> usize {
-        self.len * size_of::<T>()
-    }
+    super::element_len!();
 
     /// The device address (0 for an empty buffer; a multiple of 256 otherwise), for
     /// kernels queued on [`stream`](Self::stream) (or on streams ordered after it by
@@ -214,8 +201,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
         let (dst_stream, src_stream) = (self.stream(), src.stream());
         let crossing = dst_stream != src_stream;
         if crossing {
-            let ready = PooledEvent::record(src_stream)?;
-            dst_stream.wait(ready.event())?;
+            dst_stream.wait_queued(src_stream)?;
         }
         // SAFETY: both ranges are whole buffers of `bytes` (lengths checked); the
         // destination is ours to write (`&mut self`); the source is alive now and its
@@ -233,12 +219,9 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
             )
         }?;
         if crossing {
-            let copied = PooledEvent::record(dst_stream).and_then(|e| src_stream.wait(e.event()));
-            if let Err(e) = copied {
-                // The source's stream must not run ahead of the copy: wait on the host.
-                log::warn!("cudalloc: could not order a copy's source stream after it ({e}); synchronizing");
-                dst_stream.synchronize()?;
-            }
+            // The source's stream must not run ahead of the copy (if need be, the host
+            // waits for the copy).
+            src_stream.wait_for(dst_stream)?;
         }
         Ok(())
     }

@@ -98,3 +98,25 @@ pub use report::{report, DeviceEntry, DeviceMemorySummary, DevicePoolStats, Devi
 pub trait DeviceCopy: FromBytes + IntoBytes + Immutable + Copy + Send + Sync + 'static {}
 
 impl<T: FromBytes + IntoBytes + Immutable + Copy + Send + Sync + 'static> DeviceCopy for T {}
+
+/// The length accessors of a typed device range (a `len` field counting elements of `T`):
+/// [`DeviceBuffer`]'s and [`ArenaSlice`]'s, written once.
+macro_rules! element_len {
+    () => {
+        /// Number of elements.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Whether it holds no element.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        /// Size in bytes.
+        pub fn byte_len(&self) -> usize {
+            self.len * size_of::<T>()
+        }
+    };
+}
+use element_len;

@@ -13,7 +13,8 @@
 
 use crate::class_geometry::Geometry;
 
-/// The classes: multiples of 256 up to 4 KiB, then 16 per power of two up to 1 TiB.
+/// The classes: multiples of 256 up to 4 KiB, then 16 per power of two up to 1 TiB
+/// (`MAX_CLASS_SIZE`; larger requests are never cached).
 const CLASSES: Geometry = Geometry {
     quantum: 256,
     exact_max_log2: 12,
@@ -22,25 +23,8 @@ const CLASSES: Geometry = Geometry {
 };
 /// The alignment and granule of every block.
 pub(crate) const GRANULE: usize = CLASSES.quantum;
-/// Classes per power of two above the exact ones.
-const PER_DOUBLING: usize = CLASSES.per_doubling();
-/// The largest class: 2^40 bytes (1 TiB). Larger requests are never cached.
-pub(crate) const MAX_CLASS_SIZE: usize = CLASSES.max_class_size();
-/// Number of classes.
-pub(crate) const NUM_CLASSES: usize = CLASSES.num_classes();
 
-/// The class of a request of `bytes` (`1..=MAX_CLASS_SIZE`): the smallest class at
-/// least `bytes`.
-#[inline(always)]
-pub(crate) const fn class_of(bytes: usize) -> usize {
-    CLASSES.class_of(bytes)
-}
-
-/// The block size of class `class` (`< NUM_CLASSES`).
-#[inline(always)]
-pub(crate) const fn class_size(class: usize) -> usize {
-    CLASSES.class_size(class)
-}
+crate::class_geometry::class_table!(CLASSES);
 
 /// `bytes` rounded up to [`GRANULE`] (for blocks too large for any class); `None` on
 /// overflow.
@@ -50,31 +34,7 @@ pub(crate) const fn round_to_granule(bytes: usize) -> Option<usize> {
 
 // Compile-time checks: classes increase, are multiples of the granule, map back to
 // themselves, and waste at most 255 bytes or 1/16 of the request.
-const _: () = {
-    assert!(class_size(0) == GRANULE);
-    assert!(class_size(NUM_CLASSES - 1) == MAX_CLASS_SIZE);
-    assert!(class_of(MAX_CLASS_SIZE) == NUM_CLASSES - 1);
-    let mut i = 0;
-    while i < NUM_CLASSES {
-        let c = class_size(i);
-        assert!(c % GRANULE == 0, "classes are multiples of 256");
-        assert!(class_of(c) == i, "class_of(class_size(i)) == i");
-        if i > 0 {
-            let prev = class_size(i - 1);
-            assert!(prev < c, "classes increase");
-            assert!(
-                class_of(prev + 1) == i,
-                "the request just above a class maps to the next"
-            );
-            let waste = c - prev - 1;
-            assert!(
-                waste < GRANULE || waste * PER_DOUBLING <= prev + 1,
-                "waste at most 255 bytes or 1/16 of the request"
-            );
-        }
-        i += 1;
-    }
-};
+const _: () = CLASSES.check();
 
 #[cfg(test)]
 mod tests {

@@ -71,6 +71,14 @@ impl Tracker {
         self.uses.entry(ptr).or_default().push((stream.clone(), pos));
     }
 
+    /// The life of a block used on another stream than its own: handed to `stream`,
+    /// used on `user`, then freed.
+    fn used_elsewhere(&mut self, ptr: u64, bytes: usize, stream: &FakeStream, user: &FakeStream) {
+        self.handed_out(ptr, bytes, stream);
+        self.used_on(ptr, user);
+        self.freed(ptr);
+    }
+
     fn freed(&mut self, ptr: u64) {
         assert!(
             self.live.remove(&ptr).is_some(),
@@ -265,9 +273,7 @@ fn recorded_uses_gate_reuse_until_they_complete() {
     let mut tc: Tc = c.new_thread_cache().unwrap();
     let mut tr = Tracker::default();
     let p = alloc(&c, Some(&mut tc), 1 << 20, &s).unwrap();
-    tr.handed_out(p, 1 << 20, &s);
-    tr.used_on(p, &u);
-    tr.freed(p);
+    tr.used_elsewhere(p, 1 << 20, &s, &u);
     free(&c, Some(&mut tc), p, 1 << 20, &s, vec![u.clone()]);
     let snap = c.snapshot();
     assert_eq!((snap.pending_blocks, snap.pending_bytes), (1, 1 << 20));
@@ -298,9 +304,7 @@ fn recorded_uses_switched_off_reuse_at_once() {
     let (s, u) = (FakeStream::new(), FakeStream::new());
     let mut tr = Tracker::default();
     let p = alloc(&c, None, 4096, &s).unwrap();
-    tr.handed_out(p, 4096, &s);
-    tr.used_on(p, &u);
-    tr.freed(p);
+    tr.used_elsewhere(p, 4096, &s, &u);
     free(&c, None, p, 4096, &s, vec![u.clone()]);
     let q = alloc(&c, None, 4096, &s).unwrap();
     assert_eq!(q, p);
@@ -314,9 +318,7 @@ fn a_stream_that_cannot_be_marked_is_waited_for_on_the_host() {
     let (s, u) = (FakeStream::new(), FakeStream::new());
     let mut tr = Tracker::default();
     let p = alloc(&c, None, 4096, &s).unwrap();
-    tr.handed_out(p, 4096, &s);
-    tr.used_on(p, &u);
-    tr.freed(p);
+    tr.used_elsewhere(p, 4096, &s, &u);
     c.backend.fail_marks.store(true, Ordering::SeqCst);
     free(&c, None, p, 4096, &s, vec![u.clone()]);
     assert_eq!(c.backend.syncs.load(Ordering::SeqCst), 1);

@@ -87,16 +87,8 @@ unsafe fn resize_by_copy<A: Allocator>(
     new: Layout,
 ) -> Result<NonNull<[u8]>, AllocError> {
     let block = a.allocate(new)?;
-    // SAFETY: both blocks hold at least min(old, new) bytes and are distinct; obligation 1
-    // lets us free the old block.
-    unsafe {
-        core::ptr::copy_nonoverlapping(
-            ptr.as_ptr(),
-            block.cast::<u8>().as_ptr(),
-            old.size().min(new.size()),
-        );
-        a.deallocate(ptr, old);
-    }
+    // SAFETY: obligation 1; the new block is fresh, so distinct, and holds new.size() bytes.
+    unsafe { crate::pool::move_block(a, ptr, old, new, block) };
     Ok(block)
 }
 
@@ -532,38 +524,17 @@ macro_rules! forward_allocator {
                 // same way.
                 unsafe { route_deallocate(($to)(self), ptr, layout) }
             }
-            #[inline]
-            unsafe fn grow(
-                &self,
-                ptr: NonNull<u8>,
-                old: Layout,
-                new: Layout,
-            ) -> Result<NonNull<[u8]>, AllocError> {
-                // SAFETY: the caller passes a block this handle allocated with `old`.
-                unsafe { route_resize(($to)(self), self, ptr, old, new, false) }
-            }
-            #[inline]
-            unsafe fn grow_zeroed(
-                &self,
-                ptr: NonNull<u8>,
-                old: Layout,
-                new: Layout,
-            ) -> Result<NonNull<[u8]>, AllocError> {
-                // SAFETY: the caller passes a block this handle allocated with `old`.
-                unsafe { route_resize(($to)(self), self, ptr, old, new, true) }
-            }
-            #[inline]
-            unsafe fn shrink(
-                &self,
-                ptr: NonNull<u8>,
-                old: Layout,
-                new: Layout,
-            ) -> Result<NonNull<[u8]>, AllocError> {
-                // SAFETY: the caller passes a block this handle allocated with `old`.
-                unsafe { route_resize(($to)(self), self, ptr, old, new, false) }
-            }
+            forward_allocator!(@resize $to; grow(false), grow_zeroed(true), shrink(false));
         }
     };
+    // The resizing methods: each routes by the sizes (zeroing the grown tail if asked).
+    (@resize $to:expr; $($method:ident($zeroed:literal)),*) => {$(
+        #[inline]
+        unsafe fn $method(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
+            // SAFETY: the caller passes a block this handle allocated with `old`.
+            unsafe { route_resize(($to)(self), self, ptr, old, new, $zeroed) }
+        }
+    )*};
 }
 
 forward_allocator!(PinnedAlloc, |_: &PinnedAlloc| PINNED_DEFAULT);

@@ -18,7 +18,7 @@
 //! other stream's work, and would otherwise free or overwrite the buffer under it.
 //! Kernel arguments cannot be ordered that way (cudarc does not tell `PushKernelArg`
 //! which stream the launch is on): launch on the buffer's stream, or order the streams
-//! yourself ([`Stream::wait`]).
+//! yourself ([`Stream::wait_for`]).
 //!
 //! ## Element types
 //!
@@ -41,7 +41,7 @@
 //!
 //! [`Stream::cudarc`]: crate::cuda::Stream::cudarc
 //! [`Stream::from_cudarc`]: crate::cuda::Stream::from_cudarc
-//! [`Stream::wait`]: crate::cuda::Stream::wait
+//! [`Stream::wait_for`]: crate::cuda::Stream::wait_for
 
 use ::cudarc::driver::{
     sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, DriverError, HostSlice, LaunchArgs, PushKernelArg,
@@ -125,6 +125,39 @@ unsafe impl<'a, 'b: 'a, T: DeviceCopy> PushKernelArg<&'b mut DeviceBuffer<T>> fo
 }
 
 // ---- pinned host memory in cudarc's copies -------------------------------------------
+
+/// The fields both pinned views show: where the memory is and how long.
+fn debug_view<'f, 'b, T>(
+    f: &'f mut core::fmt::Formatter<'b>,
+    name: &str,
+    data: &[T],
+) -> core::fmt::DebugStruct<'f, 'b> {
+    let mut d = f.debug_struct(name);
+    d.field("ptr", &data.as_ptr()).field("len", &data.len());
+    d
+}
+
+/// cudarc's `HostSlice` for a pinned view (`data` and `recorded` fields): as a copy
+/// source, its slice with the copy's use recorded on the memory; as a destination,
+/// whatever its `as_destination` says.
+macro_rules! view_host_slice {
+    ($view:ident) => {
+        impl<T> HostSlice<T> for $view<'_, T> {
+            fn len(&self) -> usize {
+                self.data.len()
+            }
+            unsafe fn stream_synced_slice<'b>(&'b self, stream: &'b CudaStream) -> (&'b [T], SyncOnDrop<'b>) {
+                (self.data, self.recorded.guard(self.data, stream))
+            }
+            unsafe fn stream_synced_mut_slice<'b>(
+                &'b mut self,
+                stream: &'b CudaStream,
+            ) -> (&'b mut [T], SyncOnDrop<'b>) {
+                self.as_destination(stream)
+            }
+        }
+    };
+}
 
 /// The point in `stream` after a copy that cudarc queues once `stream_synced_slice` has
 /// returned: fixed (an event recorded) only when the copy is known to be queued, at the
@@ -327,24 +360,13 @@ impl<'a, T> PinnedView<'a, T> {
 
 impl<T> core::fmt::Debug for PinnedView<'_, T> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("PinnedView")
-            .field("ptr", &self.data.as_ptr())
-            .field("len", &self.data.len())
-            .finish()
+        debug_view(f, "PinnedView", self.data).finish()
     }
 }
 
-impl<T> HostSlice<T> for PinnedView<'_, T> {
-    fn len(&self) -> usize {
-        self.data.len()
-    }
-    unsafe fn stream_synced_slice<'b>(&'b self, stream: &'b CudaStream) -> (&'b [T], SyncOnDrop<'b>) {
-        (self.data, self.recorded.guard(self.data, stream))
-    }
-    unsafe fn stream_synced_mut_slice<'b>(
-        &'b mut self,
-        stream: &'b CudaStream,
-    ) -> (&'b mut [T], SyncOnDrop<'b>) {
+impl<T> PinnedView<'_, T> {
+    /// The view as a copy destination, which it refuses (see the type's docs).
+    fn as_destination<'b>(&'b mut self, stream: &'b CudaStream) -> (&'b mut [T], SyncOnDrop<'b>) {
         log::error!(
             "cudalloc: a PinnedView (read-only) was given to cudarc as a copy destination; use PinnedViewMut"
         );
@@ -354,6 +376,8 @@ impl<T> HostSlice<T> for PinnedView<'_, T> {
         (&mut [], SyncOnDrop::Sync(None))
     }
 }
+
+view_host_slice!(PinnedView);
 
 /// Pinned memory of the crate as a cudarc copy destination (and source): see
 /// [`PinnedView`] for the hole it closes.
@@ -430,25 +454,16 @@ impl<'a, T> PinnedViewMut<'a, T> {
 
 impl<T> core::fmt::Debug for PinnedViewMut<'_, T> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("PinnedViewMut")
-            .field("ptr", &self.data.as_ptr())
-            .field("len", &self.data.len())
+        debug_view(f, "PinnedViewMut", self.data)
             .field("asynchronous", &self.asynchronous)
             .finish()
     }
 }
 
-impl<T> HostSlice<T> for PinnedViewMut<'_, T> {
-    fn len(&self) -> usize {
-        self.data.len()
-    }
-    unsafe fn stream_synced_slice<'b>(&'b self, stream: &'b CudaStream) -> (&'b [T], SyncOnDrop<'b>) {
-        (self.data, self.recorded.guard(self.data, stream))
-    }
-    unsafe fn stream_synced_mut_slice<'b>(
-        &'b mut self,
-        stream: &'b CudaStream,
-    ) -> (&'b mut [T], SyncOnDrop<'b>) {
+impl<T> PinnedViewMut<'_, T> {
+    /// The view as a copy destination: the copy completes before cudarc's call returns,
+    /// or, made with `new_async`, its use is recorded on the memory.
+    fn as_destination<'b>(&'b mut self, stream: &'b CudaStream) -> (&'b mut [T], SyncOnDrop<'b>) {
         let guard = if self.asynchronous {
             self.recorded.guard(self.data, stream)
         } else {
@@ -457,3 +472,5 @@ impl<T> HostSlice<T> for PinnedViewMut<'_, T> {
         (self.data, guard)
     }
 }
+
+view_host_slice!(PinnedViewMut);

@@ -843,13 +843,10 @@ unsafe impl<S: HostVisible + 'static> Allocator for Pool<S> {
         old: Layout,
         new: Layout,
     ) -> Result<NonNull<[u8]>, AllocError> {
-        // SAFETY: as in `grow`.
-        let block = unsafe { self.resize(ptr, old, new) }?;
-        // SAFETY: the block holds block.len() >= new.size() >= old.size() bytes; the
-        // contract zeroes every byte past the old size up to the returned length (a block
-        // reused in place or from the cache holds an earlier owner's bytes there).
-        unsafe { zero_tail(block, old.size()) };
-        Ok(block)
+        // SAFETY: as in `grow`; the grown block holds block.len() >= new.size() >= old.size()
+        // bytes. The contract zeroes every byte past the old size up to the returned length
+        // (a block reused in place or from the cache holds an earlier owner's bytes there).
+        unsafe { zero_grown(self.resize(ptr, old, new), old.size()) }
     }
 
     unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
@@ -872,6 +869,48 @@ pub(crate) unsafe fn zero_tail(block: NonNull<[u8]>, from: usize) {
             .add(from)
             .write_bytes(0, block.len() - from)
     };
+}
+
+/// What `grow_zeroed` adds to `grow`: zeroes the grown block from byte `old` to its end
+/// and passes it on (or passes the failure on).
+///
+/// # Safety
+/// 1. A grown block is writable for its whole length and holds at least `old` bytes.
+#[inline]
+pub(crate) unsafe fn zero_grown(
+    grown: Result<NonNull<[u8]>, AllocError>,
+    old: usize,
+) -> Result<NonNull<[u8]>, AllocError> {
+    let block = grown?;
+    // SAFETY: obligation 1.
+    unsafe { zero_tail(block, old) };
+    Ok(block)
+}
+
+/// The move of a grow or shrink by copying: copies the first min(old, new) bytes of
+/// `ptr`'s block into `block`, then frees the old block through `a`.
+///
+/// # Safety
+/// 1. `ptr` was allocated by `a` for `old` and is not used after this call.
+/// 2. `block` is live, distinct from `ptr`'s block and holds at least `new.size()` bytes.
+#[inline]
+pub(crate) unsafe fn move_block<A: Allocator>(
+    a: &A,
+    ptr: NonNull<u8>,
+    old: Layout,
+    new: Layout,
+    block: NonNull<[u8]>,
+) {
+    // SAFETY: both blocks hold at least min(old, new) bytes and are distinct (obligation
+    // 2); obligation 1 lets us free the old block.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            ptr.as_ptr(),
+            block.cast::<u8>().as_ptr(),
+            old.size().min(new.size()),
+        );
+        a.deallocate(ptr, old);
+    }
 }
 
 impl<S: HostVisible + 'static> Pool<S> {
@@ -912,16 +951,9 @@ impl<S: HostVisible + 'static> Pool<S> {
         } else {
             self.allocate(new)?
         };
-        // SAFETY: both blocks hold at least min(old, new) bytes and are distinct (the old
-        // one is live until freed below).
-        unsafe {
-            core::ptr::copy_nonoverlapping(
-                ptr.as_ptr(),
-                block.cast::<u8>().as_ptr(),
-                old.size().min(new.size()),
-            );
-            self.free(ptr, old);
-        }
+        // SAFETY: obligation 1; the new block is fresh, so distinct, and holds new.size()
+        // bytes.
+        unsafe { move_block(self, ptr, old, new, block) };
         Ok(block)
     }
 }

@@ -14,7 +14,9 @@ use crate::util::PAGE_SIZE;
 
 use crate::class_geometry::Geometry;
 
-/// The classes: multiples of 16 up to 256 B, then 8 per power of two up to 1 MiB.
+/// The classes: multiples of 16 up to 256 B, then 8 per power of two up to 1 MiB
+/// (`MAX_CLASS_SIZE`; larger blocks are never carved from chunks). `class_of` takes
+/// requests of alignment 16 or less.
 const CLASSES: Geometry = Geometry {
     quantum: 16,
     exact_max_log2: 8,
@@ -23,23 +25,8 @@ const CLASSES: Geometry = Geometry {
 };
 /// Smallest block and the step of the exact classes.
 pub(crate) const QUANTUM: usize = CLASSES.quantum;
-/// The largest class; larger blocks are never carved from chunks.
-pub(crate) const MAX_CLASS_SIZE: usize = CLASSES.max_class_size();
-/// Number of classes.
-pub(crate) const NUM_CLASSES: usize = CLASSES.num_classes();
 
-/// The class index for a request of `size` bytes (`1..=MAX_CLASS_SIZE`), alignment 16 or
-/// less: the smallest class at least `size`.
-#[inline(always)]
-pub(crate) const fn class_of(size: usize) -> usize {
-    CLASSES.class_of(size)
-}
-
-/// The block size of class `class`.
-#[inline(always)]
-pub(crate) const fn class_size(class: usize) -> usize {
-    CLASSES.class_size(class)
-}
+crate::class_geometry::class_table!(CLASSES);
 
 /// The class for `size` bytes aligned to `align` (a power of two up to [`PAGE_SIZE`]): the
 /// smallest class that is at least `size` and a multiple of `align`. Blocks of a class
@@ -117,31 +104,14 @@ pub(crate) const CLASS_SIZES: [usize; NUM_CLASSES] = {
     t
 };
 
-// Compile-time checks on the table: monotone, the bounds on waste, the two functions are
-// inverse, every class is a multiple of 16, runs hold whole blocks with a small tail.
+// Compile-time checks on the table: monotone, the bounds on waste (at most 15 bytes or
+// 12.5% of the request), the two functions are inverse, every class is a multiple of 16
+// (`Geometry::check`); runs hold whole blocks with a small tail.
 const _: () = {
-    assert!(CLASS_SIZES[0] == QUANTUM);
-    assert!(CLASS_SIZES[NUM_CLASSES - 1] == MAX_CLASS_SIZE);
+    CLASSES.check();
     let mut i = 0;
     while i < NUM_CLASSES {
         let c = CLASS_SIZES[i];
-        assert!(c % QUANTUM == 0, "classes are multiples of 16");
-        assert!(class_of(c) == i, "class_of(class_size(i)) == i");
-        if i > 0 {
-            let prev = CLASS_SIZES[i - 1];
-            assert!(prev < c, "classes increase");
-            assert!(
-                class_of(prev + 1) == i,
-                "the request just above a class maps to the next"
-            );
-            // The worst request for class i is prev + 1; its waste is c - prev - 1.
-            let waste = c - prev - 1;
-            let request = prev + 1;
-            assert!(
-                waste < QUANTUM || waste * 8 <= request,
-                "waste at most 15 bytes or 12.5% of the request"
-            );
-        }
         let run = RUN_BYTES[i];
         assert!(
             run % PAGE_SIZE == 0 && run >= c,
