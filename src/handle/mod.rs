@@ -26,7 +26,10 @@ use crate::cuda::{driver_available, HostAllocFlags};
 use crate::pool::{Pool, PoolStats};
 use crate::source::{HostVisible, ManagedAttach};
 use crate::util::{check_physical_memory, dangling_block};
-use pools::{managed_pool, managed_pools, pinned_limit, pinned_pool, pinned_pools, set_pinned_limit};
+use pools::{
+    made_managed_pool, made_pinned_pool, managed_pool, managed_pools, pinned_limit, pinned_pool,
+    pinned_pools, set_pinned_limit,
+};
 
 /// Number of allocations the default handles served from pageable host memory because
 /// no CUDA driver was present.
@@ -94,6 +97,9 @@ unsafe fn resize_by_copy<A: Allocator>(
 
 /// Allocates through `h`'s pool when a driver is present; otherwise fails for a strict
 /// handle or falls back to pageable memory. The one routing decision every handle shares.
+///
+/// The pool exists only where a driver is (it is made by the first allocation that finds
+/// one), so its existence is the hot path's one check; the rest is cold.
 #[inline]
 fn route_allocate<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
     if layout.size() == 0 {
@@ -101,6 +107,16 @@ fn route_allocate<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, Alloc
         // not, driver or not: it holds no memory of any kind.
         return Ok(dangling_block(layout));
     }
+    match h.made_pool() {
+        Some(pool) => pool.allocate(layout),
+        None => route_allocate_cold(h, layout),
+    }
+}
+
+/// The first allocation of a configuration (it makes the pool), or any without a driver.
+#[cold]
+#[inline(never)]
+fn route_allocate_cold<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
     if driver_available() {
         h.pool().allocate(layout)
     } else if h.is_strict() {
@@ -117,12 +133,13 @@ unsafe fn route_deallocate<R: Route>(h: R, ptr: NonNull<u8>, layout: Layout) {
     if layout.size() == 0 {
         return;
     }
-    if driver_available() {
-        // SAFETY: obligation 1; with a driver the block came from this pool.
-        unsafe { h.pool().deallocate(ptr, layout) }
-    } else {
-        // SAFETY: obligation 1; without a driver it came from the fallback.
-        unsafe { fallback_deallocate(ptr, layout) }
+    match h.made_pool() {
+        // SAFETY: obligation 1; the pool exists, so a driver does, so the block came from
+        // this pool.
+        Some(pool) => unsafe { pool.deallocate(ptr, layout) },
+        // SAFETY: obligation 1; no pool was made, so there is no driver (with one, the
+        // allocation would have made the pool) and the block came from the fallback.
+        None => unsafe { fallback_deallocate(ptr, layout) },
     }
 }
 
@@ -476,7 +493,10 @@ const MANAGED_DEFAULT: Managed = Managed {
 trait Route: Copy {
     type Source: HostVisible + 'static;
     const KIND: &'static str;
+    /// The pool, made on first use (only where a driver is).
     fn pool(self) -> &'static Pool<Self::Source>;
+    /// The pool if it was made.
+    fn made_pool(self) -> Option<&'static Pool<Self::Source>>;
     fn is_strict(self) -> bool;
 }
 
@@ -486,6 +506,10 @@ impl Route for Pinned {
     #[inline]
     fn pool(self) -> &'static Pool<Self::Source> {
         pinned_pool(self.flags)
+    }
+    #[inline]
+    fn made_pool(self) -> Option<&'static Pool<Self::Source>> {
+        made_pinned_pool(self.flags)
     }
     #[inline]
     fn is_strict(self) -> bool {
@@ -499,6 +523,10 @@ impl Route for Managed {
     #[inline]
     fn pool(self) -> &'static Pool<Self::Source> {
         managed_pool(self.attach)
+    }
+    #[inline]
+    fn made_pool(self) -> Option<&'static Pool<Self::Source>> {
+        made_managed_pool(self.attach)
     }
     #[inline]
     fn is_strict(self) -> bool {

@@ -62,11 +62,18 @@ pub(crate) fn pinned_pool(flags: HostAllocFlags) -> &'static Pool<PinnedPoolSour
     })
 }
 
+/// The process-wide pinned pool for `flags` if it was made.
+#[inline]
+pub(crate) fn made_pinned_pool(flags: HostAllocFlags) -> Option<&'static Pool<PinnedPoolSource>> {
+    PINNED[(flags.bits() & 7) as usize].get()
+}
+
 /// The process-wide pinned pools created so far.
 pub(crate) fn pinned_pools() -> impl Iterator<Item = &'static Pool<PinnedPoolSource>> {
     PINNED.iter().filter_map(OnceLock::get)
 }
 
+#[inline]
 fn attach_index(attach: ManagedAttach) -> usize {
     match attach {
         ManagedAttach::Global => 0,
@@ -79,6 +86,12 @@ fn attach_index(attach: ManagedAttach) -> usize {
 #[inline]
 pub(crate) fn managed_pool(attach: ManagedAttach) -> &'static Pool<ManagedSource> {
     MANAGED[attach_index(attach)].get_or_init(|| Pool::new(ManagedSource::new(attach)))
+}
+
+/// The process-wide managed pool for `attach` if it was made.
+#[inline]
+pub(crate) fn made_managed_pool(attach: ManagedAttach) -> Option<&'static Pool<ManagedSource>> {
+    MANAGED[attach_index(attach)].get()
 }
 
 /// The process-wide managed pools created so far.
