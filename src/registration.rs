@@ -158,7 +158,7 @@ impl<'a, T> HostRegistration<'a, T> {
             return Ok(this);
         }
         let start = ptr.as_ptr() as usize;
-        if registry::find_owner_id(start).is_some() || registry::find_owner_id(start + bytes - 1).is_some() {
+        if registry::overlaps(start, bytes) {
             return Err(Error::InvalidArgument(
                 "the buffer is (partly) memory of the crate's allocators or of another registration, already pinned",
             ));

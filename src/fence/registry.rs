@@ -75,6 +75,16 @@ mod imp {
         (addr < end).then_some(id)
     }
 
+    /// Whether any registered range meets `start..start + len` (`len` > 0). Ranges are
+    /// disjoint, so only the last one starting below the end can reach into it.
+    pub(crate) fn overlaps(start: usize, len: usize) -> bool {
+        let r = lock(&REGISTRY);
+        r.ranges
+            .range(..start.saturating_add(len))
+            .next_back()
+            .is_some_and(|(_, &(end, _))| end > start)
+    }
+
     /// The owner of `addr`, if any.
     pub(crate) fn find(addr: usize) -> Option<Arc<dyn UseRecorder>> {
         let r = lock(&REGISTRY);
@@ -112,9 +122,43 @@ mod imp_loom {
     pub(crate) fn find_owner_id(_addr: usize) -> Option<u64> {
         None
     }
+    pub(crate) fn overlaps(_start: usize, _len: usize) -> bool {
+        false
+    }
     pub(crate) fn find(_addr: usize) -> Option<NoOwner> {
         None
     }
 }
 #[cfg(loom)]
 pub(crate) use imp_loom::*;
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    struct Nobody;
+
+    impl UseRecorder for Nobody {
+        fn record(&self, _addr: usize, _fence: SharedFence) -> Result<bool> {
+            Ok(false)
+        }
+    }
+
+    #[test]
+    fn overlaps_sees_a_range_inside_outside_or_across_the_query() {
+        // Addresses no allocation of this process uses (above the 47-bit user space).
+        let base = 0xffff_0000_0000_0000usize;
+        let id = new_owner_id();
+        add_owner(id, Nobody);
+        insert_range(base + 0x1000, 0x100, id); // [0x1000, 0x1100)
+        assert!(overlaps(base, 0x10000), "a registered range inside the query");
+        assert!(overlaps(base + 0x1010, 0x10), "the query inside a range");
+        assert!(overlaps(base + 0x10ff, 0x100), "the query across the end");
+        assert!(overlaps(base + 0xf00, 0x101), "the query across the start");
+        assert!(!overlaps(base, 0x1000), "adjacent below");
+        assert!(!overlaps(base + 0x1100, 0x1000), "adjacent above");
+        assert_eq!(find_owner_id(base + 0x1000), Some(id));
+        assert!(remove_owner(id).is_some());
+        assert!(!overlaps(base, 0x10000), "removed with its owner");
+    }
+}
