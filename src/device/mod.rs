@@ -60,6 +60,7 @@ mod backend;
 mod buffer;
 mod cache;
 mod local;
+pub(crate) mod pages;
 mod pool;
 mod report;
 #[doc(hidden)]
@@ -76,7 +77,7 @@ mod loom_models;
 pub use arena::{ArenaSlice, DeviceArena, DeviceArenaStats, DeviceCheckpoint};
 pub use buffer::DeviceBuffer;
 pub(crate) use buffer::{copy_from_host_async, copy_to_host_async};
-pub use pool::{DevicePool, DevicePoolConfig};
+pub use pool::{Backing, DevicePool, DevicePoolConfig};
 pub use report::{report, DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
 
 /// Element types of a [`DeviceBuffer`]: plain data that may be copied to and from the
