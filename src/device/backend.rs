@@ -599,6 +599,9 @@ pub(crate) mod fake {
         pub(crate) state: Arc<Mutex<PhysState>>,
     }
 
+    /// A mapping: bytes, handle, access set, uses through it.
+    pub(crate) type Mapping = (usize, u64, bool, Vec<(FakeStream, u64)>);
+
     /// The simulated physical memory's books.
     #[derive(Debug, Default)]
     pub(crate) struct PhysState {
@@ -612,8 +615,8 @@ pub(crate) mod fake {
         pub(crate) handle_bytes: usize,
         /// Reserved ranges: start -> bytes.
         pub(crate) ranges: BTreeMap<u64, usize>,
-        /// Mappings: start -> (bytes, handle, access set, uses through this mapping).
-        pub(crate) mappings: BTreeMap<u64, (usize, u64, bool, Vec<(FakeStream, u64)>)>,
+        /// Mappings by start.
+        pub(crate) mappings: BTreeMap<u64, Mapping>,
         /// Uses of each handle, through any mapping, not known to have completed.
         uses: BTreeMap<u64, Vec<(FakeStream, u64)>>,
         pub(crate) violations: Vec<String>,

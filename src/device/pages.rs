@@ -235,6 +235,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         self.granule
     }
 
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn phys(&self) -> &P {
         &self.phys
     }

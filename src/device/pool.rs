@@ -35,6 +35,11 @@ use crate::sync::{thread_local_const, Arc};
 /// assert_eq!(small.limit, Some(64 << 20));
 /// let uncached = DevicePoolConfig::default().with_cache(false);
 /// assert!(!uncached.cache);
+/// // Large blocks on physical pages (opt-in; needs a device with VMM support).
+/// let paged = DevicePoolConfig::default().with_backing(Backing::PhysicalPages);
+/// if let Ok(pool) = cudalloc::device::DevicePool::new(0, paged) {
+///     assert_eq!(pool.stats().reserved_bytes, 0);
+/// }
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -87,7 +92,8 @@ pub enum Backing {
     /// what is held. A miss of such a block costs a few driver calls more (mapping each
     /// handle, setting access; unmapping once the block's last use completed); smaller
     /// blocks stay on the driver pool. Needs a device with VMM support:
-    /// [`DevicePool::new`] fails without it.
+    /// [`DevicePool::new`] fails without it. Peer access
+    /// ([`DevicePool::enable_peer_access`]) is not supported on such a pool yet.
     PhysicalPages,
 }
 
@@ -600,6 +606,11 @@ impl DevicePool {
     pub fn enable_peer_access(&self, peer: usize) -> Result<()> {
         if peer == self.inner.device {
             return Ok(());
+        }
+        if self.cache().backend.pages.is_some() {
+            return Err(Error::InvalidArgument(
+                "peer access is not supported on a pool with Backing::PhysicalPages yet",
+            ));
         }
         if !crate::cuda::can_access_peer(peer, self.inner.device)? {
             return Err(Error::InvalidArgument(
