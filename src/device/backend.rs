@@ -230,10 +230,12 @@ pub(crate) mod fake {
 
     impl FakeStream {
         pub(crate) fn new() -> Self {
-            Self {
+            let s = Self {
                 id: StreamId::fresh(),
                 lane: Arc::new(Lane::default()),
-            }
+            };
+            registry::register(s.id, &s.lane);
+            s
         }
 
         /// Queues an operation (a kernel using a block); returns its position.
@@ -246,10 +248,13 @@ pub(crate) mod fake {
             self.lane.completed.load(Ordering::SeqCst)
         }
 
-        /// The GPU catches up: everything queued so far completes.
+        /// The GPU catches up: everything queued so far completes, and so does, on other
+        /// streams, everything this stream waited for (its clock).
         pub(crate) fn complete_all(&self) {
+            let clock = lock(&self.lane.clock).clone();
             let q = self.lane.queued.load(Ordering::SeqCst);
             self.lane.completed.fetch_max(q, Ordering::SeqCst);
+            registry::complete_through(&clock);
         }
 
         /// Whether work queued on `self` from now on runs after position `pos` of
@@ -261,6 +266,48 @@ pub(crate) mod fake {
             }
             lock(&self.lane.clock).get(&other.id).is_some_and(|&p| p >= pos)
         }
+    }
+
+    /// The simulated streams by id, so that the completion of a stream's work completes
+    /// what it waited for on others (outside loom, whose models never need it: their
+    /// checks ask `covers`, which reads the clocks).
+    mod registry {
+        use std::collections::BTreeMap;
+
+        use super::Lane;
+        use crate::cuda::StreamId;
+
+        #[cfg(not(loom))]
+        static LANES: std::sync::Mutex<BTreeMap<StreamId, std::sync::Weak<Lane>>> =
+            std::sync::Mutex::new(BTreeMap::new());
+
+        #[cfg(not(loom))]
+        pub(super) fn register(id: StreamId, lane: &std::sync::Arc<Lane>) {
+            let mut m = LANES.lock().unwrap_or_else(|e| e.into_inner());
+            m.retain(|_, w| w.strong_count() > 0);
+            m.insert(id, std::sync::Arc::downgrade(lane));
+        }
+
+        /// Completes each stream of `clock` up to its position there.
+        #[cfg(not(loom))]
+        pub(super) fn complete_through(clock: &BTreeMap<StreamId, u64>) {
+            let lanes: Vec<(std::sync::Arc<Lane>, u64)> = {
+                let m = LANES.lock().unwrap_or_else(|e| e.into_inner());
+                clock
+                    .iter()
+                    .filter_map(|(id, &p)| Some((m.get(id)?.upgrade()?, p)))
+                    .collect()
+            };
+            for (lane, p) in lanes {
+                lane.completed.fetch_max(p, crate::sync::Ordering::SeqCst);
+            }
+        }
+
+        #[cfg(loom)]
+        pub(super) fn register(_: StreamId, _: &crate::sync::Arc<Lane>) {}
+
+        #[cfg(loom)]
+        pub(super) fn complete_through(_: &BTreeMap<StreamId, u64>) {}
     }
 
     /// A position recorded on a simulated stream, with that stream's clock then.
@@ -493,11 +540,18 @@ pub(crate) mod fake {
         }
 
         fn is_complete(&self, mark: &FakeMark) -> Result<bool> {
-            Ok(mark.lane.completed.load(Ordering::SeqCst) >= mark.pos)
+            let done = mark.lane.completed.load(Ordering::SeqCst) >= mark.pos;
+            if done {
+                // What the mark's stream waited for before it completed too (a GPU stream
+                // cannot pass a wait before the awaited work completes).
+                registry::complete_through(&mark.clock);
+            }
+            Ok(done)
         }
 
         fn wait_host(&self, mark: &FakeMark) -> Result<()> {
             mark.lane.completed.fetch_max(mark.pos, Ordering::SeqCst);
+            registry::complete_through(&mark.clock);
             Ok(())
         }
 
@@ -599,8 +653,8 @@ pub(crate) mod fake {
         pub(crate) state: Arc<Mutex<PhysState>>,
     }
 
-    /// A mapping: bytes, handle, access set, uses through it.
-    pub(crate) type Mapping = (usize, u64, bool, Vec<(FakeStream, u64)>);
+    /// A mapping: bytes, handle, access set, uses through it, its id (one per `map`).
+    pub(crate) type Mapping = (usize, u64, bool, Vec<(FakeStream, u64)>, u64);
 
     /// The simulated physical memory's books.
     #[derive(Debug, Default)]
@@ -617,9 +671,12 @@ pub(crate) mod fake {
         pub(crate) ranges: BTreeMap<u64, usize>,
         /// Mappings by start.
         pub(crate) mappings: BTreeMap<u64, Mapping>,
-        /// Uses of each handle, through any mapping, not known to have completed.
-        uses: BTreeMap<u64, Vec<(FakeStream, u64)>>,
+        /// Uses of each handle, through any mapping (by id), not known to have completed.
+        uses: BTreeMap<u64, Vec<(u64, FakeStream, u64)>>,
+        next_mapping: u64,
         pub(crate) violations: Vec<String>,
+        /// Per handle, what happened to it (for the violations' messages).
+        history: BTreeMap<u64, Vec<String>>,
         pub(crate) creates: u64,
         pub(crate) maps: u64,
     }
@@ -645,9 +702,22 @@ pub(crate) mod fake {
         }
 
         /// Work on `stream` uses the block at `[va, va + bytes)` (if it is on pages): checks
-        /// access and that `stream` is ordered after every earlier use of its handles, then
-        /// records the use. Returns whether the block is on pages.
+        /// access and that `stream` is ordered after every earlier use of its handles
+        /// through other mappings (earlier blocks; uses of the same block on several
+        /// streams are the cache's business), then records the use. Returns whether the
+        /// block is on pages.
         pub(crate) fn use_block(&self, va: u64, bytes: usize, stream: &FakeStream) -> bool {
+            self.record(va, bytes, stream, true)
+        }
+
+        /// Work on `stream` uses the live block at `[va, va + bytes)` besides its own
+        /// stream's (what `record_use` declares): recorded, not checked (ordering such a use
+        /// after the block's allocation is the program's business).
+        pub(crate) fn use_block_elsewhere(&self, va: u64, bytes: usize, stream: &FakeStream) -> bool {
+            self.record(va, bytes, stream, false)
+        }
+
+        fn record(&self, va: u64, bytes: usize, stream: &FakeStream, check: bool) -> bool {
             let mut st = lock(&self.state);
             let st = &mut *st;
             let found: Vec<u64> = st
@@ -668,18 +738,29 @@ pub(crate) mod fake {
                     problems.push(format!("use of {v:#x} without access"));
                 }
                 m.3.push((stream.clone(), pos));
-                let h = m.1;
+                let (h, id) = (m.1, m.4);
                 let uses = st.uses.entry(h).or_default();
-                uses.retain(|(s, p)| s.completed() < *p);
-                for (s, p) in uses.iter() {
+                uses.retain(|(_, s, p)| s.completed() < *p);
+                for (_, s, p) in uses.iter().filter(|u| check && u.0 != id) {
                     if !stream.covers(s, *p) {
+                        let h_ = st
+                            .history
+                            .get(&h)
+                            .map(|v| v[v.len().saturating_sub(12)..].to_vec());
                         problems.push(format!(
-                            "handle {h} used on {} unordered after its use on {} at {p}",
-                            stream.id, s.id
+                            "handle {h} used on {} at {pos} unordered after its use on {} at {p} \
+                             ({} completed); history {h_:?}",
+                            stream.id,
+                            s.id,
+                            s.completed()
                         ));
                     }
                 }
-                uses.push((stream.clone(), pos));
+                uses.push((id, stream.clone(), pos));
+                st.history
+                    .entry(h)
+                    .or_default()
+                    .push(format!("use of map {id} on {} at {pos}", stream.id));
             }
             if covered < bytes {
                 problems.push(format!("block {va:#x} of {bytes} bytes only {covered} mapped"));
@@ -789,7 +870,13 @@ pub(crate) mod fake {
                 Some((b, maps)) if *b == bytes => *maps += 1,
                 _ => st.violation(format!("map of handle {handle} unknown or not of {bytes} bytes")),
             }
-            st.mappings.insert(va, (bytes, handle, false, Vec::new()));
+            st.next_mapping += 1;
+            let id = st.next_mapping;
+            st.mappings.insert(va, (bytes, handle, false, Vec::new(), id));
+            st.history
+                .entry(handle)
+                .or_default()
+                .push(format!("map {id} at {va:#x}"));
             st.maps += 1;
             Ok(())
         }
@@ -797,7 +884,7 @@ pub(crate) mod fake {
         unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()> {
             let mut st = lock(&self.state);
             match st.mappings.remove(&va) {
-                Some((l, h, _, uses)) if l == bytes => {
+                Some((l, h, _, uses, _)) if l == bytes => {
                     if let Some((_, maps)) = st.handles.get_mut(&h) {
                         *maps -= 1;
                     }

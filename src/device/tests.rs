@@ -702,9 +702,27 @@ fn random_multi_stream_workload_reserves_at_most_15_percent_more_than_it_request
 
 #[test]
 fn threads_sharing_streams_never_hand_a_block_out_unordered() {
-    // Real threads (not loom: many operations), each with its own cache, on 4 shared
-    // streams, blocks passed between threads to be freed there; every hand-over checked.
-    let c = Arc::new(cache(u64::MAX, 4 * MIB));
+    threads_sharing_streams(Arc::new(cache(u64::MAX, 4 * MIB)), 1 << 18);
+}
+
+#[test]
+fn threads_sharing_streams_on_physical_pages_never_map_a_page_unordered() {
+    // The same on pages of 64 KiB from 128 KiB up, so that most blocks are on pages and
+    // pages pass between blocks of all sizes, streams and threads.
+    let phys = FakePhys::new(64 << 10, usize::MAX);
+    let c = Cache::new(
+        FakeBackend::paged(u64::MAX, phys.clone(), 128 << 10),
+        Settings::new(1 << 30, 4 * MIB, None),
+    );
+    threads_sharing_streams(Arc::new(c), 4 << 20);
+    assert_eq!(phys.violations(), 0);
+    assert_eq!(phys.live(), (0, 0, 0, 0));
+}
+
+/// Real threads (not loom: many operations), each with its own cache, on 4 shared
+/// streams, blocks of up to `max_size` passed between threads to be freed there; every
+/// hand-over checked (and every use of a page, on a paged backend).
+fn threads_sharing_streams(c: Arc<Cache<FakeBackend>>, max_size: u64) {
     let streams: Arc<Vec<FakeStream>> = Arc::new((0..4).map(|_| FakeStream::new()).collect());
     let tracker = Arc::new(Mutex::new(Tracker::default()));
     let mailbox: Arc<Mutex<Vec<(u64, usize, usize)>>> = Arc::new(Mutex::new(Vec::new()));
@@ -720,9 +738,12 @@ fn threads_sharing_streams_never_hand_a_block_out_unordered() {
                     match rng.below(10) {
                         0..=4 => {
                             let si = rng.below(4) as usize;
-                            let size = 1 + rng.below(1 << 18) as usize;
+                            let size = 1 + rng.below(max_size) as usize;
                             let p = alloc(&c, Some(&mut tc), size, &streams[si]).unwrap();
                             lock(&tracker).handed_out(p, size, &streams[si]);
+                            if let Some(h) = &c.backend.pages {
+                                h.phys().use_block(p, size, &streams[si]);
+                            }
                             mine.push((p, size, si));
                         }
                         5 => {
@@ -736,6 +757,9 @@ fn threads_sharing_streams_never_hand_a_block_out_unordered() {
                                 let u = (si + 1) % 4;
                                 let mut tr = lock(&tracker);
                                 tr.used_on(p, &streams[u]);
+                                if let Some(h) = &c.backend.pages {
+                                    h.phys().use_block_elsewhere(p, size, &streams[u]);
+                                }
                                 tr.freed(p);
                                 drop(tr);
                                 free(&c, Some(&mut tc), p, size, &streams[si], vec![streams[u].clone()]);
