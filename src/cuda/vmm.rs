@@ -27,6 +27,23 @@ impl Vmm {
         bind(device)?;
         let ordinal =
             i32::try_from(device).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?;
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: cuDeviceGet writes the handle of a valid ordinal (an error otherwise).
+        check(unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
+        let mut supported: core::ffi::c_int = 0;
+        // SAFETY: cuDeviceGetAttribute writes one int for a valid device.
+        check(unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut supported,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+                dev,
+            )
+        })?;
+        if supported == 0 {
+            return Err(Error::InvalidArgument(
+                "the device does not support virtual memory management (Backing::PhysicalPages)",
+            ));
+        }
         let mut v = Self {
             device,
             ordinal,

@@ -332,7 +332,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         let mut waited: Vec<*const Stamp<B::Mark>> = Vec::new();
         let mut failed = None;
         'outer: for (h, _) in &pieces {
-            let page = st.pages.get_mut(h).expect("a taken handle is live");
+            let Some(page) = st.pages.get_mut(h) else { continue };
             page.marks.retain(|s| !s.complete(b));
             for s in &page.marks {
                 let (Some(m), false) = (&s.mark, s.stream == me || waited.contains(&Arc::as_ptr(s))) else {
@@ -359,7 +359,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 self.undo(&mut st, va, len, pieces, i);
                 return Err(e);
             }
-            st.pages.get_mut(&h).expect("live").maps += 1;
+            if let Some(p) = st.pages.get_mut(&h) {
+                p.maps += 1;
+            }
             st.stats.maps += 1;
             off += sz as u64;
         }
@@ -385,7 +387,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 // SAFETY: mapped above by this allocation; no work was queued on it.
                 match unsafe { self.phys.unmap(va + off, sz) } {
                     Ok(()) => {
-                        st.pages.get_mut(&h).expect("live").maps -= 1;
+                        if let Some(p) = st.pages.get_mut(&h) {
+                            p.maps -= 1;
+                        }
                         st.stats.unmaps += 1;
                     }
                     Err(e) => {
@@ -460,9 +464,10 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             );
         };
         for &(h, sz) in &pieces {
-            let page = st.pages.get_mut(&h).expect("a block's handle is live");
-            page.marks.retain(|s| !s.complete(b));
-            page.marks.push(stamp.clone());
+            if let Some(page) = st.pages.get_mut(&h) {
+                page.marks.retain(|s| !s.complete(b));
+                page.marks.push(stamp.clone());
+            }
             let order = self.order(sz);
             if st.free.len() <= order {
                 st.free.resize_with(order + 1, VecDeque::new);
@@ -486,8 +491,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         while i < st.retired.len() && seen < max {
             seen += 1;
             if st.retired[i].stamp.complete(b) {
-                let r = st.retired.remove(i).expect("in range");
-                self.unmap_retired(st, r);
+                if let Some(r) = st.retired.remove(i) {
+                    self.unmap_retired(st, r);
+                }
             } else {
                 i += 1;
             }
@@ -503,7 +509,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             // uses it (every use was ordered before the mark).
             match unsafe { self.phys.unmap(r.va + off, sz) } {
                 Ok(()) => {
-                    st.pages.get_mut(&h).expect("a mapped handle is live").maps -= 1;
+                    if let Some(p) = st.pages.get_mut(&h) {
+                        p.maps -= 1;
+                    }
                     st.stats.unmaps += 1;
                 }
                 Err(e) => {
@@ -526,7 +534,10 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             let mut i = 0;
             while i < st.free[order].len() && st.stats.free_bytes > target {
                 let h = st.free[order][i];
-                let page = st.pages.get_mut(&h).expect("a free handle is live");
+                let Some(page) = st.pages.get_mut(&h) else {
+                    st.free[order].remove(i);
+                    continue;
+                };
                 let ready = page.maps == 0
                     && page
                         .marks
@@ -540,7 +551,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 match unsafe { self.phys.release(h) } {
                     Ok(()) => {
                         st.free[order].remove(i);
-                        let bytes = st.pages.remove(&h).expect("live").bytes;
+                        let bytes = st.pages.remove(&h).map_or(0, |p| p.bytes);
                         st.stats.free_bytes -= bytes;
                         st.stats.reserved -= bytes;
                         st.stats.handles -= 1;
