@@ -104,9 +104,9 @@ impl Phys for Vmm {
     fn reserve(&self, bytes: usize) -> Result<u64> {
         bind(self.device)?;
         let mut va: sys::CUdeviceptr = 0;
-        // SAFETY: the driver writes the range's start; alignment 0 is the granule, no fixed
+        // SAFETY: the driver writes the range's start; aligned to the granule, no fixed
         // address, no flags.
-        check(unsafe { sys::cuMemAddressReserve(&mut va, bytes, 0, 0, 0) })?;
+        check(unsafe { sys::cuMemAddressReserve(&mut va, bytes, self.granule, 0, 0) })?;
         if va == 0 {
             return Err(Error::OutOfMemory { requested: bytes });
         }

@@ -484,17 +484,26 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         self.poll(&mut st, b, POLL);
     }
 
-    /// Unmaps up to `max` retired ranges whose marks completed.
+    /// Unmaps retired ranges whose marks completed, querying at most `max` marks. Marks of
+    /// one stream complete in order: after one that has not, the later ones of its stream
+    /// are skipped without a query.
     fn poll(&self, st: &mut State<B::Mark>, b: &B, max: usize) {
         let mut i = 0;
         let mut seen = 0;
+        let mut behind: Vec<StreamId> = Vec::new();
         while i < st.retired.len() && seen < max {
+            let stamp = &st.retired[i].stamp;
+            if behind.contains(&stamp.stream) {
+                i += 1;
+                continue;
+            }
             seen += 1;
-            if st.retired[i].stamp.complete(b) {
+            if stamp.complete(b) {
                 if let Some(r) = st.retired.remove(i) {
                     self.unmap_retired(st, r);
                 }
             } else {
+                behind.push(st.retired[i].stamp.stream);
                 i += 1;
             }
         }
