@@ -93,7 +93,10 @@ pub enum Backing {
     /// handle, setting access; unmapping once the block's last use completed); smaller
     /// blocks stay on the driver pool. Needs a device with VMM support:
     /// [`DevicePool::new`] fails without it. Peer access
-    /// ([`DevicePool::enable_peer_access`]) is not supported on such a pool yet.
+    /// ([`DevicePool::enable_peer_access`]) is not supported on such a pool yet. A
+    /// [`limit`](DevicePoolConfig::limit) counts blocks at their class size: the rounding
+    /// of page blocks to whole granules and the free handles the heap keeps (at most 1/32
+    /// of its bytes in blocks before it creates more) come on top.
     PhysicalPages,
 }
 
