@@ -278,21 +278,23 @@ pub(crate) mod fake {
         use crate::cuda::StreamId;
 
         #[cfg(not(loom))]
-        static LANES: std::sync::Mutex<BTreeMap<StreamId, std::sync::Weak<Lane>>> =
-            std::sync::Mutex::new(BTreeMap::new());
+        use crate::sync::{lock, Arc, Mutex, Weak};
 
         #[cfg(not(loom))]
-        pub(super) fn register(id: StreamId, lane: &std::sync::Arc<Lane>) {
-            let mut m = LANES.lock().unwrap_or_else(|e| e.into_inner());
+        static LANES: Mutex<BTreeMap<StreamId, Weak<Lane>>> = Mutex::new(BTreeMap::new());
+
+        #[cfg(not(loom))]
+        pub(super) fn register(id: StreamId, lane: &Arc<Lane>) {
+            let mut m = lock(&LANES);
             m.retain(|_, w| w.strong_count() > 0);
-            m.insert(id, std::sync::Arc::downgrade(lane));
+            m.insert(id, Arc::downgrade(lane));
         }
 
         /// Completes each stream of `clock` up to its position there.
         #[cfg(not(loom))]
         pub(super) fn complete_through(clock: &BTreeMap<StreamId, u64>) {
-            let lanes: Vec<(std::sync::Arc<Lane>, u64)> = {
-                let m = LANES.lock().unwrap_or_else(|e| e.into_inner());
+            let lanes: Vec<(Arc<Lane>, u64)> = {
+                let m = lock(&LANES);
                 clock
                     .iter()
                     .filter_map(|(id, &p)| Some((m.get(id)?.upgrade()?, p)))
