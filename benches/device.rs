@@ -14,7 +14,13 @@
 //!   `cu_mem_alloc_async`, whole runs timed. Before timing, one run of each prints peak
 //!   bytes held / peak bytes requested and peak bytes reserved / peak bytes requested (what
 //!   the device gives up), with the times the cache trimmed its driver pool. Target: cache
-//!   reserved / requested <= 1.15.
+//!   reserved / requested <= 1.15. The row `pages` (and its memory line) is the cache on
+//!   physical pages (`Backing::PhysicalPages`).
+//! - `device_page_miss`: what a miss costs on physical pages: an alloc + free pair of
+//!   32 MiB on an uncached pool, `pages` (map a free handle into a cached range, set
+//!   access; the free records an event, the next call unmaps) vs `driver_pool`
+//!   (`cuMemAllocFromPoolAsync` + `cuMemFreeAsync`). Before timing it prints the first
+//!   allocation on fresh pools (handle creation and range reservation included).
 //! - `device_scratch`: one batch of 16 scratch buffers (4 KiB .. 4 MiB) allocated and
 //!   freed: `arena` (`DeviceArena` + reset), `cache`, `cu_mem_alloc_async`.
 //! - `device_peer_copy` (2 GPUs; skipped with one): copy bandwidth device 1 -> 0 and
@@ -38,6 +44,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use cudalloc::cuda::{copy_async, default_pool_reserved, device_count, Stream};
 use cudalloc::device::sim::{SimPool, SimStream};
+use cudalloc::device::Backing;
 use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::testing::{AsyncDeviceMemory, DeviceMemory};
 
@@ -305,6 +312,37 @@ fn device_random(c: &mut Criterion) {
         pool.trim();
     }
     if wanted("device_random") {
+        let pool = DevicePool::new(
+            0,
+            DevicePoolConfig::default().with_backing(Backing::PhysicalPages),
+        )
+        .expect("pool on physical pages");
+        let t0 = Instant::now();
+        let peak = random_allocations(
+            |size, s| pool.alloc::<u8>(size, &streams[s]).expect("pages"),
+            allocations,
+            max_size,
+            max_usage,
+            streams.len(),
+        );
+        let elapsed = t0.elapsed();
+        sync();
+        let st = pool.stats();
+        println!(
+            "device_random pages: {allocations} allocations in {:.1} ms; peak requested {:.0} MiB, \
+             peak held {:.0} MiB (held / requested = {:.3}), peak reserved {:.0} MiB \
+             (reserved / requested = {:.3}, target <= 1.15); {} driver-pool trims\n{st}",
+            elapsed.as_secs_f64() * 1e3,
+            peak as f64 / 1048576.0,
+            st.peak_held_bytes as f64 / 1048576.0,
+            st.peak_held_bytes as f64 / peak as f64,
+            st.peak_reserved_bytes as f64 / 1048576.0,
+            st.peak_reserved_bytes as f64 / peak as f64,
+            st.trims,
+        );
+        pool.trim();
+    }
+    if wanted("device_random") {
         sync();
         let _ = default_pool_reserved(0, true);
         let t0 = Instant::now();
@@ -365,10 +403,71 @@ fn device_random(c: &mut Criterion) {
             t0.elapsed()
         })
     });
+    let pages = DevicePool::new(
+        0,
+        DevicePoolConfig::default().with_backing(Backing::PhysicalPages),
+    )
+    .expect("pool on physical pages");
+    g.bench_function(BenchmarkId::new("pages", &id), |b| {
+        b.iter_custom(|iters| {
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                random_allocations(
+                    |size, s| pages.alloc::<u8>(size, &streams[s]).expect("pages"),
+                    allocations,
+                    max_size,
+                    max_usage,
+                    streams.len(),
+                );
+            }
+            t0.elapsed()
+        })
+    });
     g.finish();
     sync();
     // The process-wide pool keeps what the runs cached; give it back for later groups.
     pool.trim();
+    pages.trim();
+}
+
+/// What a miss costs on physical pages (see the module docs).
+fn device_page_miss(c: &mut Criterion, stream: &Stream) {
+    const SIZE: usize = 32 << 20;
+    if !wanted("device_page_miss") {
+        return;
+    }
+    let config = DevicePoolConfig::default().with_cache(false);
+    // The first allocation of fresh pools: cuMemCreate, cuMemAddressReserve, cuMemMap,
+    // cuMemSetAccess.
+    let (mut first, n) = (Duration::ZERO, 20);
+    for _ in 0..n {
+        let pool = DevicePool::new(0, config.with_backing(Backing::PhysicalPages)).expect("pages");
+        let t0 = Instant::now();
+        let b = pool.alloc::<u8>(SIZE, stream).expect("pages");
+        first += t0.elapsed();
+        drop(b);
+        stream.synchronize().expect("synchronize");
+    }
+    println!(
+        "device_page_miss: first 32 MiB allocation of a fresh pool on pages: {:.1} us",
+        first.as_secs_f64() * 1e6 / n as f64
+    );
+    let mut g = c.benchmark_group("device_page_miss");
+    g.sample_size(20)
+        .warm_up_time(Duration::from_millis(200))
+        .measurement_time(Duration::from_secs(if quick() { 1 } else { 3 }));
+    for (name, backing) in [
+        ("pages", Backing::PhysicalPages),
+        ("driver_pool", Backing::DriverPool),
+    ] {
+        let pool = DevicePool::new(0, config.with_backing(backing)).expect("pool");
+        g.bench_function(BenchmarkId::new(name, "32MiB"), |b| {
+            b.iter(|| drop(black_box(pool.alloc::<u8>(SIZE, stream).expect("alloc"))))
+        });
+        stream.synchronize().expect("synchronize");
+        println!("device_page_miss {name}: {}", pool.stats());
+    }
+    g.finish();
 }
 
 /// Scratch request sizes: 4 KiB to 4 MiB by fours, cycled to sixteen requests.
@@ -503,6 +602,7 @@ fn main() {
     device_hit(&mut c, &stream);
     device_cross_stream(&mut c, &stream);
     device_random(&mut c);
+    device_page_miss(&mut c, &stream);
     device_scratch(&mut c, &stream);
     device_peer_copy(&mut c);
     c.final_summary();

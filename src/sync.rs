@@ -16,7 +16,7 @@ pub(crate) use loom::{
 pub(crate) use std::{
     sync::{
         atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
-        Arc, Mutex, MutexGuard,
+        Arc, Mutex, MutexGuard, Weak,
     },
     thread,
 };

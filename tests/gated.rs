@@ -31,6 +31,8 @@ mod cudarc;
 mod device_arena;
 #[path = "gated/device_multi.rs"]
 mod device_multi;
+#[path = "gated/device_pages_race.rs"]
+mod device_pages_race;
 #[path = "gated/device_race.rs"]
 mod device_race;
 #[path = "all/gpu_support.rs"]

@@ -17,6 +17,7 @@ pub(crate) mod memory;
 mod module;
 mod peer;
 mod stream;
+pub(crate) mod vmm;
 
 pub(crate) use driver::record_drop_error;
 pub use driver::{

@@ -4,7 +4,9 @@
 //! fake in [`fake`] simulates streams as counters so that the cache's algorithm runs in
 //! CPU tests and loom models, and checks every cross-stream hand-over it makes.
 
+use super::pages::PageHeap;
 use crate::cuda::mem_pool::MemPool;
+use crate::cuda::vmm::Vmm;
 use crate::cuda::{mem_info, PooledEvent, Stream, StreamId};
 use crate::error::{Error, Result};
 
@@ -54,13 +56,28 @@ pub(crate) fn is_out_of_memory(e: &Error) -> bool {
     }
 }
 
+/// Blocks of at least this many granules go to the page heap (when there is one): 2
+/// granules (4 MiB on the H200). Rounding a block up to whole granules wastes less than a
+/// granule, at most a third of a block from 2 granules up and little of the bytes of a
+/// workload whose sizes spread to tens of MiB; blocks below a granule would waste most
+/// of one, and the driver pool packs them into its chunks. The threshold is low because
+/// the driver pool fragments under blocks of mixed sizes: on the simulated pool, RMM's
+/// random workload reserves 1.108 of its peak request with pages from 2 granules up,
+/// 1.112 from 4, 1.174 from 8 (the driver pool's share then reserved 2.7 GiB for about
+/// 1 GiB of blocks) and 1.285 from 16.
+pub(crate) const PAGE_MIN_GRANULES: usize = 2;
+
 /// The backend of a [`DevicePool`](super::DevicePool): its own `cuMemPool` and the
-/// per-device pool of reusable events.
+/// per-device pool of reusable events, and with
+/// [`Backing::PhysicalPages`](super::Backing::PhysicalPages) a page heap for large blocks.
 #[derive(Debug)]
 pub(crate) struct CudaBackend {
     pub(crate) pool: MemPool,
     /// The device's memory, in bytes.
     pub(crate) device_bytes: usize,
+    /// Blocks of `page_min` bytes and more live on physical pages.
+    pub(crate) pages: Option<PageHeap<Vmm, CudaBackend>>,
+    pub(crate) page_min: usize,
 }
 
 impl CudaBackend {
@@ -68,6 +85,29 @@ impl CudaBackend {
     /// of the device and more, more than is free on it plus what this pool holds unused.
     /// A driver asked for more than is free may fill the device while it tries, failing
     /// other threads' and processes' allocations.
+    pub(crate) fn new(pool: MemPool, device_bytes: usize, pages: Option<Vmm>) -> Self {
+        let pages = pages.map(PageHeap::new);
+        let page_min = pages
+            .as_ref()
+            .map_or(usize::MAX, |p| p.granule() * PAGE_MIN_GRANULES);
+        Self {
+            pool,
+            device_bytes,
+            pages,
+            page_min,
+        }
+    }
+
+    /// The page heap, for a block of `bytes`, if it goes there.
+    #[inline]
+    fn paged(&self, bytes: usize) -> Option<&PageHeap<Vmm, CudaBackend>> {
+        if bytes >= self.page_min {
+            self.pages.as_ref()
+        } else {
+            None
+        }
+    }
+
     fn check_fits(&self, bytes: usize) -> Result<()> {
         if bytes >= self.device_bytes / 8 {
             let (free, _) = mem_info(self.pool.device())?;
@@ -111,23 +151,45 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, bytes: usize, stream: &Stream) -> Result<u64> {
+        if let Some(h) = self.paged(bytes) {
+            return h.alloc(self, bytes, stream);
+        }
         self.check_fits(bytes)?;
         self.pool.alloc_async(bytes, stream)
     }
 
-    unsafe fn free(&self, ptr: u64, _bytes: usize, stream: &Stream) {
+    unsafe fn free(&self, ptr: u64, bytes: usize, stream: &Stream) {
+        if let Some(h) = self.paged(bytes) {
+            // SAFETY: obligation 1; a block of this size came from the page heap.
+            return unsafe { h.free(self, ptr, stream) };
+        }
         // SAFETY: obligation 1 of this function is MemPool::free_async's obligation 1.
         unsafe { self.pool.free_async(ptr, stream) }
     }
 
     fn trim_to(&self, keep: usize) {
-        if let Err(e) = self.pool.trim_to(keep) {
+        let pool = usize::try_from(self.pool.reserved().unwrap_or(0)).unwrap_or(usize::MAX);
+        let mut keep_pool = keep;
+        if let Some(h) = &self.pages {
+            h.trim_to(self, keep.saturating_sub(pool));
+            keep_pool = keep.saturating_sub(h.reserved());
+        }
+        if let Err(e) = self.pool.trim_to(keep_pool) {
             crate::cuda::record_drop_error("cuMemPoolTrimTo", e);
         }
     }
 
     fn reserved(&self) -> Option<usize> {
-        usize::try_from(self.pool.reserved().ok()?).ok()
+        let pool = usize::try_from(self.pool.reserved().ok()?).ok()?;
+        Some(pool + self.pages.as_ref().map_or(0, PageHeap::reserved))
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(h) = &self.pages {
+            h.shutdown(self);
+        }
     }
 }
 
@@ -140,6 +202,7 @@ impl Backend for CudaBackend {
 pub(crate) mod fake {
     use std::collections::BTreeMap;
 
+    use super::super::pages::{PageHeap, Phys};
     use super::Backend;
     use crate::cuda::StreamId;
     use crate::error::{Error, Result};
@@ -167,10 +230,12 @@ pub(crate) mod fake {
 
     impl FakeStream {
         pub(crate) fn new() -> Self {
-            Self {
+            let s = Self {
                 id: StreamId::fresh(),
                 lane: Arc::new(Lane::default()),
-            }
+            };
+            registry::register(s.id, &s.lane);
+            s
         }
 
         /// Queues an operation (a kernel using a block); returns its position.
@@ -183,10 +248,13 @@ pub(crate) mod fake {
             self.lane.completed.load(Ordering::SeqCst)
         }
 
-        /// The GPU catches up: everything queued so far completes.
+        /// The GPU catches up: everything queued so far completes, and so does, on other
+        /// streams, everything this stream waited for (its clock).
         pub(crate) fn complete_all(&self) {
+            let clock = lock(&self.lane.clock).clone();
             let q = self.lane.queued.load(Ordering::SeqCst);
             self.lane.completed.fetch_max(q, Ordering::SeqCst);
+            registry::complete_through(&clock);
         }
 
         /// Whether work queued on `self` from now on runs after position `pos` of
@@ -198,6 +266,50 @@ pub(crate) mod fake {
             }
             lock(&self.lane.clock).get(&other.id).is_some_and(|&p| p >= pos)
         }
+    }
+
+    /// The simulated streams by id, so that the completion of a stream's work completes
+    /// what it waited for on others (outside loom, whose models never need it: their
+    /// checks ask `covers`, which reads the clocks).
+    mod registry {
+        use std::collections::BTreeMap;
+
+        use super::Lane;
+        use crate::cuda::StreamId;
+
+        #[cfg(not(loom))]
+        use crate::sync::{lock, Arc, Mutex, Weak};
+
+        #[cfg(not(loom))]
+        static LANES: Mutex<BTreeMap<StreamId, Weak<Lane>>> = Mutex::new(BTreeMap::new());
+
+        #[cfg(not(loom))]
+        pub(super) fn register(id: StreamId, lane: &Arc<Lane>) {
+            let mut m = lock(&LANES);
+            m.retain(|_, w| w.strong_count() > 0);
+            m.insert(id, Arc::downgrade(lane));
+        }
+
+        /// Completes each stream of `clock` up to its position there.
+        #[cfg(not(loom))]
+        pub(super) fn complete_through(clock: &BTreeMap<StreamId, u64>) {
+            let lanes: Vec<(Arc<Lane>, u64)> = {
+                let m = lock(&LANES);
+                clock
+                    .iter()
+                    .filter_map(|(id, &p)| Some((m.get(id)?.upgrade()?, p)))
+                    .collect()
+            };
+            for (lane, p) in lanes {
+                lane.completed.fetch_max(p, crate::sync::Ordering::SeqCst);
+            }
+        }
+
+        #[cfg(loom)]
+        pub(super) fn register(_: StreamId, _: &crate::sync::Arc<Lane>) {}
+
+        #[cfg(loom)]
+        pub(super) fn complete_through(_: &BTreeMap<StreamId, u64>) {}
     }
 
     /// A position recorded on a simulated stream, with that stream's clock then.
@@ -301,6 +413,11 @@ pub(crate) mod fake {
     /// reservations ([`PoolModel`]).
     #[derive(Debug)]
     pub(crate) struct FakeBackend {
+        /// Blocks of `page_min` bytes and more on simulated physical pages.
+        pub(crate) pages: Option<PageHeap<FakePhys, FakeBackend>>,
+        page_min: usize,
+        /// The most the driver-pool model and the page heap reserved together.
+        peak_total: AtomicU64,
         next: AtomicU64,
         held: AtomicU64,
         limit: u64,
@@ -318,6 +435,9 @@ pub(crate) mod fake {
     impl FakeBackend {
         pub(crate) fn new(limit: u64) -> Self {
             Self {
+                pages: None,
+                page_min: usize::MAX,
+                peak_total: AtomicU64::new(0),
                 next: AtomicU64::new(1 << 20),
                 held: AtomicU64::new(0),
                 limit,
@@ -330,6 +450,32 @@ pub(crate) mod fake {
                 syncs: AtomicU64::new(0),
                 trims: AtomicU64::new(0),
             }
+        }
+
+        /// A simulated device whose blocks of `page_min` bytes and more live on the page
+        /// heap over `phys`.
+        pub(crate) fn paged(limit: u64, phys: FakePhys, page_min: usize) -> Self {
+            let mut b = Self::new(limit);
+            b.pages = Some(PageHeap::new(phys));
+            b.page_min = page_min;
+            b
+        }
+
+        fn paged_heap(&self, bytes: usize) -> Option<&PageHeap<FakePhys, FakeBackend>> {
+            if bytes >= self.page_min {
+                self.pages.as_ref()
+            } else {
+                None
+            }
+        }
+
+        fn heap_reserved(&self) -> u64 {
+            self.pages.as_ref().map_or(0, |h| h.reserved() as u64)
+        }
+
+        /// The most the simulated driver pool reserved.
+        pub(crate) fn pool_peak(&self) -> u64 {
+            lock(&self.pool).peak_reserved
         }
 
         /// Bytes allocated and not freed.
@@ -347,10 +493,12 @@ pub(crate) mod fake {
             self.live.clone()
         }
 
-        /// Bytes the simulated driver pool reserves now, and at most so far.
+        /// Bytes the simulated driver pool and the page heap reserve now, and at most so
+        /// far.
         pub(crate) fn reservation(&self) -> (u64, u64) {
             let m = lock(&self.pool);
-            (m.reserved, m.peak_reserved)
+            let now = m.reserved + self.heap_reserved();
+            (now, self.peak_total.load(Ordering::SeqCst).max(now))
         }
     }
 
@@ -394,11 +542,18 @@ pub(crate) mod fake {
         }
 
         fn is_complete(&self, mark: &FakeMark) -> Result<bool> {
-            Ok(mark.lane.completed.load(Ordering::SeqCst) >= mark.pos)
+            let done = mark.lane.completed.load(Ordering::SeqCst) >= mark.pos;
+            if done {
+                // What the mark's stream waited for before it completed too (a GPU stream
+                // cannot pass a wait before the awaited work completes).
+                registry::complete_through(&mark.clock);
+            }
+            Ok(done)
         }
 
         fn wait_host(&self, mark: &FakeMark) -> Result<()> {
             mark.lane.completed.fetch_max(mark.pos, Ordering::SeqCst);
+            registry::complete_through(&mark.clock);
             Ok(())
         }
 
@@ -408,7 +563,7 @@ pub(crate) mod fake {
             Ok(())
         }
 
-        fn alloc(&self, bytes: usize, _stream: &FakeStream) -> Result<u64> {
+        fn alloc(&self, bytes: usize, stream: &FakeStream) -> Result<u64> {
             assert!(bytes > 0 && bytes % 256 == 0, "fake: bad request {bytes}");
             let b = bytes as u64;
             let mut held = self.held.load(Ordering::SeqCst);
@@ -424,32 +579,348 @@ pub(crate) mod fake {
                     Err(now) => held = now,
                 }
             }
-            let ptr = self.next.fetch_add(b, Ordering::SeqCst);
-            lock(&self.live).insert(ptr, bytes);
-            lock(&self.pool).alloc(ptr, b);
+            let ptr = match self.paged_heap(bytes) {
+                Some(h) => match h.alloc(self, bytes, stream) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        self.held.fetch_sub(b, Ordering::SeqCst);
+                        return Err(e);
+                    }
+                },
+                None => {
+                    let ptr = self.next.fetch_add(b, Ordering::SeqCst);
+                    lock(&self.pool).alloc(ptr, b);
+                    ptr
+                }
+            };
+            assert!(
+                lock(&self.live).insert(ptr, bytes).is_none(),
+                "fake: block {ptr:#x} handed out twice"
+            );
+            let total = lock(&self.pool).reserved + self.heap_reserved();
+            self.peak_total.fetch_max(total, Ordering::SeqCst);
             self.allocs.fetch_add(1, Ordering::SeqCst);
             Ok(ptr)
         }
 
-        unsafe fn free(&self, ptr: u64, bytes: usize, _stream: &FakeStream) {
+        unsafe fn free(&self, ptr: u64, bytes: usize, stream: &FakeStream) {
             let size = lock(&self.live).remove(&ptr);
             assert_eq!(
                 size,
                 Some(bytes),
                 "fake: block {ptr:#x} freed twice or with a wrong size"
             );
-            lock(&self.pool).free(ptr);
+            match self.paged_heap(bytes) {
+                // SAFETY: the caller's obligation 1; blocks of this size come from the heap.
+                Some(h) => unsafe { h.free(self, ptr, stream) },
+                None => lock(&self.pool).free(ptr),
+            }
             self.held.fetch_sub(bytes as u64, Ordering::SeqCst);
             self.frees.fetch_add(1, Ordering::SeqCst);
         }
 
         fn trim_to(&self, keep: usize) {
             self.trims.fetch_add(1, Ordering::SeqCst);
-            lock(&self.pool).trim_to(keep as u64);
+            let mut keep_pool = keep as u64;
+            if let Some(h) = &self.pages {
+                let pool = lock(&self.pool).reserved as usize;
+                h.trim_to(self, keep.saturating_sub(pool));
+                keep_pool = (keep as u64).saturating_sub(self.heap_reserved());
+            }
+            lock(&self.pool).trim_to(keep_pool);
         }
 
         fn reserved(&self) -> Option<usize> {
-            Some(lock(&self.pool).reserved as usize)
+            Some((lock(&self.pool).reserved + self.heap_reserved()) as usize)
+        }
+    }
+
+    impl Drop for FakeBackend {
+        fn drop(&mut self) {
+            if let Some(h) = &self.pages {
+                h.shutdown(self);
+            }
+        }
+    }
+
+    /// Simulated physical memory for the page heap, checking every operation: handles
+    /// are power-of-two multiples of the granule, mapped whole into reserved ranges at
+    /// unmapped places, released only when unmapped, ranges freed only when empty; a
+    /// block's use ([`FakePhys::use_block`]) needs access set and a stream ordered after
+    /// every earlier use of each handle under it (on any range); an unmapping needs every
+    /// use of that mapping completed. Breaches are counted in `violations` (and printed),
+    /// never panics: tests assert there are none. Clones share the state.
+    #[derive(Clone, Debug)]
+    pub(crate) struct FakePhys {
+        pub(crate) state: Arc<Mutex<PhysState>>,
+    }
+
+    /// A mapping: bytes, handle, access set, uses through it, its id (one per `map`).
+    pub(crate) type Mapping = (usize, u64, bool, Vec<(FakeStream, u64)>, u64);
+
+    /// The simulated physical memory's books.
+    #[derive(Debug, Default)]
+    pub(crate) struct PhysState {
+        pub(crate) granule: usize,
+        /// Bytes of handles that may exist at once (out of memory beyond).
+        pub(crate) limit: usize,
+        next_handle: u64,
+        next_va: u64,
+        /// Live handles: bytes, mappings.
+        pub(crate) handles: BTreeMap<u64, (usize, u32)>,
+        pub(crate) handle_bytes: usize,
+        /// Reserved ranges: start -> bytes.
+        pub(crate) ranges: BTreeMap<u64, usize>,
+        /// Mappings by start.
+        pub(crate) mappings: BTreeMap<u64, Mapping>,
+        /// Uses of each handle, through any mapping (by id), not known to have completed.
+        uses: BTreeMap<u64, Vec<(u64, FakeStream, u64)>>,
+        next_mapping: u64,
+        pub(crate) violations: Vec<String>,
+        /// Per handle, what happened to it (for the violations' messages).
+        history: BTreeMap<u64, Vec<String>>,
+        pub(crate) creates: u64,
+        pub(crate) maps: u64,
+    }
+
+    impl PhysState {
+        fn violation(&mut self, what: String) {
+            eprintln!("fake phys: {what}");
+            self.violations.push(what);
+        }
+    }
+
+    impl FakePhys {
+        pub(crate) fn new(granule: usize, limit: usize) -> Self {
+            Self {
+                state: Arc::new(Mutex::new(PhysState {
+                    granule,
+                    limit,
+                    next_handle: 1,
+                    next_va: 1 << 44,
+                    ..PhysState::default()
+                })),
+            }
+        }
+
+        /// Work on `stream` uses the block at `[va, va + bytes)` (if it is on pages): checks
+        /// access and that `stream` is ordered after every earlier use of its handles
+        /// through other mappings (earlier blocks; uses of the same block on several
+        /// streams are the cache's business), then records the use. Returns whether the
+        /// block is on pages.
+        pub(crate) fn use_block(&self, va: u64, bytes: usize, stream: &FakeStream) -> bool {
+            self.record(va, bytes, stream, true)
+        }
+
+        /// Work on `stream` uses the live block at `[va, va + bytes)` besides its own
+        /// stream's (what `record_use` declares): recorded, not checked (ordering such a use
+        /// after the block's allocation is the program's business).
+        pub(crate) fn use_block_elsewhere(&self, va: u64, bytes: usize, stream: &FakeStream) -> bool {
+            self.record(va, bytes, stream, false)
+        }
+
+        fn record(&self, va: u64, bytes: usize, stream: &FakeStream, check: bool) -> bool {
+            let mut st = lock(&self.state);
+            let st = &mut *st;
+            let found: Vec<u64> = st
+                .mappings
+                .range(va..va + bytes as u64)
+                .map(|(&v, _)| v)
+                .collect();
+            if found.is_empty() {
+                return false;
+            }
+            let pos = stream.enqueue();
+            let mut problems = Vec::new();
+            let mut covered = 0usize;
+            for v in found {
+                let m = st.mappings.get_mut(&v).expect("found");
+                covered += m.0;
+                if !m.2 {
+                    problems.push(format!("use of {v:#x} without access"));
+                }
+                m.3.push((stream.clone(), pos));
+                let (h, id) = (m.1, m.4);
+                let uses = st.uses.entry(h).or_default();
+                uses.retain(|(_, s, p)| s.completed() < *p);
+                for (_, s, p) in uses.iter().filter(|u| check && u.0 != id) {
+                    if !stream.covers(s, *p) {
+                        let h_ = st
+                            .history
+                            .get(&h)
+                            .map(|v| v[v.len().saturating_sub(12)..].to_vec());
+                        problems.push(format!(
+                            "handle {h} used on {} at {pos} unordered after its use on {} at {p} \
+                             ({} completed); history {h_:?}",
+                            stream.id,
+                            s.id,
+                            s.completed()
+                        ));
+                    }
+                }
+                uses.push((id, stream.clone(), pos));
+                st.history
+                    .entry(h)
+                    .or_default()
+                    .push(format!("use of map {id} on {} at {pos}", stream.id));
+            }
+            if covered < bytes {
+                problems.push(format!("block {va:#x} of {bytes} bytes only {covered} mapped"));
+            }
+            for p in problems {
+                st.violation(p);
+            }
+            true
+        }
+
+        /// Breaches so far.
+        pub(crate) fn violations(&self) -> usize {
+            lock(&self.state).violations.len()
+        }
+
+        /// (live handles, their bytes, reserved ranges, mappings).
+        pub(crate) fn live(&self) -> (usize, usize, usize, usize) {
+            let st = lock(&self.state);
+            (
+                st.handles.len(),
+                st.handle_bytes,
+                st.ranges.len(),
+                st.mappings.len(),
+            )
+        }
+    }
+
+    impl Phys for FakePhys {
+        fn granule(&self) -> usize {
+            lock(&self.state).granule
+        }
+
+        fn create(&self, bytes: usize) -> Result<u64> {
+            let mut st = lock(&self.state);
+            let g = st.granule;
+            if bytes == 0 || bytes % g != 0 || !(bytes / g).is_power_of_two() {
+                st.violation(format!("create of {bytes} bytes"));
+            }
+            if st.handle_bytes + bytes > st.limit {
+                return Err(Error::OutOfMemory { requested: bytes });
+            }
+            let h = st.next_handle;
+            st.next_handle += 1;
+            st.handles.insert(h, (bytes, 0));
+            st.handle_bytes += bytes;
+            st.creates += 1;
+            Ok(h)
+        }
+
+        unsafe fn release(&self, handle: u64) -> Result<()> {
+            let mut st = lock(&self.state);
+            match st.handles.remove(&handle) {
+                Some((bytes, maps)) => {
+                    st.handle_bytes -= bytes;
+                    st.uses.remove(&handle);
+                    if maps != 0 {
+                        st.violation(format!("release of handle {handle} mapped {maps} times"));
+                    }
+                }
+                None => st.violation(format!("release of unknown handle {handle}")),
+            }
+            Ok(())
+        }
+
+        fn reserve(&self, bytes: usize) -> Result<u64> {
+            let mut st = lock(&self.state);
+            if bytes == 0 || bytes % st.granule != 0 {
+                st.violation(format!("reserve of {bytes} bytes"));
+            }
+            let va = st.next_va;
+            // A gap after each range, so that a mapping past its end is caught.
+            st.next_va += bytes as u64 + st.granule as u64;
+            st.ranges.insert(va, bytes);
+            Ok(va)
+        }
+
+        unsafe fn free_range(&self, va: u64, bytes: usize) -> Result<()> {
+            let mut st = lock(&self.state);
+            if st.ranges.remove(&va) != Some(bytes) {
+                st.violation(format!("free of unknown range {va:#x} ({bytes} bytes)"));
+            }
+            if st.mappings.range(va..va + bytes as u64).next().is_some() {
+                st.violation(format!("free of range {va:#x} with mappings"));
+            }
+            Ok(())
+        }
+
+        unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()> {
+            let mut st = lock(&self.state);
+            let inside = st
+                .ranges
+                .range(..=va)
+                .next_back()
+                .is_some_and(|(&r, &l)| va + bytes as u64 <= r + l as u64);
+            if !inside {
+                st.violation(format!("map at {va:#x} outside a reserved range"));
+            }
+            let overlap = st
+                .mappings
+                .range(..va + bytes as u64)
+                .next_back()
+                .is_some_and(|(&m, &(l, ..))| m + l as u64 > va);
+            if overlap {
+                st.violation(format!("map at {va:#x} over a mapping"));
+            }
+            match st.handles.get_mut(&handle) {
+                Some((b, maps)) if *b == bytes => *maps += 1,
+                _ => st.violation(format!("map of handle {handle} unknown or not of {bytes} bytes")),
+            }
+            st.next_mapping += 1;
+            let id = st.next_mapping;
+            st.mappings.insert(va, (bytes, handle, false, Vec::new(), id));
+            st.history
+                .entry(handle)
+                .or_default()
+                .push(format!("map {id} at {va:#x}"));
+            st.maps += 1;
+            Ok(())
+        }
+
+        unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()> {
+            let mut st = lock(&self.state);
+            match st.mappings.remove(&va) {
+                Some((l, h, _, uses, _)) if l == bytes => {
+                    if let Some((_, maps)) = st.handles.get_mut(&h) {
+                        *maps -= 1;
+                    }
+                    for (s, p) in uses {
+                        if s.completed() < p {
+                            st.violation(format!(
+                                "unmap of {va:#x} (handle {h}) before its use on {} at {p} completed",
+                                s.id
+                            ));
+                        }
+                    }
+                }
+                _ => st.violation(format!("unmap of unknown mapping {va:#x} ({bytes} bytes)")),
+            }
+            Ok(())
+        }
+
+        unsafe fn set_access(&self, va: u64, bytes: usize) -> Result<()> {
+            let mut st = lock(&self.state);
+            let mut at = va;
+            let end = va + bytes as u64;
+            let keys: Vec<u64> = st.mappings.range(va..end).map(|(&k, _)| k).collect();
+            for k in keys {
+                let m = st.mappings.get_mut(&k).expect("listed");
+                if k != at {
+                    break;
+                }
+                m.2 = true;
+                at += m.0 as u64;
+            }
+            if at != end {
+                st.violation(format!("access to {va:#x} ({bytes} bytes) not wholly mapped"));
+            }
+            Ok(())
         }
     }
 }

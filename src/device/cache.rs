@@ -43,6 +43,16 @@
 //! (2026-11-30: 1.33 with it, 1.26 for `cuMemAllocAsync`, 47852 trims making the run 4x
 //! slower), whose pool keeps chunks that hold any live block: it is off by default.
 //!
+//! With [`Backing::PhysicalPages`](super::Backing::PhysicalPages) the backend puts blocks
+//! of 2 granules and more (4 MiB on the H200) on its page heap (`pages.rs`) instead:
+//! physical handles in power-of-two multiples of the granule, mapped into a virtual range
+//! per block, so that what a released block held serves a miss of any size (after a wait
+//! for the free's mark on the GPU when the miss is on another stream), and the heap
+//! releases free handles before creating new ones while they exceed 1/32 of its bytes in
+//! blocks. On the simulated GPU RMM's random workload then reserves 1.108 of its peak
+//! request (the driver pool: 1.212); the cache above is unchanged (same classes, same
+//! idle bound), the cost is on the miss (maps, one access call, unmaps later).
+//!
 //! Out of memory: every idle block is released, other threads are asked for theirs, and
 //! the allocation is retried; then the streams involved are synchronized, the driver pool
 //! trimmed, and retried once more.

@@ -39,6 +39,9 @@
 //!   [`DevicePoolConfig::max_cached_block`] (1 GiB) bypass the cache. A miss that must
 //!   allocate releases idle blocks first while they exceed 1/32 of the live bytes (at
 //!   least 64 MiB), so a workload whose sizes change keeps its memory near its use.
+//!   With [`Backing::PhysicalPages`] blocks of 4 MiB and more are instead mapped from
+//!   handles of physical memory (CUDA's virtual memory management), which any later block
+//!   reuses whatever its size: the driver pool's fragmentation goes away for them.
 //! - **Out of memory**: the pool releases every cached block (each freed in its stream's
 //!   order), asks other threads for theirs, retries, then synchronizes, trims the driver
 //!   pool and retries once more; then it returns [`Error::DeviceOutOfMemory`] naming the
@@ -60,6 +63,7 @@ mod backend;
 mod buffer;
 mod cache;
 mod local;
+pub(crate) mod pages;
 mod pool;
 mod report;
 #[doc(hidden)]
@@ -76,7 +80,7 @@ mod loom_models;
 pub use arena::{ArenaSlice, DeviceArena, DeviceArenaStats, DeviceCheckpoint};
 pub use buffer::DeviceBuffer;
 pub(crate) use buffer::{copy_from_host_async, copy_to_host_async};
-pub use pool::{DevicePool, DevicePoolConfig};
+pub use pool::{Backing, DevicePool, DevicePoolConfig};
 pub use report::{report, DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
 
 /// Element types of a [`DeviceBuffer`]: plain data that may be copied to and from the

@@ -10,6 +10,7 @@ use super::local::{self, Core, LocalCache, Owned, PoolHandle};
 use super::report::{DeviceMemorySummary, DevicePoolStats, StreamCacheStats};
 use super::DeviceCopy;
 use crate::cuda::mem_pool::MemPool;
+use crate::cuda::vmm::Vmm;
 use crate::cuda::{device_count, mem_info, memset_d8_async, Stream};
 use crate::error::{Error, Result};
 use crate::slot_table::{SlotBits, SlotTable};
@@ -20,19 +21,25 @@ use crate::sync::{thread_local_const, Arc};
 /// what you need with the `with_*` methods (the fields are public to read).
 ///
 /// ```
-/// use cudalloc::device::DevicePoolConfig;
+/// use cudalloc::device::{Backing, DevicePoolConfig};
 /// let c = DevicePoolConfig::default();
 /// assert_eq!(c.release_threshold, u64::MAX);
 /// assert_eq!(c.limit, None);
 /// assert!(c.cache);
 /// assert_eq!(c.thread_cache_bytes, 256 << 20);
 /// assert_eq!(c.max_cached_block, 1 << 30);
+/// assert_eq!(c.backing, Backing::DriverPool);
 /// let small = DevicePoolConfig::default()
 ///     .with_limit(64 << 20)           // hold at most 64 MiB from the device
 ///     .with_thread_cache_bytes(0);    // every free block in the shared lists
 /// assert_eq!(small.limit, Some(64 << 20));
 /// let uncached = DevicePoolConfig::default().with_cache(false);
 /// assert!(!uncached.cache);
+/// // Large blocks on physical pages (opt-in; needs a device with VMM support).
+/// let paged = DevicePoolConfig::default().with_backing(Backing::PhysicalPages);
+/// if let Ok(pool) = cudalloc::device::DevicePool::new(0, paged) {
+///     assert_eq!(pool.stats().reserved_bytes, 0);
+/// }
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -55,6 +62,42 @@ pub struct DevicePoolConfig {
     /// Requests above this many bytes are not cached: they are allocated from and freed
     /// to the driver pool directly (default 1 GiB).
     pub max_cached_block: usize,
+    /// What memory blocks are made of (default [`Backing::DriverPool`]).
+    pub backing: Backing,
+}
+
+/// What a [`DevicePool`]'s blocks are made of.
+///
+/// ```
+/// use cudalloc::device::{Backing, DevicePool, DevicePoolConfig};
+/// let c = DevicePoolConfig::default().with_backing(Backing::PhysicalPages);
+/// if let Ok(pool) = DevicePool::new(0, c) {
+///     assert_eq!(pool.config().backing, Backing::PhysicalPages);
+/// }
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Backing {
+    /// Every block is an allocation of the pool's driver pool (`cuMemPoolCreate`,
+    /// `cuMemAllocFromPoolAsync`), which carves its chunks in stream order. The driver
+    /// keeps a chunk while any block lives in it, so a workload whose sizes vary makes its
+    /// reservations drift above what it holds (RMM's random workload: 1.26 reserved /
+    /// requested for `cuMemAllocAsync` on the H200).
+    #[default]
+    DriverPool,
+    /// Blocks of 2 allocation granules and more (4 MiB on the H200) are virtual ranges
+    /// mapped onto handles of physical memory (`cuMemCreate`, `cuMemMap`: CUDA's virtual
+    /// memory management, as PyTorch's expandable segments use it): memory freed from a
+    /// block of one size serves a block of any other size, so what is reserved stays near
+    /// what is held. A miss of such a block costs a few driver calls more (mapping each
+    /// handle, setting access; unmapping once the block's last use completed); smaller
+    /// blocks stay on the driver pool. Needs a device with VMM support:
+    /// [`DevicePool::new`] fails without it. Peer access
+    /// ([`DevicePool::enable_peer_access`]) is not supported on such a pool yet. A
+    /// [`limit`](DevicePoolConfig::limit) counts blocks at their class size: the rounding
+    /// of page blocks to whole granules and the free handles the heap keeps (at most 1/32
+    /// of its bytes in blocks before it creates more) come on top.
+    PhysicalPages,
 }
 
 impl Default for DevicePoolConfig {
@@ -65,6 +108,7 @@ impl Default for DevicePoolConfig {
             cache: true,
             thread_cache_bytes: 256 << 20,
             max_cached_block: 1 << 30,
+            backing: Backing::DriverPool,
         }
     }
 }
@@ -132,6 +176,17 @@ impl DevicePoolConfig {
             max_cached_block: bytes,
             ..self
         }
+    }
+
+    /// This configuration with blocks made of `backing`.
+    ///
+    /// ```
+    /// use cudalloc::device::{Backing, DevicePoolConfig};
+    /// let c = DevicePoolConfig::default().with_backing(Backing::PhysicalPages);
+    /// assert_eq!(c.backing, Backing::PhysicalPages);
+    /// ```
+    pub const fn with_backing(self, backing: Backing) -> Self {
+        Self { backing, ..self }
     }
 }
 
@@ -212,6 +267,10 @@ impl DevicePool {
         // 0 bytes is enforced by the cache, which then refuses every allocation.
         let pool = MemPool::new(device, config.limit.unwrap_or(0), config.release_threshold)?;
         let (_, device_bytes) = mem_info(device)?;
+        let pages = match config.backing {
+            Backing::DriverPool => None,
+            Backing::PhysicalPages => Some(Vmm::new(device)?),
+        };
         let settings = if config.cache {
             Settings::new(config.max_cached_block, config.thread_cache_bytes, config.limit)
         } else {
@@ -219,7 +278,10 @@ impl DevicePool {
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                core: Core::new::<DevicePool>(Cache::new(CudaBackend { pool, device_bytes }, settings)),
+                core: Core::new::<DevicePool>(Cache::new(
+                    CudaBackend::new(pool, device_bytes, pages),
+                    settings,
+                )),
                 device,
                 config,
             }),
@@ -415,7 +477,14 @@ impl DevicePool {
     pub fn stats(&self) -> DevicePoolStats {
         let snap = self.cache().snapshot();
         let backend = &self.cache().backend;
-        let usage = backend.pool.usage().unwrap_or_default();
+        let mut usage = backend.pool.usage().unwrap_or_default();
+        if let Some(h) = &backend.pages {
+            let p = h.stats();
+            usage.reserved += p.reserved as u64;
+            usage.reserved_high += p.peak_reserved as u64;
+            usage.used += p.block_bytes as u64;
+            usage.used_high += p.peak_block_bytes as u64;
+        }
         let (free, total) = mem_info(self.inner.device).unwrap_or((0, backend.device_bytes));
         let live_bytes = snap
             .held_bytes
@@ -511,6 +580,9 @@ impl DevicePool {
     /// ```
     pub fn reset_peaks(&self) {
         self.cache().reset_peak();
+        if let Some(h) = &self.cache().backend.pages {
+            h.reset_peak();
+        }
         if let Err(e) = self.cache().backend.pool.reset_highs() {
             log::warn!("cudalloc: could not reset the driver pool's highs: {e}");
         }
@@ -539,6 +611,11 @@ impl DevicePool {
     pub fn enable_peer_access(&self, peer: usize) -> Result<()> {
         if peer == self.inner.device {
             return Ok(());
+        }
+        if self.cache().backend.pages.is_some() {
+            return Err(Error::InvalidArgument(
+                "peer access is not supported on a pool with Backing::PhysicalPages yet",
+            ));
         }
         if !crate::cuda::can_access_peer(peer, self.inner.device)? {
             return Err(Error::InvalidArgument(

@@ -50,14 +50,17 @@ pub struct DevicePoolStats {
     /// The most bytes held at once.
     pub peak_held_bytes: u64,
     /// Bytes the driver pool reserves from the device now (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`;
-    /// 0 if the driver could not say).
+    /// 0 if the driver could not say), plus, with
+    /// [`Backing::PhysicalPages`](super::Backing::PhysicalPages), the bytes of the page
+    /// heap's physical handles.
     pub reserved_bytes: u64,
-    /// The most it reserved (`..._RESERVED_MEM_HIGH`).
+    /// The most it reserved (`..._RESERVED_MEM_HIGH`, plus the page heap's peak: the sum
+    /// of the two peaks, an upper bound of the peak of the sum).
     pub peak_reserved_bytes: u64,
     /// Bytes of the driver pool's allocations not yet freed (`..._USED_MEM_CURRENT`):
-    /// held bytes, plus frees still queued.
+    /// held bytes, plus frees still queued; plus the page heap's bytes in blocks.
     pub used_bytes: u64,
-    /// The most at once (`..._USED_MEM_HIGH`).
+    /// The most at once (`..._USED_MEM_HIGH`, plus the page heap's peak).
     pub peak_used_bytes: u64,
     /// The configured limit (`None`: none).
     pub limit: Option<usize>,

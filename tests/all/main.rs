@@ -25,6 +25,7 @@ mod debug_checks;
 mod defects;
 mod device;
 mod device_conformance;
+mod device_pages;
 mod device_stats;
 mod faults;
 mod gpu;

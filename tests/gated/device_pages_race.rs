@@ -1,0 +1,55 @@
+//! The page heap's cross-stream reuse (`Backing::PhysicalPages`): a block's physical
+//! handle freed on stream S, while S's work on it waits behind a gate, is mapped for a
+//! block of stream T at once (at another address), and T's work waits for S's.
+
+use cudalloc::device::{Backing, DevicePool, DevicePoolConfig};
+
+use crate::gpu_support::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
+
+const N: usize = 64 << 20;
+
+#[test]
+fn a_page_freed_on_one_stream_serves_another_only_after_its_work() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    // No cache: every allocation and free goes to the page heap.
+    let pool = DevicePool::new(
+        0,
+        DevicePoolConfig::default()
+            .with_cache(false)
+            .with_backing(Backing::PhysicalPages),
+    )
+    .unwrap();
+    let (s, t) = (stream(), stream());
+    let x = pool.alloc::<u8>(N, &s).unwrap();
+    let gate = Gate::hold(&s);
+    // SAFETY: x's block, written on its own stream; the pool frees it in S's order.
+    unsafe { fill(x.device_ptr(), 0xAA, N, &s) };
+    let old = x.device_ptr();
+    drop(x);
+    let reserved = pool.stats().reserved_bytes;
+    let y = pool.alloc::<u8>(N, &t).unwrap();
+    assert_ne!(
+        y.device_ptr(),
+        old,
+        "the old range stays mapped until S's work completed"
+    );
+    assert_eq!(
+        pool.stats().reserved_bytes,
+        reserved,
+        "T's block must be mapped from S's handle for the test to mean anything"
+    );
+    // SAFETY: y's block, written on its own stream.
+    unsafe { fill(y.device_ptr(), 0xBB, N, &t) };
+    let ran_ahead = finishes_within(&t, RUN_FOR);
+    gate.open();
+    s.synchronize().unwrap();
+    t.synchronize().unwrap();
+    let bad = mismatches(&y.to_vec().unwrap(), 0xBB);
+    println!("pages: T finished before S's late write: {ran_ahead}; {bad} of {N} bytes corrupted");
+    assert!(!ran_ahead, "T waited for S's work");
+    assert_eq!(bad, 0);
+    drop(y);
+    pool.trim();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+}
