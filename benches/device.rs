@@ -38,6 +38,8 @@
 //!
 //! `cargo bench --bench device -- --quick device_hit`
 
+mod common;
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -48,51 +50,10 @@ use cudalloc::device::Backing;
 use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::testing::{AsyncDeviceMemory, DeviceMemory};
 
+use common::{per_call, size_label, wanted};
+
 fn quick() -> bool {
     std::env::args().any(|a| a == "--quick")
-}
-
-/// Whether the command line's filters (criterion's positional arguments) may select
-/// `group`: work outside criterion's timing (the memory runs of `device_random`, the
-/// summaries) is skipped for groups no filter names.
-fn wanted(group: &str) -> bool {
-    const TAKES_VALUE: [&str; 16] = [
-        "--warm-up-time",
-        "--measurement-time",
-        "--sample-size",
-        "--save-baseline",
-        "--baseline",
-        "--baseline-lenient",
-        "--load-baseline",
-        "--output-format",
-        "--color",
-        "--profile-time",
-        "--significance-level",
-        "--noise-threshold",
-        "--confidence-level",
-        "--nresamples",
-        "--plotting-backend",
-        "--format",
-    ];
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let filters: Vec<&String> = args
-        .iter()
-        .enumerate()
-        .filter(|(i, a)| !a.starts_with('-') && (*i == 0 || !TAKES_VALUE.contains(&args[i - 1].as_str())))
-        .map(|(_, a)| a)
-        .collect();
-    filters.is_empty()
-        || filters
-            .iter()
-            .any(|f| f.contains(group) || group.contains(f.as_str()))
-}
-
-fn size_label(size: usize) -> String {
-    match size {
-        s if s >= 1 << 20 => format!("{}MiB", s >> 20),
-        s if s >= 1 << 10 => format!("{}KiB", s >> 10),
-        s => format!("{s}B"),
-    }
 }
 
 fn device_hit(c: &mut Criterion, stream: &Stream) {
@@ -138,22 +99,23 @@ fn device_hit(c: &mut Criterion, stream: &Stream) {
     g.finish();
     stream.synchronize().expect("synchronize");
     if wanted("device_hit") {
+        let rows: Vec<String> = sizes
+            .iter()
+            .map(|&size| {
+                let t = per_call(200, 10_000, || {
+                    drop(black_box(
+                        cached.alloc::<u8>(black_box(size), stream).expect("cache"),
+                    ))
+                });
+                format!("{} {t}", size_label(size))
+            })
+            .collect();
+        println!(
+            "device_hit cache, per pair (median / fastest of 200 batches): {}",
+            rows.join(", ")
+        );
         println!("device_hit: {}", cached.stats());
     }
-}
-
-/// The fastest of `batches` timed batches of `per_batch` calls of `f`, per call: on a
-/// machine shared with other work, the minimum is what the code costs when it runs.
-fn min_per_call(batches: usize, per_batch: usize, mut f: impl FnMut()) -> f64 {
-    (0..batches)
-        .map(|_| {
-            let t0 = Instant::now();
-            for _ in 0..per_batch {
-                f();
-            }
-            t0.elapsed().as_secs_f64() * 1e9 / per_batch as f64
-        })
-        .fold(f64::INFINITY, f64::min)
 }
 
 fn device_hit_sim(c: &mut Criterion) {
@@ -179,17 +141,18 @@ fn device_hit_sim(c: &mut Criterion) {
     }
     g.finish();
     if wanted("device_hit_sim") {
-        // Criterion's means suffer on a loaded machine; the fastest batch does not.
-        let base = min_per_call(200, 10_000, malloc);
+        // Criterion's means suffer on a loaded machine; the batches' median and minimum
+        // less so.
+        let base = per_call(200, 10_000, malloc);
         let rows: Vec<String> = sizes
             .iter()
             .map(|&size| {
-                let t = min_per_call(200, 10_000, || hit(size));
-                format!("{} {t:.1} ns ({:.2}x)", size_label(size), t / base)
+                let t = per_call(200, 10_000, || hit(size));
+                format!("{} {t} ({:.2}x)", size_label(size), t.median / base.median)
             })
             .collect();
         println!(
-            "device_hit_sim, fastest batch: malloc 64B {base:.1} ns; sim_cache {}",
+            "device_hit_sim, per call (median / fastest of 200 batches): malloc 64B {base}; sim_cache {}",
             rows.join(", ")
         );
     }

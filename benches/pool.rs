@@ -21,6 +21,8 @@
 //!
 //! `cargo bench --bench pool -- --warm-up-time 1 --measurement-time 2`
 
+mod common;
+
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -35,6 +37,8 @@ use cudalloc::testing::workload;
 use cudalloc::testing::AsyncDeviceMemory;
 use cudalloc::{Direct, PinnedAlloc};
 
+use common::{per_call, size_label, wanted};
+
 /// Whether the GPU rows can run; says why not once per group.
 fn gpu(group: &str) -> bool {
     let ok = cudalloc::cuda::driver_available();
@@ -42,14 +46,6 @@ fn gpu(group: &str) -> bool {
         eprintln!("pool bench: {group}: GPU rows skipped: no CUDA driver");
     }
     ok
-}
-
-fn size_label(size: usize) -> String {
-    match size {
-        s if s >= 1 << 20 => format!("{}MiB", s >> 20),
-        s if s >= 1 << 10 => format!("{}KiB", s >> 10),
-        s => format!("{s}B"),
-    }
 }
 
 #[inline(always)]
@@ -105,6 +101,24 @@ fn alloc_free_hit(c: &mut Criterion) {
         }
     }
     g.finish();
+    if wanted("alloc_free_hit") {
+        for size in sizes {
+            let layout = Layout::from_size_align(size, 16).unwrap();
+            let mut row = format!(
+                "alloc_free_hit {}, per pair (median / fastest of 200 batches): pool_host {}, system {}",
+                size_label(size),
+                per_call(200, 10_000, || pair(&pool, layout)),
+                per_call(200, 10_000, || pair(&System, layout)),
+            );
+            if with_gpu {
+                row += &format!(
+                    ", pinned_alloc {}",
+                    per_call(200, 10_000, || pair(&PinnedAlloc, layout))
+                );
+            }
+            println!("{row}");
+        }
+    }
     if let Some(stream) = stream {
         stream.synchronize().unwrap();
     }
