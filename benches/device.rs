@@ -2,7 +2,9 @@
 //! per question.
 //!
 //! - `device_hit`: an alloc + free pair when the block is cached, 256 B .. 128 MiB, one
-//!   thread, one stream. Rows: `cache` (the process-wide `DevicePool`), `uncached_pool`
+//!   thread, one stream. Rows: `cache` (the process-wide `DevicePool`; the buffer passed
+//!   whole through `black_box`), `cache_ptr` (the same, reading only the buffer's address,
+//!   as a program does), `uncached_pool`
 //!   (`DevicePool::uncached`: `cuMemAllocFromPoolAsync` + `cuMemFreeAsync`),
 //!   `cu_mem_alloc_async` (`cuMemAllocAsync` + `cuMemFreeAsync`, default pool, release
 //!   threshold raised) and `cu_mem_alloc` (`cuMemAlloc` + `cuMemFree`). Target: `cache`
@@ -78,6 +80,15 @@ fn device_hit(c: &mut Criterion, stream: &Stream) {
                 ))
             })
         });
+        // What a program does with a buffer: reads its address (for a kernel or a copy)
+        // and drops it. The row above also forces the whole 48-byte buffer through memory
+        // (`black_box` of the buffer), which keeps its drop out of line.
+        g.bench_function(BenchmarkId::new("cache_ptr", &id), |b| {
+            b.iter(|| {
+                let buf = cached.alloc::<u8>(black_box(size), stream).expect("cache");
+                black_box(buf.device_ptr());
+            })
+        });
         g.bench_function(BenchmarkId::new("uncached_pool", &id), |b| {
             b.iter(|| {
                 drop(black_box(
@@ -107,7 +118,11 @@ fn device_hit(c: &mut Criterion, stream: &Stream) {
                         cached.alloc::<u8>(black_box(size), stream).expect("cache"),
                     ))
                 });
-                format!("{} {t}", size_label(size))
+                let ptr = per_call(200, 10_000, || {
+                    let buf = cached.alloc::<u8>(black_box(size), stream).expect("cache");
+                    black_box(buf.device_ptr());
+                });
+                format!("{} {t} (cache_ptr {ptr})", size_label(size))
             })
             .collect();
         println!(
