@@ -262,63 +262,34 @@ fn device_random(c: &mut Criterion) {
     let sync = || streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
     // Memory: one run each on a fresh pool / a freshly reset default pool.
     if wanted("device_random") {
-        let pool = DevicePool::new(0, DevicePoolConfig::default()).expect("pool");
-        let t0 = Instant::now();
-        let peak = random_allocations(
-            |size, s| pool.alloc::<u8>(size, &streams[s]).expect("cache"),
-            allocations,
-            max_size,
-            max_usage,
-            streams.len(),
-        );
-        let elapsed = t0.elapsed();
-        sync();
-        let st = pool.stats();
-        println!(
-            "device_random cache: {allocations} allocations in {:.1} ms; peak requested {:.0} MiB, \
-             peak held {:.0} MiB (held / requested = {:.3}), peak reserved {:.0} MiB \
-             (reserved / requested = {:.3}, target <= 1.15); {} driver-pool trims\n{st}",
-            elapsed.as_secs_f64() * 1e3,
-            peak as f64 / 1048576.0,
-            st.peak_held_bytes as f64 / 1048576.0,
-            st.peak_held_bytes as f64 / peak as f64,
-            st.peak_reserved_bytes as f64 / 1048576.0,
-            st.peak_reserved_bytes as f64 / peak as f64,
-            st.trims,
-        );
-        // This thread's cache holds a handle of the pool: give its memory back now.
-        pool.trim();
-    }
-    if wanted("device_random") {
-        let pool = DevicePool::new(
-            0,
-            DevicePoolConfig::default().with_backing(Backing::PhysicalPages),
-        )
-        .expect("pool on physical pages");
-        let t0 = Instant::now();
-        let peak = random_allocations(
-            |size, s| pool.alloc::<u8>(size, &streams[s]).expect("pages"),
-            allocations,
-            max_size,
-            max_usage,
-            streams.len(),
-        );
-        let elapsed = t0.elapsed();
-        sync();
-        let st = pool.stats();
-        println!(
-            "device_random pages: {allocations} allocations in {:.1} ms; peak requested {:.0} MiB, \
-             peak held {:.0} MiB (held / requested = {:.3}), peak reserved {:.0} MiB \
-             (reserved / requested = {:.3}, target <= 1.15); {} driver-pool trims\n{st}",
-            elapsed.as_secs_f64() * 1e3,
-            peak as f64 / 1048576.0,
-            st.peak_held_bytes as f64 / 1048576.0,
-            st.peak_held_bytes as f64 / peak as f64,
-            st.peak_reserved_bytes as f64 / 1048576.0,
-            st.peak_reserved_bytes as f64 / peak as f64,
-            st.trims,
-        );
-        pool.trim();
+        for (name, backing) in [("cache", Backing::DriverPool), ("pages", Backing::PhysicalPages)] {
+            let pool = DevicePool::new(0, DevicePoolConfig::default().with_backing(backing)).expect("pool");
+            let t0 = Instant::now();
+            let peak = random_allocations(
+                |size, s| pool.alloc::<u8>(size, &streams[s]).expect(name),
+                allocations,
+                max_size,
+                max_usage,
+                streams.len(),
+            );
+            let elapsed = t0.elapsed();
+            sync();
+            let st = pool.stats();
+            println!(
+                "device_random {name}: {allocations} allocations in {:.1} ms; peak requested {:.0} MiB, \
+                 peak held {:.0} MiB (held / requested = {:.3}), peak reserved {:.0} MiB \
+                 (reserved / requested = {:.3}, target <= 1.15); {} driver-pool trims\n{st}",
+                elapsed.as_secs_f64() * 1e3,
+                peak as f64 / 1048576.0,
+                st.peak_held_bytes as f64 / 1048576.0,
+                st.peak_held_bytes as f64 / peak as f64,
+                st.peak_reserved_bytes as f64 / 1048576.0,
+                st.peak_reserved_bytes as f64 / peak as f64,
+                st.trims,
+            );
+            // This thread's cache holds a handle of the pool: give its memory back now.
+            pool.trim();
+        }
     }
     if wanted("device_random") {
         sync();

@@ -380,26 +380,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
     /// Undoes a failed allocation: unmaps the first `mapped` pieces (nothing used them),
     /// puts the handles back in the free lists, keeps the range for reuse.
     fn undo(&self, st: &mut State<B::Mark>, va: u64, len: usize, pieces: Pieces, mapped: usize) {
-        let mut off = 0u64;
-        let mut clean = true;
-        for (i, &(h, sz)) in pieces.iter().enumerate() {
-            if i < mapped {
-                // SAFETY: mapped above by this allocation; no work was queued on it.
-                match unsafe { self.phys.unmap(va + off, sz) } {
-                    Ok(()) => {
-                        if let Some(p) = st.pages.get_mut(&h) {
-                            p.maps -= 1;
-                        }
-                        st.stats.unmaps += 1;
-                    }
-                    Err(e) => {
-                        clean = false;
-                        record_drop_error("cuMemUnmap", e);
-                    }
-                }
-            }
-            off += sz as u64;
-        }
+        // SAFETY: the first `mapped` pieces were mapped at `va` by this allocation (at
+        // consecutive offsets); no work was queued on them.
+        let clean = unsafe { self.unmap_pieces(st, va, &pieces[..mapped]) };
         if !clean {
             // A mapping stays: neither the range nor its handles may be reused.
             st.lost.push((va, pieces));
@@ -414,6 +397,34 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             st.stats.free_bytes += sz;
         }
         self.keep_range(st, va, len);
+    }
+
+    /// Unmaps `pieces`, mapped at consecutive offsets from `va`, one call each; false if
+    /// any unmap failed (counted as a drop error; that mapping stays).
+    ///
+    /// # Safety
+    /// 1. Each piece is mapped at its offset from `va` and no work uses the range any more
+    ///    (none was queued on it, or every use completed).
+    unsafe fn unmap_pieces(&self, st: &mut State<B::Mark>, va: u64, pieces: &[(u64, usize)]) -> bool {
+        let mut off = 0u64;
+        let mut clean = true;
+        for &(h, sz) in pieces {
+            // SAFETY: obligation 1.
+            match unsafe { self.phys.unmap(va + off, sz) } {
+                Ok(()) => {
+                    if let Some(p) = st.pages.get_mut(&h) {
+                        p.maps -= 1;
+                    }
+                    st.stats.unmaps += 1;
+                }
+                Err(e) => {
+                    clean = false;
+                    record_drop_error("cuMemUnmap", e);
+                }
+            }
+            off += sz as u64;
+        }
+        clean
     }
 
     /// Keeps an unmapped range for reuse, or frees it.
@@ -511,25 +522,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
 
     fn unmap_retired(&self, st: &mut State<B::Mark>, r: Retired<B::Mark>) {
         let len: usize = r.pieces.iter().map(|p| p.1).sum();
-        let mut off = 0u64;
-        let mut clean = true;
-        for &(h, sz) in &r.pieces {
-            // SAFETY: the mapping was made by alloc; the free's mark completed, so no work
-            // uses it (every use was ordered before the mark).
-            match unsafe { self.phys.unmap(r.va + off, sz) } {
-                Ok(()) => {
-                    if let Some(p) = st.pages.get_mut(&h) {
-                        p.maps -= 1;
-                    }
-                    st.stats.unmaps += 1;
-                }
-                Err(e) => {
-                    clean = false;
-                    record_drop_error("cuMemUnmap", e);
-                }
-            }
-            off += sz as u64;
-        }
+        // SAFETY: the pieces were mapped at `r.va` by an allocation; the free's mark
+        // completed, so no work uses them (every use was ordered before the mark).
+        let clean = unsafe { self.unmap_pieces(st, r.va, &r.pieces) };
         if clean {
             self.keep_range(st, r.va, len);
         }
