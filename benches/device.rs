@@ -322,56 +322,34 @@ fn device_random(c: &mut Criterion) {
     g.throughput(Throughput::Elements(allocations as u64));
     let pool = DevicePool::get(0).expect("pool");
     let id = format!("{allocations}x{}MiB", max_size >> 20);
-    g.bench_function(BenchmarkId::new("cache", &id), |b| {
-        b.iter_custom(|iters| {
-            let t0 = Instant::now();
-            for _ in 0..iters {
-                random_allocations(
-                    |size, s| pool.alloc::<u8>(size, &streams[s]).expect("cache"),
-                    allocations,
-                    max_size,
-                    max_usage,
-                    streams.len(),
-                );
-            }
-            t0.elapsed()
-        })
-    });
-    g.bench_function(BenchmarkId::new("cu_mem_alloc_async", &id), |b| {
-        b.iter_custom(|iters| {
-            let t0 = Instant::now();
-            for _ in 0..iters {
-                random_allocations(
-                    |size, s| AsyncDeviceMemory::new(size, &streams[s]).expect("cuMemAllocAsync"),
-                    allocations,
-                    max_size,
-                    max_usage,
-                    streams.len(),
-                );
-            }
-            t0.elapsed()
-        })
+    // A row: `iters` runs of the workload, allocating with `$alloc`.
+    macro_rules! random_row {
+        ($name:expr, $alloc:expr) => {
+            g.bench_function(BenchmarkId::new($name, &id), |b| {
+                b.iter_custom(|iters| {
+                    let t0 = Instant::now();
+                    for _ in 0..iters {
+                        random_allocations($alloc, allocations, max_size, max_usage, streams.len());
+                    }
+                    t0.elapsed()
+                })
+            })
+        };
+    }
+    random_row!("cache", |size, s| pool
+        .alloc::<u8>(size, &streams[s])
+        .expect("cache"));
+    random_row!("cu_mem_alloc_async", |size, s| {
+        AsyncDeviceMemory::new(size, &streams[s]).expect("cuMemAllocAsync")
     });
     let pages = DevicePool::new(
         0,
         DevicePoolConfig::default().with_backing(Backing::PhysicalPages),
     )
     .expect("pool on physical pages");
-    g.bench_function(BenchmarkId::new("pages", &id), |b| {
-        b.iter_custom(|iters| {
-            let t0 = Instant::now();
-            for _ in 0..iters {
-                random_allocations(
-                    |size, s| pages.alloc::<u8>(size, &streams[s]).expect("pages"),
-                    allocations,
-                    max_size,
-                    max_usage,
-                    streams.len(),
-                );
-            }
-            t0.elapsed()
-        })
-    });
+    random_row!("pages", |size, s| pages
+        .alloc::<u8>(size, &streams[s])
+        .expect("pages"));
     g.finish();
     sync();
     // The process-wide pool keeps what the runs cached; give it back for later groups.

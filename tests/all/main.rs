@@ -32,6 +32,7 @@ mod gpu;
 mod gpu_support;
 mod kernels;
 mod matrix;
+mod model;
 mod pool;
 mod props;
 mod registration;

@@ -14,7 +14,7 @@
 
 use core::ptr::NonNull;
 
-use allocator_api2::alloc::{Allocator, Global, Layout};
+use allocator_api2::alloc::{AllocError, Allocator, Global, Layout};
 use cudalloc::arena::{Arena, ArenaConfig};
 use cudalloc::cuda::{driver_available, HostAllocFlags};
 use cudalloc::pool::{Pool, PoolConfig};
@@ -350,7 +350,24 @@ fn assert_block(block: NonNull<[u8]>, l: Layout, what: &str) {
 /// For an allocator that must work: a block for `l`, checked. For one that must not:
 /// asserts `AllocError` and returns `None`.
 fn alloc_or_refuse<A: Allocator>(a: &A, who: &Who<'_>, l: Layout) -> Option<NonNull<[u8]>> {
-    match a.allocate(l) {
+    checked_or_refused(a, who, l, a.allocate(l), "allocate")
+}
+
+/// `alloc_or_refuse` for `allocate_zeroed`.
+fn alloc_zeroed_or_refuse<A: Allocator>(a: &A, who: &Who<'_>, l: Layout) -> Option<NonNull<[u8]>> {
+    checked_or_refused(a, who, l, a.allocate_zeroed(l), "allocate_zeroed")
+}
+
+/// The checks of `alloc_or_refuse` on the result `r` of `call` (`allocate` or
+/// `allocate_zeroed`) with `l`.
+fn checked_or_refused<A: Allocator>(
+    a: &A,
+    who: &Who<'_>,
+    l: Layout,
+    r: Result<NonNull<[u8]>, AllocError>,
+    call: &str,
+) -> Option<NonNull<[u8]>> {
+    match r {
         Ok(b) if who.works => {
             assert_block(b, l, &who.name);
             Some(b)
@@ -360,7 +377,7 @@ fn alloc_or_refuse<A: Allocator>(a: &A, who: &Who<'_>, l: Layout) -> Option<NonN
             unsafe { a.deallocate(b.cast(), l) };
             panic!("{}: {l:?} must fail without a driver", who.name)
         }
-        Err(_) if who.works => panic!("{}: allocate {l:?} failed", who.name),
+        Err(_) if who.works => panic!("{}: {call} {l:?} failed", who.name),
         Err(_) => None,
     }
 }
@@ -751,22 +768,6 @@ impl Row for Zeroed {
                 unsafe { a.deallocate(g.cast(), new) };
             }
         }
-    }
-}
-
-fn alloc_zeroed_or_refuse<A: Allocator>(a: &A, who: &Who<'_>, l: Layout) -> Option<NonNull<[u8]>> {
-    match a.allocate_zeroed(l) {
-        Ok(b) if who.works => {
-            assert_block(b, l, &who.name);
-            Some(b)
-        }
-        Ok(b) => {
-            // SAFETY: just allocated with `l`.
-            unsafe { a.deallocate(b.cast(), l) };
-            panic!("{}: {l:?} must fail without a driver", who.name)
-        }
-        Err(_) if who.works => panic!("{}: allocate_zeroed {l:?} failed", who.name),
-        Err(_) => None,
     }
 }
 

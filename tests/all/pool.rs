@@ -9,7 +9,6 @@ use std::sync::Arc;
 use allocator_api2::alloc::{Allocator, Layout};
 use allocator_api2::vec::Vec as AVec;
 use cudalloc::cuda::{HostAllocFlags, Stream};
-use cudalloc::fence::Fence;
 use cudalloc::pool::{Pool, PoolConfig, PoolStats};
 use cudalloc::source::{HostSource, ManagedSource, MemorySource, PinnedSource, RegisteredSource};
 use cudalloc::source::{PinnedGrowth, PinnedPoolSource};
@@ -17,6 +16,7 @@ use cudalloc::{copy, PinnedAlloc};
 use proptest::prelude::*;
 
 use crate::conformance::{suite, threads, Options};
+use crate::model::{retire, Block, Flag, Waiting};
 
 fn assert_balanced(s: &PoolStats) {
     assert_eq!(
@@ -189,16 +189,6 @@ fn past_the_cap_allocation_fails_and_the_process_goes_on() {
 
 // ---- property test -----------------------------------------------------------------
 
-/// A fence a test completes by hand.
-struct Flag(Arc<AtomicBool>);
-
-// SAFETY: the tests set the flag only when they no longer use the block.
-unsafe impl Fence for Flag {
-    fn is_complete(&self) -> cudalloc::Result<bool> {
-        Ok(self.0.load(Ordering::Acquire))
-    }
-}
-
 type Job = Box<dyn FnOnce() + Send>;
 
 /// A thread that runs jobs one at a time, so each thread keeps its own cache.
@@ -283,20 +273,6 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|pick| Op::Complete { pick }),
         1 => (0..3usize).prop_map(|thread| Op::Trim { thread }),
     ]
-}
-
-struct Block {
-    addr: usize,
-    layout: Layout,
-    tag: u8,
-    fences: Vec<Arc<AtomicBool>>,
-}
-
-/// A freed block the model expects to stay unused until its flags are set.
-struct Waiting {
-    start: usize,
-    end: usize,
-    fences: Vec<Arc<AtomicBool>>,
 }
 
 fn fill(addr: usize, len: usize, tag: u8) {
@@ -460,7 +436,7 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
         for w in &waiting {
             for &(a, e) in &ranges {
                 prop_assert!(
-                    e <= w.start || a >= w.end,
+                    e <= w.range.0 || a >= w.range.1,
                     "step {}: a block waiting for its fences was reused",
                     step
                 );
@@ -493,17 +469,6 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
         s
     );
     Ok(())
-}
-
-/// The model's side of a free: a block with unset flags must not be reused until set.
-fn retire(waiting: &mut Vec<Waiting>, addr: usize, len: usize, fences: Vec<Arc<AtomicBool>>) {
-    if len > 0 && fences.iter().any(|f| !f.load(Ordering::Relaxed)) {
-        waiting.push(Waiting {
-            start: addr,
-            end: addr + len,
-            fences,
-        });
-    }
 }
 
 proptest! {

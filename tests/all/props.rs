@@ -27,6 +27,8 @@ use cudalloc::{Counting, Direct, ManagedAlloc, PinnedAlloc};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
+use crate::model::{retire, Block, Flag, Waiting};
+
 const THREADS: usize = 4;
 
 /// `n`, or `PROPTEST_CASES` when set.
@@ -46,17 +48,6 @@ fn config(n: u32) -> ProptestConfig {
 }
 
 // ---- fences ---------------------------------------------------------------------------
-
-/// A fence the model completes by hand.
-struct Flag(Arc<AtomicBool>);
-
-// SAFETY: the model sets the flag only once it no longer uses the block (it never
-// touches a freed block).
-unsafe impl Fence for Flag {
-    fn is_complete(&self) -> cudalloc::Result<bool> {
-        Ok(self.0.load(Ordering::Acquire))
-    }
-}
 
 /// The flags of a case, all set when it ends however it ends: an allocator dropped with
 /// a pending block waits for its fences.
@@ -223,21 +214,6 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn ops(max: usize) -> impl Strategy<Value = Vec<Op>> {
     proptest::collection::vec(op(), 1..max)
-}
-
-/// A live block of the model.
-struct Block {
-    addr: usize,
-    layout: Layout,
-    tag: u8,
-    /// Flags of the uses recorded on it (open or not).
-    fences: Vec<Arc<AtomicBool>>,
-}
-
-/// A freed block that must not be handed out again before its flags are all set.
-struct Waiting {
-    range: (usize, usize),
-    fences: Vec<Arc<AtomicBool>>,
 }
 
 /// What the model knows, for the subject's own checks.
@@ -422,23 +398,7 @@ fn run_model<A: Allocator + Sync>(subject: &Subject<'_, A>, ops: Vec<Op>) -> Res
                         }
                     });
                     let b = &mut live[i];
-                    prop_assert!(
-                        g.len >= new.size() && g.addr % new.align() == 0,
-                        "step {}: bad grow",
-                        step
-                    );
-                    prop_assert!(
-                        intact(g.addr, old.size(), b.tag),
-                        "step {}: grow lost contents",
-                        step
-                    );
-                    if zeroed {
-                        prop_assert!(
-                            zero(g.addr, old.size(), g.len),
-                            "step {}: grow_zeroed left bytes",
-                            step
-                        );
-                    }
+                    check_resized(step, "grow", &g, new, old.size(), b.tag, zeroed)?;
                     if g.addr != old_addr {
                         let f = core::mem::take(&mut b.fences);
                         retire(&mut waiting, old_addr, old.size(), f);
@@ -466,16 +426,7 @@ fn run_model<A: Allocator + Sync>(subject: &Subject<'_, A>, ops: Vec<Op>) -> Res
                         }
                     });
                     let b = &mut live[i];
-                    prop_assert!(
-                        g.len >= new.size() && g.addr % new.align() == 0,
-                        "step {}: bad shrink",
-                        step
-                    );
-                    prop_assert!(
-                        intact(g.addr, new.size(), b.tag),
-                        "step {}: shrink lost contents",
-                        step
-                    );
+                    check_resized(step, "shrink", &g, new, new.size(), b.tag, false)?;
                     if g.addr != old_addr {
                         let f = core::mem::take(&mut b.fences);
                         retire(&mut waiting, old_addr, old.size(), f);
@@ -584,14 +535,33 @@ fn run_model<A: Allocator + Sync>(subject: &Subject<'_, A>, ops: Vec<Op>) -> Res
     (subject.check_end)()
 }
 
-/// The model's side of a free: a block with unset flags must not be reused until set.
-fn retire(waiting: &mut Vec<Waiting>, addr: usize, len: usize, fences: Vec<Arc<AtomicBool>>) {
-    if len > 0 && fences.iter().any(|f| !f.load(Ordering::Relaxed)) {
-        waiting.push(Waiting {
-            range: (addr, addr + len),
-            fences,
-        });
+/// Checks the block `g` a grow or shrink (`what`) returned for `new`: fitted and aligned,
+/// its first `kept` bytes still `tag`, and (for a zeroed grow) the rest zero.
+fn check_resized(
+    step: usize,
+    what: &str,
+    g: &Raw,
+    new: Layout,
+    kept: usize,
+    tag: u8,
+    zeroed: bool,
+) -> Result<(), TestCaseError> {
+    prop_assert!(
+        g.len >= new.size() && g.addr % new.align() == 0,
+        "step {}: bad {}",
+        step,
+        what
+    );
+    prop_assert!(intact(g.addr, kept, tag), "step {}: {} lost contents", step, what);
+    if zeroed {
+        prop_assert!(
+            zero(g.addr, kept, g.len),
+            "step {}: {}_zeroed left bytes",
+            step,
+            what
+        );
     }
+    Ok(())
 }
 
 // ---- subjects -------------------------------------------------------------------------
@@ -1003,23 +973,8 @@ fn run_arena_model_with(
                     continue;
                 };
                 let addr = g.cast::<u8>().as_ptr() as usize;
-                prop_assert!(
-                    g.len() >= new.size() && addr % new.align() == 0,
-                    "step {}: bad grow",
-                    step
-                );
-                prop_assert!(
-                    intact(addr, old.size(), b.tag),
-                    "step {}: grow lost contents",
-                    step
-                );
-                if zeroed {
-                    prop_assert!(
-                        zero(addr, old.size(), g.len()),
-                        "step {}: grow_zeroed left bytes",
-                        step
-                    );
-                }
+                let raw = Raw { addr, len: g.len() };
+                check_resized(step, "grow", &raw, new, old.size(), b.tag, zeroed)?;
                 if open(&b.protected_by) {
                     // The old bytes may still be read by the GPU: the grown block may not
                     // have reclaimed them (an in-place grow moves a block down over free
@@ -1065,16 +1020,8 @@ fn run_arena_model_with(
                     continue;
                 };
                 let addr = g.cast::<u8>().as_ptr() as usize;
-                prop_assert!(
-                    g.len() >= new.size() && addr % new.align() == 0,
-                    "step {}: bad shrink",
-                    step
-                );
-                prop_assert!(
-                    intact(addr, new.size(), b.tag),
-                    "step {}: shrink lost contents",
-                    step
-                );
+                let raw = Raw { addr, len: g.len() };
+                check_resized(step, "shrink", &raw, new, new.size(), b.tag, false)?;
                 let within = addr >= old_addr && addr + new.size() <= old_addr + old.size();
                 disturb(&mut marks, b.born);
                 let b = &mut live[i];
