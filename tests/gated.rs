@@ -17,10 +17,11 @@ use allocator_api2::vec::Vec;
 use cudalloc::arena::Arena;
 use cudalloc::cuda::Stream;
 use cudalloc::device::DevicePool;
-use cudalloc::pool::{Pool, PoolConfig, PoolStats};
+use cudalloc::pool::{Pool, PoolConfig};
 use cudalloc::source::PinnedSource;
 use cudalloc::testing::DeviceMemory;
 use cudalloc::{copy, PinnedAlloc};
+use support::assert_balanced;
 
 const MIB: usize = 1 << 20;
 
@@ -99,14 +100,6 @@ fn pending_while_gated(
         "the checks took 10 s: the gate opened before them"
     );
     pending
-}
-
-fn assert_balanced(s: &PoolStats) {
-    assert_eq!(
-        s.live_bytes + s.cached_bytes + s.pending_bytes,
-        s.source_bytes,
-        "live + cached + pending == source: {s:?}"
-    );
 }
 
 #[test]

@@ -19,9 +19,11 @@ use allocator_api2::alloc::{Allocator, Layout};
 use allocator_api2::vec::Vec as AVec;
 use cudalloc::arena::{Arena, ArenaConfig};
 use cudalloc::fence::Fence;
-use cudalloc::pool::{Pool, PoolConfig, PoolStats};
+use cudalloc::pool::{Pool, PoolConfig};
 use cudalloc::source::{HostSource, HostVisible, MemoryKind, MemorySource};
 use cudalloc::{Counting, Direct, Error};
+
+use crate::support::assert_balanced;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -187,15 +189,6 @@ unsafe impl Fence for Scripted {
 }
 
 // ---- checks --------------------------------------------------------------------------
-
-#[track_caller]
-fn assert_balanced(s: &PoolStats) {
-    assert_eq!(
-        s.live_bytes + s.cached_bytes + s.pending_bytes,
-        s.source_bytes,
-        "live + cached + pending == source: {s:?}"
-    );
-}
 
 /// The pool's counters against what the source and the test know.
 #[track_caller]

@@ -84,6 +84,22 @@ pub unsafe fn fill(ptr: u64, value: u8, len: usize, stream: &Stream) {
     unsafe { cudalloc::cuda::memset_d8_async(ptr, value, len, stream) }.unwrap();
 }
 
+/// The late write of a race test: queues a fill of `ptr..ptr + len` with `0xBB` on `on`,
+/// says whether it finished within [`RUN_FOR`] (it must wait for the work held behind
+/// `gate`), then opens the gate and waits for `other` and `on`.
+///
+/// # Safety
+/// As for [`fill`] on `on`.
+pub unsafe fn late_write(ptr: u64, len: usize, on: &Stream, gate: &Gate, other: &Stream) -> bool {
+    // SAFETY: the caller's obligation, as for `fill`.
+    unsafe { fill(ptr, 0xBB, len, on) };
+    let ran_ahead = finishes_within(on, RUN_FOR);
+    gate.open();
+    other.synchronize().unwrap();
+    on.synchronize().unwrap();
+    ran_ahead
+}
+
 /// How many bytes of `data` differ from `expected`.
 pub fn mismatches(data: &[u8], expected: u8) -> usize {
     data.iter().filter(|&&b| b != expected).count()

@@ -17,14 +17,7 @@ use proptest::prelude::*;
 
 use crate::conformance::{suite, threads, Options};
 use crate::model::{retire, Block, Flag, Waiting};
-
-fn assert_balanced(s: &PoolStats) {
-    assert_eq!(
-        s.live_bytes + s.cached_bytes + s.pending_bytes,
-        s.source_bytes,
-        "live + cached + pending == source: {s:?}"
-    );
-}
+use crate::support::assert_balanced;
 
 /// A shape that exercises every path often: tiny thread caches, small chunks, a low
 /// large-block threshold.

@@ -105,3 +105,13 @@ pub fn in_a_child_process_with_a_driver(name: &str) -> bool {
     );
     true
 }
+
+/// A pool's byte counters balance: live + cached + pending == what it holds from its source.
+#[track_caller]
+pub fn assert_balanced(s: &cudalloc::pool::PoolStats) {
+    assert_eq!(
+        s.live_bytes + s.cached_bytes + s.pending_bytes,
+        s.source_bytes,
+        "live + cached + pending == source: {s:?}"
+    );
+}

@@ -5,7 +5,7 @@ use cudalloc::cuda::copy_async;
 use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
-use crate::gpu_support::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
+use crate::gpu_support::{fill, late_write, mismatches, stream, Gate};
 
 const N: usize = 16 << 20;
 
@@ -104,11 +104,7 @@ fn foreign_use_race(guard: bool) -> (usize, bool) {
     let b = arena.alloc::<u8>(N).unwrap();
     assert_eq!(b.device_ptr(), old);
     // SAFETY: the slice's memory, on the arena's stream (after the reset's waits).
-    unsafe { fill(b.device_ptr(), 0xBB, N, &s) };
-    let ran_ahead = finishes_within(&s, RUN_FOR);
-    gate.open();
-    t.synchronize().unwrap();
-    s.synchronize().unwrap();
+    let ran_ahead = unsafe { late_write(b.device_ptr(), N, &s, &gate, &t) };
     let bad = mismatches(&z.to_vec().unwrap(), 0xAA);
     println!(
         "arena reset after a use on another stream (event {}): the arena's stream finished \
@@ -163,11 +159,7 @@ fn dropping_an_arena_orders_its_free_after_foreign_uses() {
     let w = pool.alloc::<u8>(N, &s).unwrap();
     assert_eq!(w.device_ptr(), old);
     // SAFETY: w's block, on its own stream (ordered after T's read by the arena's drop).
-    unsafe { fill(w.device_ptr(), 0xBB, N, &s) };
-    let ran_ahead = finishes_within(&s, RUN_FOR);
-    gate.open();
-    t.synchronize().unwrap();
-    s.synchronize().unwrap();
+    let ran_ahead = unsafe { late_write(w.device_ptr(), N, &s, &gate, &t) };
     assert!(!ran_ahead, "S waited for T's read");
     assert_eq!(mismatches(&z.to_vec().unwrap(), 0xAA), 0);
 }

@@ -4,7 +4,7 @@
 
 use cudalloc::device::{Backing, DevicePool, DevicePoolConfig};
 
-use crate::gpu_support::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
+use crate::gpu_support::{fill, late_write, mismatches, stream, Gate};
 
 const N: usize = 64 << 20;
 
@@ -40,11 +40,7 @@ fn a_page_freed_on_one_stream_serves_another_only_after_its_work() {
         "T's block must be mapped from S's handle for the test to mean anything"
     );
     // SAFETY: y's block, written on its own stream.
-    unsafe { fill(y.device_ptr(), 0xBB, N, &t) };
-    let ran_ahead = finishes_within(&t, RUN_FOR);
-    gate.open();
-    s.synchronize().unwrap();
-    t.synchronize().unwrap();
+    let ran_ahead = unsafe { late_write(y.device_ptr(), N, &t, &gate, &s) };
     let bad = mismatches(&y.to_vec().unwrap(), 0xBB);
     println!("pages: T finished before S's late write: {ran_ahead}; {bad} of {N} bytes corrupted");
     assert!(!ran_ahead, "T waited for S's work");

@@ -13,7 +13,7 @@
 use cudalloc::cuda::{copy_async, Stream};
 use cudalloc::device::{DevicePool, DevicePoolConfig};
 
-use crate::gpu_support::{fill, finishes_within, mismatches, stream, Gate, RUN_FOR};
+use crate::gpu_support::{fill, finishes_within, late_write, mismatches, stream, Gate, RUN_FOR};
 
 const N: usize = 64 << 20;
 
@@ -61,11 +61,7 @@ fn steal_race(pool: &DevicePool, guard: bool) -> Race {
         "T must take S's block for the test to mean anything"
     );
     // SAFETY: y's block, written on its own stream.
-    unsafe { fill(y.device_ptr(), 0xBB, N, &t) };
-    let ran_ahead = finishes_within(&t, RUN_FOR);
-    gate.open();
-    s.synchronize().unwrap();
-    t.synchronize().unwrap();
+    let ran_ahead = unsafe { late_write(y.device_ptr(), N, &t, &gate, &s) };
     let bad = mismatches(&y.to_vec().unwrap(), 0xBB);
     let st = pool.stats();
     println!(
@@ -138,11 +134,7 @@ fn record_use_race(pool: &DevicePool, guard: bool) -> (Race, u64, bool) {
     let w = pool.alloc::<u8>(N, &s).unwrap();
     let reused = w.device_ptr() == old;
     // SAFETY: w's block, on its own stream.
-    unsafe { fill(w.device_ptr(), 0xBB, N, &s) };
-    let ran_ahead = finishes_within(&s, RUN_FOR);
-    gate.open();
-    t.synchronize().unwrap();
-    s.synchronize().unwrap();
+    let ran_ahead = unsafe { late_write(w.device_ptr(), N, &s, &gate, &t) };
     let bad = mismatches(&z.to_vec().unwrap(), 0xAA);
     println!(
         "record_use (event {}): block pending after the free: {pending}, reused at once: {reused}, \
