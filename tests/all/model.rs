@@ -6,6 +6,10 @@ use std::sync::Arc;
 
 use allocator_api2::alloc::Layout;
 use cudalloc::fence::Fence;
+use cudalloc::pool::Pool;
+use cudalloc::source::HostSource;
+use proptest::prelude::*;
+use proptest::test_runner::TestCaseError;
 
 /// A fence the model completes by hand.
 pub struct Flag(pub Arc<AtomicBool>);
@@ -27,6 +31,19 @@ pub struct Block {
     pub fences: Vec<Arc<AtomicBool>>,
 }
 
+impl Block {
+    /// The model's side of a grow or shrink to `layout` at `addr`: a block that moved
+    /// leaves its old place waiting for its fences.
+    pub fn resized(&mut self, waiting: &mut Vec<Waiting>, addr: usize, layout: Layout) {
+        if addr != self.addr {
+            let fences = core::mem::take(&mut self.fences);
+            retire(waiting, self.addr, self.layout.size(), fences);
+        }
+        self.addr = addr;
+        self.layout = layout;
+    }
+}
+
 /// A freed block that must not be handed out again before its flags are all set.
 pub struct Waiting {
     pub range: (usize, usize),
@@ -41,4 +58,31 @@ pub fn retire(waiting: &mut Vec<Waiting>, addr: usize, len: usize, fences: Vec<A
             fences,
         });
     }
+}
+
+/// The ranges of the blocks of nonzero size among `blocks` (address, size), sorted and
+/// checked disjoint after step `step`.
+pub fn disjoint_ranges(
+    step: usize,
+    blocks: impl Iterator<Item = (usize, usize)>,
+) -> Result<Vec<(usize, usize)>, TestCaseError> {
+    let mut ranges: Vec<(usize, usize)> = blocks.filter(|b| b.1 > 0).map(|(a, n)| (a, a + n)).collect();
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        prop_assert!(w[0].1 <= w[1].0, "step {}: live blocks overlap: {:x?}", step, w);
+    }
+    Ok(ranges)
+}
+
+/// At the end of a case: after a trim the pool holds nothing.
+pub fn assert_drained(pool: &Pool<HostSource>) -> Result<(), TestCaseError> {
+    pool.trim();
+    let s = pool.stats();
+    prop_assert_eq!(
+        (s.live_bytes, s.cached_bytes, s.pending_bytes, s.source_bytes),
+        (0, 0, 0, 0),
+        "{:?}",
+        s
+    );
+    Ok(())
 }

@@ -16,7 +16,7 @@ use cudalloc::{copy, PinnedAlloc};
 use proptest::prelude::*;
 
 use crate::conformance::{suite, threads, Options};
-use crate::model::{retire, Block, Flag, Waiting};
+use crate::model::{assert_drained, disjoint_ranges, retire, Block, Flag, Waiting};
 use crate::support::assert_balanced;
 
 /// A shape that exercises every path often: tiny thread caches, small chunks, a low
@@ -345,12 +345,7 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 });
                 let b = &mut live[i];
                 prop_assert!(check(addr, old.size(), b.tag), "step {step}: grow lost contents");
-                if addr != old_addr {
-                    let fences = core::mem::take(&mut b.fences);
-                    retire(&mut waiting, old_addr, old.size(), fences);
-                }
-                b.addr = addr;
-                b.layout = new;
+                b.resized(&mut waiting, addr, new);
                 fill(addr, new.size(), b.tag);
             }
             Op::Shrink {
@@ -372,12 +367,7 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     check(addr, new.size(), b.tag),
                     "step {step}: shrink lost contents"
                 );
-                if addr != old_addr {
-                    let fences = core::mem::take(&mut b.fences);
-                    retire(&mut waiting, old_addr, old.size(), fences);
-                }
-                b.addr = addr;
-                b.layout = new;
+                b.resized(&mut waiting, addr, new);
             }
             Op::RecordUse { pick } if live.iter().any(|b| b.layout.size() > 0) => {
                 let sized: Vec<usize> = (0..live.len()).filter(|&i| live[i].layout.size() > 0).collect();
@@ -420,12 +410,7 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
         let sized: Vec<&Block> = live.iter().filter(|b| b.layout.size() > 0).collect();
         prop_assert_eq!(s.live_blocks, sized.len(), "step {}: {:?}", step, s);
         prop_assert_eq!(s.pending_blocks, waiting.len(), "step {}: {:?}", step, s);
-        let mut ranges: Vec<(usize, usize)> =
-            sized.iter().map(|b| (b.addr, b.addr + b.layout.size())).collect();
-        ranges.sort_unstable();
-        for w in ranges.windows(2) {
-            prop_assert!(w[0].1 <= w[1].0, "step {}: live blocks overlap: {:x?}", step, w);
-        }
+        let ranges = disjoint_ranges(step, sized.iter().map(|b| (b.addr, b.layout.size())))?;
         for w in &waiting {
             for &(a, e) in &ranges {
                 prop_assert!(
@@ -453,15 +438,7 @@ fn run_ops(ops: Vec<Op>) -> Result<(), TestCaseError> {
         }
     }
     drop(workers); // thread exit flushes their caches
-    pool.trim();
-    let s = pool.stats();
-    prop_assert_eq!(
-        (s.live_bytes, s.cached_bytes, s.pending_bytes, s.source_bytes),
-        (0, 0, 0, 0),
-        "{:?}",
-        s
-    );
-    Ok(())
+    assert_drained(&pool)
 }
 
 proptest! {

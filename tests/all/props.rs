@@ -27,7 +27,7 @@ use cudalloc::{Counting, Direct, ManagedAlloc, PinnedAlloc};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
-use crate::model::{retire, Block, Flag, Waiting};
+use crate::model::{assert_drained, disjoint_ranges, retire, Block, Flag, Waiting};
 
 const THREADS: usize = 4;
 
@@ -243,6 +243,15 @@ struct Raw {
     len: usize,
 }
 
+impl Raw {
+    fn of(b: NonNull<[u8]>) -> Raw {
+        Raw {
+            addr: b.cast::<u8>().as_ptr() as usize,
+            len: b.len(),
+        }
+    }
+}
+
 fn ptr(addr: usize) -> NonNull<u8> {
     NonNull::new(addr as *mut u8).expect("the model holds no null block")
 }
@@ -254,10 +263,7 @@ fn alloc_on<A: Allocator>(a: &A, l: Layout, zeroed: bool) -> Raw {
         a.allocate(l)
     };
     let b = b.unwrap_or_else(|_| panic!("allocate {l:?}"));
-    Raw {
-        addr: b.cast::<u8>().as_ptr() as usize,
-        len: b.len(),
-    }
+    Raw::of(b)
 }
 
 /// One burst on one worker: allocations (checked against `taken`, the waiting and live
@@ -295,10 +301,7 @@ fn burst<A: Allocator>(a: &A, seed: u64, taken: &[(usize, usize)]) -> Result<Vec
                 let new = Layout::from_size_align(l.size() * 2 + 8, l.align()).unwrap();
                 // SAFETY: live with `l`; new is larger.
                 let g = unsafe { a.grow(ptr(b.addr), l, new) }.map_err(|_| "burst: grow failed")?;
-                let g = Raw {
-                    addr: g.cast::<u8>().as_ptr() as usize,
-                    len: g.len(),
-                };
+                let g = Raw::of(g);
                 if !intact(g.addr, l.size(), tag) {
                     return Err("burst: grow lost contents".into());
                 }
@@ -392,19 +395,11 @@ fn run_model<A: Allocator + Sync>(subject: &Subject<'_, A>, ops: Vec<Op>) -> Res
                             }
                         }
                         .expect("grow");
-                        Raw {
-                            addr: g.cast::<u8>().as_ptr() as usize,
-                            len: g.len(),
-                        }
+                        Raw::of(g)
                     });
                     let b = &mut live[i];
                     check_resized(step, "grow", &g, new, old.size(), b.tag, zeroed)?;
-                    if g.addr != old_addr {
-                        let f = core::mem::take(&mut b.fences);
-                        retire(&mut waiting, old_addr, old.size(), f);
-                    }
-                    b.addr = g.addr;
-                    b.layout = new;
+                    b.resized(&mut waiting, g.addr, new);
                     fill(g.addr, new.size(), b.tag);
                 }
                 Op::Shrink {
@@ -420,19 +415,11 @@ fn run_model<A: Allocator + Sync>(subject: &Subject<'_, A>, ops: Vec<Op>) -> Res
                     let g = workers[thread].run(move || {
                         // SAFETY: live block of `a` with `old`; new is not larger.
                         let g = unsafe { a.shrink(ptr(old_addr), old, new) }.expect("shrink");
-                        Raw {
-                            addr: g.cast::<u8>().as_ptr() as usize,
-                            len: g.len(),
-                        }
+                        Raw::of(g)
                     });
                     let b = &mut live[i];
                     check_resized(step, "shrink", &g, new, new.size(), b.tag, false)?;
-                    if g.addr != old_addr {
-                        let f = core::mem::take(&mut b.fences);
-                        retire(&mut waiting, old_addr, old.size(), f);
-                    }
-                    b.addr = g.addr;
-                    b.layout = new;
+                    b.resized(&mut waiting, g.addr, new);
                 }
                 Op::RecordUse { pick, at } if live.iter().any(|b| b.layout.size() > 0) => {
                     let sized: Vec<usize> = (0..live.len()).filter(|&i| live[i].layout.size() > 0).collect();
@@ -491,15 +478,7 @@ fn run_model<A: Allocator + Sync>(subject: &Subject<'_, A>, ops: Vec<Op>) -> Res
             waiting.retain(|w| w.fences.iter().any(|f| !f.load(Ordering::Relaxed)));
             // After every step: no overlap among live blocks, none over a waiting block,
             // the contents of all, and the subject's counters.
-            let mut ranges: Vec<(usize, usize)> = live
-                .iter()
-                .filter(|b| b.layout.size() > 0)
-                .map(|b| (b.addr, b.addr + b.layout.size()))
-                .collect();
-            ranges.sort_unstable();
-            for w in ranges.windows(2) {
-                prop_assert!(w[0].1 <= w[1].0, "step {}: live blocks overlap: {:x?}", step, w);
-            }
+            let ranges = disjoint_ranges(step, live.iter().map(|b| (b.addr, b.layout.size())))?;
             for w in &waiting {
                 prop_assert!(
                     !ranges.iter().any(|&r| overlaps(r, w.range)),
@@ -593,19 +572,6 @@ fn pool_check(pool: &Pool<HostSource>, v: &View) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// After the case: every byte goes back to the source.
-fn pool_end(pool: &Pool<HostSource>) -> Result<(), TestCaseError> {
-    pool.trim();
-    let s = pool.stats();
-    prop_assert_eq!(
-        (s.live_bytes, s.cached_bytes, s.pending_bytes, s.source_bytes),
-        (0, 0, 0, 0),
-        "{:?}",
-        s
-    );
-    Ok(())
-}
-
 fn counting_check<A>(c: &Counting<A>, v: &View) -> Result<(), TestCaseError> {
     let s = c.snapshot();
     prop_assert_eq!(s.live_count() as usize, v.live_blocks, "{}", s);
@@ -628,7 +594,7 @@ fn pool_case(config: PoolConfig, ops: Vec<Op>) -> Result<(), TestCaseError> {
         pool.trim();
     };
     let check = |v: &View| pool_check(&pool, v);
-    let end = || pool_end(&pool);
+    let end = || assert_drained(&pool);
     run_model(
         &Subject {
             a: &pool,
@@ -677,7 +643,7 @@ proptest! {
         let end = || {
             let s = counting.snapshot();
             prop_assert_eq!((s.live_count(), s.live_bytes()), (0, 0), "{}", s);
-            pool_end(&pool)
+            assert_drained(&pool)
         };
         run_model(&Subject { a: &counting, trim: &trim, check: &check, check_end: &end }, ops)?;
     }
@@ -1104,15 +1070,7 @@ fn run_arena_model_with(
         }
         guarded.retain(|g| open(&g.uses));
         // After every step: blocks disjoint and intact, within the limit.
-        let mut ranges: Vec<(usize, usize)> = live
-            .iter()
-            .filter(|b| b.layout.size() > 0)
-            .map(|b| (b.addr, b.addr + b.layout.size()))
-            .collect();
-        ranges.sort_unstable();
-        for w in ranges.windows(2) {
-            prop_assert!(w[0].1 <= w[1].0, "step {}: live blocks overlap: {:x?}", step, w);
-        }
+        disjoint_ranges(step, live.iter().map(|b| (b.addr, b.layout.size())))?;
         for b in &live {
             prop_assert!(
                 intact(b.addr, b.layout.size(), b.tag),
