@@ -7,6 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use cudalloc::cuda::Stream;
+use cudalloc::device::DevicePool;
 
 pub fn stream() -> Stream {
     Stream::new(0).unwrap()
@@ -98,6 +99,20 @@ pub unsafe fn late_write(ptr: u64, len: usize, on: &Stream, gate: &Gate, other: 
     other.synchronize().unwrap();
     on.synchronize().unwrap();
     ran_ahead
+}
+
+/// The first half of a race: S allocates `len` bytes of `pool`, writes 0xAA into them
+/// behind a closed gate and frees them. Returns S, a second stream T, the gate and the
+/// freed block's address.
+pub fn written_and_freed_behind_a_gate(pool: &DevicePool, len: usize) -> (Stream, Stream, Gate, u64) {
+    let (s, t) = (stream(), stream());
+    let x = pool.alloc::<u8>(len, &s).unwrap();
+    let gate = Gate::hold(&s);
+    // SAFETY: x's block, written on its own stream; the pool frees it in S's order.
+    unsafe { fill(x.device_ptr(), 0xAA, len, &s) };
+    let old = x.device_ptr();
+    drop(x);
+    (s, t, gate, old)
 }
 
 /// How many bytes of `data` differ from `expected`.

@@ -185,12 +185,15 @@ fn arena_rows<R: Row, S: HostVisible + Clone>(row: &R, what: &str, source: S, wo
 fn arena_row<R: Row, S: HostVisible>(row: &R, name: &str, arena: &Arena<S>, works: bool) {
     let held = || arena.allocated_bytes();
     run_row(row, &arena, &Who::new(name, works).held(&held));
-    let counting = Counting::new(arena);
+    counting_row(row, &format!("Counting<{name}>"), arena, works);
+}
+
+/// `row` on `inner` inside `Counting` (named `name`), checked against its counts.
+fn counting_row<R: Row, A: Allocator>(row: &R, name: &str, inner: A, works: bool) {
+    let counting = Counting::new(inner);
     let live = || counting.snapshot().live_count() as usize;
     let failures = || counting.snapshot().failures;
-    let who = Who::new(format!("Counting<{name}>"), works)
-        .live(&live)
-        .failures(&failures);
+    let who = Who::new(name, works).live(&live).failures(&failures);
     run_row(row, &counting, &who);
 }
 
@@ -201,26 +204,19 @@ fn direct_rows<R: Row, S: HostVisible + Clone>(row: &R, what: &str, source: S, w
         &Direct::new(source.clone()),
         &Who::new(format!("Direct<{what}>"), works),
     );
-    let counting = Counting::new(Direct::new(source));
-    let live = || counting.snapshot().live_count() as usize;
-    let failures = || counting.snapshot().failures;
-    let who = Who::new(format!("Counting<Direct<{what}>>"), works)
-        .live(&live)
-        .failures(&failures);
-    run_row(row, &counting, &who);
+    counting_row(
+        row,
+        &format!("Counting<Direct<{what}>>"),
+        Direct::new(source),
+        works,
+    );
 }
 
 /// A process-wide handle, bare and inside `Counting` (the handles' pools are shared with
 /// the other tests of this binary, so only `Counting` can count their blocks exactly).
 fn handle_rows<R: Row, A: Allocator>(row: &R, name: &str, handle: A, works: bool) {
     run_row(row, &handle, &Who::new(name, works));
-    let counting = Counting::new(handle);
-    let live = || counting.snapshot().live_count() as usize;
-    let failures = || counting.snapshot().failures;
-    let who = Who::new(format!("Counting<{name}>"), works)
-        .live(&live)
-        .failures(&failures);
-    run_row(row, &counting, &who);
+    counting_row(row, &format!("Counting<{name}>"), handle, works);
 }
 
 /// Runs `row` against every allocator of the crate and the references.

@@ -4,7 +4,7 @@
 
 use cudalloc::device::{Backing, DevicePool, DevicePoolConfig};
 
-use crate::gpu_support::{fill, late_write, mismatches, stream, Gate};
+use crate::gpu_support::{late_write, mismatches, written_and_freed_behind_a_gate};
 
 const N: usize = 64 << 20;
 
@@ -20,13 +20,7 @@ fn a_page_freed_on_one_stream_serves_another_only_after_its_work() {
             .with_backing(Backing::PhysicalPages),
     )
     .unwrap();
-    let (s, t) = (stream(), stream());
-    let x = pool.alloc::<u8>(N, &s).unwrap();
-    let gate = Gate::hold(&s);
-    // SAFETY: x's block, written on its own stream; the pool frees it in S's order.
-    unsafe { fill(x.device_ptr(), 0xAA, N, &s) };
-    let old = x.device_ptr();
-    drop(x);
+    let (s, t, gate, old) = written_and_freed_behind_a_gate(&pool, N);
     let reserved = pool.stats().reserved_bytes;
     let y = pool.alloc::<u8>(N, &t).unwrap();
     assert_ne!(

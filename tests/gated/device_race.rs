@@ -13,6 +13,7 @@
 use cudalloc::cuda::{copy_async, Stream};
 use cudalloc::device::{DevicePool, DevicePoolConfig};
 
+use crate::gpu_support::written_and_freed_behind_a_gate;
 use crate::gpu_support::{fill, finishes_within, late_write, mismatches, stream, Gate, RUN_FOR};
 
 const N: usize = 64 << 20;
@@ -47,13 +48,7 @@ struct Race {
 /// 0xBB. T's data is corrupted if S's late write lands after it.
 fn steal_race(pool: &DevicePool, guard: bool) -> Race {
     set_guard(pool, guard);
-    let (s, t) = (stream(), stream());
-    let x = pool.alloc::<u8>(N, &s).unwrap();
-    let gate = Gate::hold(&s);
-    // SAFETY: x's block, written on its own stream; the pool frees it in S's order.
-    unsafe { fill(x.device_ptr(), 0xAA, N, &s) };
-    let old = x.device_ptr();
-    drop(x);
+    let (s, t, gate, old) = written_and_freed_behind_a_gate(pool, N);
     let y = pool.alloc::<u8>(N, &t).unwrap();
     assert_eq!(
         y.device_ptr(),
