@@ -56,17 +56,6 @@ pub(crate) fn is_out_of_memory(e: &Error) -> bool {
     }
 }
 
-/// Blocks of at least this many granules go to the page heap (when there is one): 2
-/// granules (4 MiB on the H200). Rounding a block up to whole granules wastes less than a
-/// granule, at most a third of a block from 2 granules up and little of the bytes of a
-/// workload whose sizes spread to tens of MiB; blocks below a granule would waste most
-/// of one, and the driver pool packs them into its chunks. The threshold is low because
-/// the driver pool fragments under blocks of mixed sizes: on the simulated pool, RMM's
-/// random workload reserves 1.108 of its peak request with pages from 2 granules up,
-/// 1.112 from 4, 1.174 from 8 (the driver pool's share then reserved 2.7 GiB for about
-/// 1 GiB of blocks) and 1.285 from 16.
-pub(crate) const PAGE_MIN_GRANULES: usize = 2;
-
 /// The backend of a [`DevicePool`](super::DevicePool): its own `cuMemPool` and the
 /// per-device pool of reusable events, and with
 /// [`Backing::PhysicalPages`](super::Backing::PhysicalPages) a page heap for large blocks.
@@ -75,39 +64,23 @@ pub(crate) struct CudaBackend {
     pub(crate) pool: MemPool,
     /// The device's memory, in bytes.
     pub(crate) device_bytes: usize,
-    /// Blocks of `page_min` bytes and more live on physical pages.
+    /// Large blocks on physical pages (`None`: all on the driver pool).
     pub(crate) pages: Option<PageHeap<Vmm, CudaBackend>>,
-    pub(crate) page_min: usize,
 }
 
 impl CudaBackend {
+    pub(crate) fn new(pool: MemPool, device_bytes: usize, pages: Option<Vmm>) -> Self {
+        Self {
+            pool,
+            device_bytes,
+            pages: pages.map(PageHeap::new),
+        }
+    }
+
     /// Refuses, before any driver allocation, what cannot fit: for requests of an eighth
     /// of the device and more, more than is free on it plus what this pool holds unused.
     /// A driver asked for more than is free may fill the device while it tries, failing
     /// other threads' and processes' allocations.
-    pub(crate) fn new(pool: MemPool, device_bytes: usize, pages: Option<Vmm>) -> Self {
-        let pages = pages.map(PageHeap::new);
-        let page_min = pages
-            .as_ref()
-            .map_or(usize::MAX, |p| p.granule() * PAGE_MIN_GRANULES);
-        Self {
-            pool,
-            device_bytes,
-            pages,
-            page_min,
-        }
-    }
-
-    /// The page heap, for a block of `bytes`, if it goes there.
-    #[inline]
-    fn paged(&self, bytes: usize) -> Option<&PageHeap<Vmm, CudaBackend>> {
-        if bytes >= self.page_min {
-            self.pages.as_ref()
-        } else {
-            None
-        }
-    }
-
     fn check_fits(&self, bytes: usize) -> Result<()> {
         if bytes >= self.device_bytes / 8 {
             let (free, _) = mem_info(self.pool.device())?;
@@ -151,7 +124,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, bytes: usize, stream: &Stream) -> Result<u64> {
-        if let Some(h) = self.paged(bytes) {
+        if let Some(h) = PageHeap::serving(&self.pages, bytes) {
             return h.alloc(self, bytes, stream);
         }
         self.check_fits(bytes)?;
@@ -159,7 +132,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn free(&self, ptr: u64, bytes: usize, stream: &Stream) {
-        if let Some(h) = self.paged(bytes) {
+        if let Some(h) = PageHeap::serving(&self.pages, bytes) {
             // SAFETY: obligation 1; a block of this size came from the page heap.
             return unsafe { h.free(self, ptr, stream) };
         }
@@ -168,12 +141,10 @@ impl Backend for CudaBackend {
     }
 
     fn trim_to(&self, keep: usize) {
-        let pool = usize::try_from(self.pool.reserved().unwrap_or(0)).unwrap_or(usize::MAX);
-        let mut keep_pool = keep;
-        if let Some(h) = &self.pages {
-            h.trim_to(self, keep.saturating_sub(pool));
-            keep_pool = keep.saturating_sub(h.reserved());
-        }
+        let keep_pool = self.pages.as_ref().map_or(keep, |h| {
+            let pool = usize::try_from(self.pool.reserved().unwrap_or(0)).unwrap_or(usize::MAX);
+            h.trim_beside_pool(self, keep, pool)
+        });
         if let Err(e) = self.pool.trim_to(keep_pool) {
             crate::cuda::record_drop_error("cuMemPoolTrimTo", e);
         }
@@ -413,9 +384,8 @@ pub(crate) mod fake {
     /// reservations ([`PoolModel`]).
     #[derive(Debug)]
     pub(crate) struct FakeBackend {
-        /// Blocks of `page_min` bytes and more on simulated physical pages.
+        /// Large blocks on simulated physical pages.
         pub(crate) pages: Option<PageHeap<FakePhys, FakeBackend>>,
-        page_min: usize,
         /// The most the driver-pool model and the page heap reserved together.
         peak_total: AtomicU64,
         next: AtomicU64,
@@ -436,7 +406,6 @@ pub(crate) mod fake {
         pub(crate) fn new(limit: u64) -> Self {
             Self {
                 pages: None,
-                page_min: usize::MAX,
                 peak_total: AtomicU64::new(0),
                 next: AtomicU64::new(1 << 20),
                 held: AtomicU64::new(0),
@@ -456,17 +425,8 @@ pub(crate) mod fake {
         /// heap over `phys`.
         pub(crate) fn paged(limit: u64, phys: FakePhys, page_min: usize) -> Self {
             let mut b = Self::new(limit);
-            b.pages = Some(PageHeap::new(phys));
-            b.page_min = page_min;
+            b.pages = Some(PageHeap::new(phys).with_min_block(page_min));
             b
-        }
-
-        fn paged_heap(&self, bytes: usize) -> Option<&PageHeap<FakePhys, FakeBackend>> {
-            if bytes >= self.page_min {
-                self.pages.as_ref()
-            } else {
-                None
-            }
         }
 
         fn heap_reserved(&self) -> u64 {
@@ -579,7 +539,7 @@ pub(crate) mod fake {
                     Err(now) => held = now,
                 }
             }
-            let ptr = match self.paged_heap(bytes) {
+            let ptr = match PageHeap::serving(&self.pages, bytes) {
                 Some(h) => match h.alloc(self, bytes, stream) {
                     Ok(p) => p,
                     Err(e) => {
@@ -610,7 +570,7 @@ pub(crate) mod fake {
                 Some(bytes),
                 "fake: block {ptr:#x} freed twice or with a wrong size"
             );
-            match self.paged_heap(bytes) {
+            match PageHeap::serving(&self.pages, bytes) {
                 // SAFETY: the caller's obligation 1; blocks of this size come from the heap.
                 Some(h) => unsafe { h.free(self, ptr, stream) },
                 None => lock(&self.pool).free(ptr),
@@ -621,13 +581,11 @@ pub(crate) mod fake {
 
         fn trim_to(&self, keep: usize) {
             self.trims.fetch_add(1, Ordering::SeqCst);
-            let mut keep_pool = keep as u64;
-            if let Some(h) = &self.pages {
+            let keep_pool = self.pages.as_ref().map_or(keep, |h| {
                 let pool = lock(&self.pool).reserved as usize;
-                h.trim_to(self, keep.saturating_sub(pool));
-                keep_pool = (keep as u64).saturating_sub(self.heap_reserved());
-            }
-            lock(&self.pool).trim_to(keep_pool);
+                h.trim_beside_pool(self, keep, pool)
+            });
+            lock(&self.pool).trim_to(keep_pool as u64);
         }
 
         fn reserved(&self) -> Option<usize> {

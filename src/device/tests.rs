@@ -1058,7 +1058,7 @@ fn random_reservations_paged(page_min: usize) -> (u64, u64, u64) {
 
 #[test]
 fn random_workload_on_physical_pages_reserves_at_most_15_percent_more_than_it_requests() {
-    let (requested, _, reserved) = random_reservations_paged(super::backend::PAGE_MIN_GRANULES * GRANULE);
+    let (requested, _, reserved) = random_reservations_paged(super::pages::PAGE_MIN_GRANULES * GRANULE);
     let paged = reserved as f64 / requested as f64;
     assert!(paged <= 1.15, "peak reserved / peak requested = {paged:.3}");
     // The simulated driver pool alone (no reservation policy) keeps more.

@@ -162,9 +162,9 @@ unsafe fn route_resize<R: Route, A: Allocator>(
         // SAFETY: obligation 1: the block is freed here and not used again.
         unsafe { handle.deallocate(ptr, old) };
         return Ok(dangling_block(new));
-    } else if driver_available() {
-        let pool = h.pool();
-        // SAFETY: obligation 1; the pool picks grow or shrink by the sizes (in place when
+    } else if let Some(pool) = h.made_pool() {
+        // SAFETY: obligation 1 (the block, not empty, came from the pool, which exists);
+        // the pool picks grow or shrink by the sizes (in place when
         // it can, which a handle's own allocate + copy would miss).
         unsafe {
             if new.size() >= old.size() {
