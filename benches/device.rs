@@ -18,11 +18,13 @@
 //!   the device gives up), with the times the cache trimmed its driver pool. Target: cache
 //!   reserved / requested <= 1.15. The row `pages` (and its memory line) is the cache on
 //!   physical pages (`Backing::PhysicalPages`).
-//! - `device_page_miss`: what a miss costs on physical pages: an alloc + free pair of
-//!   32 MiB on an uncached pool, `pages` (map a free handle into a cached range, set
-//!   access; the free records an event, the next call unmaps) vs `driver_pool`
+//! - `device_page_miss`: what a miss of the cache costs on physical pages: an alloc +
+//!   free pair of 32 MiB on an uncached pool, `pages` (the page heap takes the freed run,
+//!   still mapped; the free records an event) vs `driver_pool`
 //!   (`cuMemAllocFromPoolAsync` + `cuMemFreeAsync`). Before timing it prints the first
-//!   allocation on fresh pools (handle creation and range reservation included).
+//!   allocation on fresh pools (the region's reservation, handle creation, mapping and
+//!   access included). The `device_random` memory run prints the page heap's counters
+//!   (driver calls and the nanoseconds spent in create, map, set-access, unmap, release).
 //! - `device_scratch`: one batch of 16 scratch buffers (4 KiB .. 4 MiB) allocated and
 //!   freed: `arena` (`DeviceArena` + reset), `cache`, `cu_mem_alloc_async`.
 //! - `device_peer_copy` (2 GPUs; skipped with one): copy bandwidth device 1 -> 0 and
@@ -287,6 +289,9 @@ fn device_random(c: &mut Criterion) {
                 st.peak_reserved_bytes as f64 / peak as f64,
                 st.trims,
             );
+            if let Some(c) = cudalloc::testing::page_heap_counters(&pool) {
+                println!("device_random {name}: page heap {c}");
+            }
             // This thread's cache holds a handle of the pool: give its memory back now.
             pool.trim();
         }

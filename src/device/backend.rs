@@ -73,7 +73,7 @@ impl CudaBackend {
         Self {
             pool,
             device_bytes,
-            pages: pages.map(PageHeap::new),
+            pages: pages.map(|p| PageHeap::new(p).with_region_bytes(device_bytes)),
         }
     }
 
@@ -680,9 +680,13 @@ pub(crate) mod fake {
         fn record(&self, va: u64, bytes: usize, stream: &FakeStream, check: bool) -> bool {
             let mut st = lock(&self.state);
             let st = &mut *st;
+            // Mappings overlapping the block (the first may start before it).
+            let end = va + bytes as u64;
             let found: Vec<u64> = st
                 .mappings
-                .range(va..va + bytes as u64)
+                .range(..end)
+                .rev()
+                .take_while(|(&v, m)| v + m.0 as u64 > va)
                 .map(|(&v, _)| v)
                 .collect();
             if found.is_empty() {
@@ -693,7 +697,7 @@ pub(crate) mod fake {
             let mut covered = 0usize;
             for v in found {
                 let m = st.mappings.get_mut(&v).expect("found");
-                covered += m.0;
+                covered += (v + m.0 as u64).min(end).saturating_sub(v.max(va)) as usize;
                 if !m.2 {
                     problems.push(format!("use of {v:#x} without access"));
                 }

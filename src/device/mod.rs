@@ -39,9 +39,11 @@
 //!   [`DevicePoolConfig::max_cached_block`] (1 GiB) bypass the cache. A miss that must
 //!   allocate releases idle blocks first while they exceed 1/32 of the live bytes (at
 //!   least 64 MiB), so a workload whose sizes change keeps its memory near its use.
-//!   With [`Backing::PhysicalPages`] blocks of 4 MiB and more are instead mapped from
-//!   handles of physical memory (CUDA's virtual memory management), which any later block
-//!   reuses whatever its size: the driver pool's fragmentation goes away for them.
+//!   With [`Backing::PhysicalPages`] blocks of 4 MiB and more are instead runs of one
+//!   large virtual range over chunks of physical memory (CUDA's virtual memory
+//!   management): freed runs coalesce, any later block that fits takes them whatever its
+//!   size, and idle chunks move to where blocks need them, so the driver pool's
+//!   fragmentation goes away for them.
 //! - **Out of memory**: the pool releases every cached block (each freed in its stream's
 //!   order), asks other threads for theirs, retries, then synchronizes, trims the driver
 //!   pool and retries once more; then it returns [`Error::DeviceOutOfMemory`] naming the

@@ -1,45 +1,58 @@
 //! The page heap: large blocks of a device pool backed by physical memory through the
 //! CUDA virtual memory management API (`cuMemCreate`, `cuMemAddressReserve`, `cuMemMap`,
-//! `cuMemSetAccess`), so that memory freed from a block of one size serves a block of
-//! any other size (what PyTorch's expandable segments do). Opt-in:
+//! `cuMemSetAccess`), so that memory freed from a block of one size serves blocks of any
+//! other size, and an allocation that fits in memory already mapped makes no driver call
+//! (PyTorch's expandable segments). Opt-in:
 //! [`Backing::PhysicalPages`](super::Backing::PhysicalPages).
 //!
 //! # The algorithm
 //!
-//! - **Handles** of physical memory come in power-of-two multiples of the allocation
-//!   granule (2 MiB on the H200): 1, 2, 4, ... granules. A block of n granules gets a
-//!   virtual range of n granules (from a small cache of ranges by size, or
-//!   `cuMemAddressReserve`), mapped from free handles, largest that fit first, then, for
-//!   what is still missing, from new handles (the binary decomposition of the remainder),
-//!   at consecutive offsets, and one `cuMemSetAccess` over the range. A handle is never
-//!   split or partly mapped; one handle may be mapped at several ranges at once (its old
-//!   block's, waiting to be unmapped, and its new one's).
-//! - **Stream order**: a free records one mark (an event) on the freeing stream; the
-//!   block's handles go back to the free lists at once, carrying that mark, and the block's
-//!   range is *retired*. An allocation on stream T that takes a handle whose marks have not
-//!   completed makes T wait for them (`cuStreamWaitEvent`, no host wait), the ordering
-//!   the cache uses for its cross-stream hand-over. A handle keeps its marks until they
-//!   complete, so a block that goes back without ever being ordered after the previous
-//!   user still passes the older mark on. A retired range is unmapped (one `cuMemUnmap`
-//!   per handle mapping) only once its mark has completed, polled on later calls; its
-//!   reservation then goes to the cache of ranges (at most [`MAX_RANGES`]) or is freed.
-//! - **Idle memory**: before new handles are created, free handles whose marks completed
-//!   and that nothing maps any more are released (largest first) while the free bytes
-//!   exceed 1/2^[`IDLE_SHIFT`] of the bytes in blocks: free handles that did not fit the
-//!   request would otherwise add to the reservation. On out-of-memory every such handle is
-//!   released and the creation retried once; then the error goes up to the cache, which
-//!   releases its blocks, retries, and finally trims (below) after synchronizing.
-//! - **Trim** (`trim_to(keep)`) waits on the host for every retired range and free
-//!   handle, unmaps, and releases free handles (largest first) until the heap reserves
-//!   less than `keep`; trimming to 0 also frees the cached ranges.
-//! - One lock guards the heap, driver calls included: only misses of large blocks come
-//!   here, and each is already a handful of driver calls.
+//! - **Address space**: the heap reserves large *regions* of virtual addresses (the
+//!   device's memory each; another only when no free run fits) and cuts them into
+//!   granules (2 MiB on the H200). Blocks are runs of granules; free granules form
+//!   maximal *free runs*, coalesced at every free. An allocation of n granules takes the
+//!   smallest free run of at least n (lowest address among equals), from its start; the
+//!   rest of the run stays free.
+//! - **Physical memory** comes in *chunks* of [`CHUNK_GRANULES`] granules, one handle
+//!   each, mapped at chunk-aligned places of a region. A chunk is mapped while any
+//!   granule of it is in a block; a wholly free chunk stays mapped (*idle*) so that the
+//!   next block there costs nothing. An allocation maps the chunks of its run that are
+//!   not mapped, with a handle from (in this order) the spare handles; while the idle
+//!   chunks exceed 1/2^[`IDLE_SHIFT`] of the bytes in blocks, an idle chunk elsewhere
+//!   (unmapped if its work completed, else mapped anew at once while its old mapping is
+//!   *retired* until the work completes, the new user ordered after it: memory freed by a
+//!   block of one size serves a block of another); or `cuMemCreate`. One
+//!   `cuMemSetAccess` per span of chunks mapped together. So the heap reserves what its
+//!   blocks touch plus at most about 1/32 more of idle chunks.
+//! - **Costs** (H200): `cuMemSetAccess` about 30 us per chunk in its range, `cuMemUnmap`
+//!   34 us, `cuMemMap` 2.4 us, `cuMemCreate` 19 us; an allocation that fits in mapped
+//!   memory makes none of them. The idle allowance trades memory for moves: on RMM's
+//!   random workload (10^5 allocations, `benches/device.rs`) 1/32 reserved 1.137x the
+//!   peak request in 9.8 s, 1/16 1.167x in 1.5 s, 1/8 1.184x in 0.8 s (the driver pool
+//!   under the cache: 1.472x in 0.6 s).
+//! - **Stream order**: a free records one mark (an event) on the freeing stream, under
+//!   the heap's lock, and the freed run carries it. A free run keeps the latest mark of
+//!   each stream whose work may not have completed (marks of one stream complete in
+//!   order; recorded under the lock, their sequence numbers follow the stream's order),
+//!   merged when runs coalesce and copied when a run is split. An allocation on stream T
+//!   makes T wait for the marks of other streams on the run it takes
+//!   (`cuStreamWaitEvent`, no host wait), the ordering the cache uses for its cross-stream
+//!   hand-over; an idle chunk is unmapped only once the marks of its run completed.
+//! - **Out of memory**: when `cuMemCreate` fails, every idle chunk whose work completed
+//!   is taken before the error goes up to the cache, which releases its blocks, retries,
+//!   and finally trims (below) after synchronizing. A failed allocation gives its run and
+//!   its chunks back as they were.
+//! - **Trim** (`trim_to(keep)`) releases spare handles, then unmaps and releases idle
+//!   chunks (from the highest address, waiting on the host for their marks) until the
+//!   heap reserves less than `keep`; trimming to 0 also frees the regions left empty.
+//! - One lock guards the heap, driver calls included: only misses of the cache's large
+//!   blocks come here, and in a steady state most of them map nothing.
 //!
 //! The algorithm is generic over [`Phys`] (the physical operations) and the cache's
 //! [`Backend`] (its marks), so CPU tests drive it with `backend::fake`, whose fake
 //! physical memory checks every mapping, unmapping and use against the simulated streams.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::marker::PhantomData;
 
 use super::backend::{is_out_of_memory, Backend};
@@ -47,15 +60,33 @@ use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 
-/// Free bytes tolerated before new handles are created: 1/2^IDLE_SHIFT of the bytes in
-/// blocks.
-pub(crate) const IDLE_SHIFT: u32 = 5;
-/// Free bytes always tolerated, in granules.
-const IDLE_FLOOR_GRANULES: usize = 8;
-/// Retired ranges polled per call.
+/// Granules per chunk (one handle of physical memory): 4 MiB chunks on the H200.
+/// Smaller chunks pack blocks tighter into the memory they keep mapped and need more moves
+/// and more mappings per block; on the H200, RMM's random workload with an idle allowance
+/// of 1/32 reserved 1.137x its peak request in 9.8 s with chunks of 2 granules and 1.158x
+/// in 2.2 s with 4 (`page_chunk_sizes_compared` in `device::tests` runs the comparison on
+/// the simulated GPU). The target of that workload (1.15) sets 2.
+pub(crate) const CHUNK_GRANULES: usize = 2;
+/// Virtual bytes per region at least (the CUDA backend uses the device's memory).
+const REGION_BYTES: usize = 1 << 36;
+/// Idle chunks tried per handle needed before a new handle is created.
+const RECLAIM_TRIES: usize = 8;
+/// Retired chunks polled per call.
 const POLL: usize = 16;
-/// The most virtual ranges kept for reuse.
-pub(crate) const MAX_RANGES: usize = 256;
+
+/// Idle memory tolerated before a chunk whose work is pending is moved rather than new
+/// memory made: 1/2^IDLE_SHIFT of the bytes in blocks, at least IDLE_FLOOR_CHUNKS chunks.
+pub(crate) const IDLE_SHIFT: u32 = 5;
+const IDLE_FLOOR_CHUNKS: usize = 4;
+
+/// How [`PageHeap::reclaim`] may take an idle chunk's handle.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reclaim {
+    /// After waiting on the host for the chunk's work.
+    Wait,
+    /// Where the work completed, else the first pending one, its old mapping retired.
+    Retire,
+}
 
 /// The physical operations of the virtual memory management API, on one device.
 pub(crate) trait Phys: Send + Sync + 'static {
@@ -95,10 +126,12 @@ pub(crate) trait Phys: Send + Sync + 'static {
     unsafe fn set_access(&self, va: u64, bytes: usize) -> Result<()>;
 }
 
-/// A mark recorded at a free, shared by the handles of the freed block and its retired
-/// range.
+/// A mark recorded at a free, shared by the free runs that hold the freed granules.
 struct Stamp<M> {
     stream: StreamId,
+    /// Order of recording (under the heap's lock): on one stream, a later stamp's mark
+    /// completes after an earlier one's.
+    seq: u64,
     /// `None`: the stream was synchronized instead (complete).
     mark: Option<M>,
     done: AtomicBool,
@@ -139,57 +172,103 @@ impl<M> Stamp<M> {
     }
 }
 
-/// A handle of physical memory.
-struct Page<M> {
-    bytes: usize,
-    /// Marks of frees whose work may not have completed.
-    marks: Vec<Arc<Stamp<M>>>,
-    /// Ranges mapping it now.
-    maps: u32,
+/// The marks of a free run: the latest of each stream not known to have completed.
+type Stamps<M> = Vec<Arc<Stamp<M>>>;
+
+/// Adds `from` to `into`, keeping the latest stamp of each stream and dropping those
+/// known complete.
+fn merge<M>(into: &mut Stamps<M>, from: Stamps<M>) {
+    into.retain(|s| !s.done.load(Ordering::Relaxed));
+    for s in from {
+        if s.done.load(Ordering::Relaxed) {
+            continue;
+        }
+        match into.iter_mut().find(|t| t.stream == s.stream) {
+            Some(t) if t.seq < s.seq => *t = s,
+            Some(_) => {}
+            None => into.push(s),
+        }
+    }
 }
 
-/// One handle's mapping in a block: (handle, its bytes), at consecutive offsets.
-type Pieces = Vec<(u64, usize)>;
+/// A maximal run of free granules.
+struct Run<M> {
+    len: usize,
+    stamps: Stamps<M>,
+}
 
-/// A freed block's range, mapped until its mark completes.
-struct Retired<M> {
+/// One chunk of a region's granules.
+#[derive(Default)]
+struct Chunk {
+    /// The handle mapped there.
+    handle: Option<u64>,
+    /// Granules of the chunk in blocks.
+    used: usize,
+    /// An unmap failed: the mapping stays, and the chunk is never unmapped again.
+    stuck: bool,
+}
+
+/// A reserved range of virtual addresses: granules `first..first + granules` of the
+/// heap's index space.
+struct Region {
+    first: usize,
+    granules: usize,
     va: u64,
-    pieces: Pieces,
-    stamp: Arc<Stamp<M>>,
 }
 
 /// What the heap has done and holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PageStats {
-    /// Bytes of live handles, now and at most.
+    /// Bytes of live handles (mapped or spare), now and at most.
     pub(crate) reserved: usize,
     pub(crate) peak_reserved: usize,
-    /// Bytes of handles in no block.
+    /// Bytes of handles in no block (idle or partly used chunks, spare handles).
     pub(crate) free_bytes: usize,
-    /// Bytes of handles in live blocks, now and at most.
+    /// Bytes in live blocks, now and at most.
     pub(crate) block_bytes: usize,
     pub(crate) peak_block_bytes: usize,
-    pub(crate) handles: usize,
     pub(crate) creates: u64,
     pub(crate) releases: u64,
     pub(crate) maps: u64,
     pub(crate) unmaps: u64,
     pub(crate) range_reserves: u64,
     pub(crate) waits: u64,
+    /// `cuMemSetAccess` calls.
+    pub(crate) accesses: u64,
+    /// Nanoseconds in the driver's create, map, set-access, unmap and release calls.
+    pub(crate) driver_ns: [u64; 5],
+}
+
+/// Runs a driver call, adding its time to `ns`.
+fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
+    let t = std::time::Instant::now();
+    let r = f();
+    *ns += t.elapsed().as_nanos() as u64;
+    r
 }
 
 struct State<M> {
-    pages: HashMap<u64, Page<M>>,
-    /// Free handles by order (2^order granules), oldest first.
-    free: Vec<VecDeque<u64>>,
-    /// Live blocks by address.
-    live: HashMap<u64, Pieces>,
-    retired: VecDeque<Retired<M>>,
-    /// Unmapped virtual ranges by size.
-    ranges: HashMap<usize, Vec<u64>>,
-    range_count: usize,
-    /// Blocks whose free could neither be marked nor synchronized: never reused.
-    lost: Vec<(u64, Pieces)>,
+    regions: Vec<Region>,
+    /// The first granule index of the next region (regions are a chunk apart in the index
+    /// space, so that no free run reaches from one into the next).
+    next_index: usize,
+    /// By chunk index (granule index / CHUNK_GRANULES).
+    chunks: Vec<Chunk>,
+    /// Free runs by first granule, and by (length, first granule) for the best fit.
+    free: BTreeMap<usize, Run<M>>,
+    by_len: BTreeSet<(usize, usize)>,
+    /// Mapped chunks with no granule in a block (and not stuck).
+    idle: BTreeSet<usize>,
+    /// Handles mapped nowhere.
+    spare: Vec<u64>,
+    /// Chunks whose handle was mapped elsewhere while their last frees' marks were
+    /// pending: the old mapping stays (their granules out of the free runs) until the marks
+    /// complete.
+    retired: Vec<(usize, Stamps<M>)>,
+    /// Live blocks by address: (first granule, granules).
+    live: HashMap<u64, (usize, usize)>,
+    /// The next stamp's sequence number.
+    seq: u64,
     stats: PageStats,
 }
 
@@ -198,16 +277,18 @@ struct State<M> {
 /// granule, at most a third of a block from 2 granules up and little of the bytes of a
 /// workload whose sizes spread to tens of MiB; blocks below a granule would waste most
 /// of one, and the driver pool packs them into its chunks. The threshold is low because
-/// the driver pool fragments under blocks of mixed sizes: on the simulated pool, RMM's
-/// random workload reserves 1.108 of its peak request with pages from 2 granules up,
-/// 1.112 from 4, 1.174 from 8 (the driver pool's share then reserved 2.7 GiB for about
-/// 1 GiB of blocks) and 1.285 from 16.
+/// the driver pool fragments under blocks of mixed sizes (`page_thresholds_compared` in
+/// `device::tests` measures it on the simulated pool).
 pub(crate) const PAGE_MIN_GRANULES: usize = 2;
 
 /// Large blocks on physical pages. See the [module docs](self).
 pub(crate) struct PageHeap<P: Phys, B: Backend> {
     phys: P,
     granule: usize,
+    /// Granules per chunk (a power of two).
+    chunk_granules: usize,
+    /// Virtual bytes of a region at least.
+    region_bytes: usize,
     /// The smallest block the heap serves; smaller ones stay on the driver pool.
     min_block: usize,
     state: Mutex<State<B::Mark>>,
@@ -230,15 +311,20 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         Self {
             phys,
             granule,
+            chunk_granules: CHUNK_GRANULES,
+            region_bytes: REGION_BYTES,
             min_block: granule * PAGE_MIN_GRANULES,
             state: Mutex::new(State {
-                pages: HashMap::new(),
-                free: Vec::new(),
+                regions: Vec::new(),
+                next_index: 0,
+                chunks: Vec::new(),
+                free: BTreeMap::new(),
+                by_len: BTreeSet::new(),
+                idle: BTreeSet::new(),
+                spare: Vec::new(),
+                retired: Vec::new(),
                 live: HashMap::new(),
-                retired: VecDeque::new(),
-                ranges: HashMap::new(),
-                range_count: 0,
-                lost: Vec::new(),
+                seq: 0,
                 stats: PageStats::default(),
             }),
             _backend: PhantomData,
@@ -250,6 +336,24 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
     pub(crate) fn with_min_block(self, bytes: usize) -> Self {
         Self {
             min_block: bytes,
+            ..self
+        }
+    }
+
+    /// This heap with chunks of `granules` granules (a power of two; tests compare sizes).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn with_chunk_granules(self, granules: usize) -> Self {
+        debug_assert!(granules.is_power_of_two());
+        Self {
+            chunk_granules: granules.max(1),
+            ..self
+        }
+    }
+
+    /// This heap reserving virtual regions of at least `bytes` (the device's memory).
+    pub(crate) fn with_region_bytes(self, bytes: usize) -> Self {
+        Self {
+            region_bytes: bytes,
             ..self
         }
     }
@@ -287,190 +391,368 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         st.stats.peak_block_bytes = st.stats.block_bytes;
     }
 
-    fn order(&self, bytes: usize) -> usize {
-        (bytes / self.granule).trailing_zeros() as usize
+    fn chunk_bytes(&self) -> usize {
+        self.chunk_granules * self.granule
+    }
+
+    /// The address of granule `g` (in a region).
+    fn va_of(&self, st: &State<B::Mark>, g: usize) -> u64 {
+        let i = st.regions.partition_point(|r| r.first <= g) - 1;
+        let r = &st.regions[i];
+        debug_assert!(g < r.first + r.granules);
+        r.va + ((g - r.first) * self.granule) as u64
+    }
+
+    /// The chunks a run of `len` granules from `start` touches, with the granules of each
+    /// inside the run.
+    fn chunks_of(&self, start: usize, len: usize) -> impl Iterator<Item = (usize, usize)> {
+        let cg = self.chunk_granules;
+        let end = start + len;
+        (start / cg..end.div_ceil(cg)).map(move |c| (c, end.min((c + 1) * cg) - start.max(c * cg)))
     }
 
     /// A block of at least `bytes` (nonzero) usable by work queued on `stream` from now on.
     pub(crate) fn alloc(&self, b: &B, bytes: usize, stream: &B::Stream) -> Result<u64> {
         let g = self.granule;
-        let n = bytes.div_ceil(g);
+        let n = bytes.div_ceil(g).max(1);
         let len = n.checked_mul(g).ok_or(Error::OutOfMemory { requested: bytes })?;
         let mut st = lock(&self.state);
         self.poll(&mut st, b, POLL);
-        let va = match st.ranges.get_mut(&len).and_then(Vec::pop) {
-            Some(va) => {
-                st.range_count -= 1;
-                va
-            }
-            None => {
-                st.stats.range_reserves += 1;
-                self.phys.reserve(len)?
-            }
+        let start = match st.by_len.range((n, 0)..).next() {
+            Some(&(_, start)) => start,
+            None => self.add_region(&mut st, n)?,
         };
-        let mut pieces: Pieces = Vec::new();
-        let mut left = n;
-        // Free handles, largest that fit first.
-        for order in (0..st.free.len()).rev() {
-            let k = 1usize << order;
-            while k <= left {
-                let Some(h) = st.free[order].pop_front() else {
-                    break;
-                };
-                st.stats.free_bytes -= k * g;
-                pieces.push((h, k * g));
-                left -= k;
-            }
+        let run = self.take_run(&mut st, start);
+        if run.len > n {
+            // The rest of a maximal run: its neighbours are this block and a block.
+            self.put_run(&mut st, start + n, run.len - n, run.stamps.clone());
         }
-        if left > 0 {
-            // Bound the free handles that did not fit before adding new ones.
-            let allowance = ((st.stats.block_bytes + len) >> IDLE_SHIFT).max(IDLE_FLOOR_GRANULES * g);
-            if st.stats.free_bytes > allowance {
-                self.release_free(&mut st, b, allowance, false);
-            }
+        for (c, k) in self.chunks_of(start, n) {
+            st.chunks[c].used += k;
+            st.idle.remove(&c);
         }
-        let mut retried = false;
-        while left > 0 {
-            let k = 1usize << (usize::BITS - 1 - left.leading_zeros());
-            match self.phys.create(k * g) {
-                Ok(h) => {
-                    st.pages.insert(
-                        h,
-                        Page {
-                            bytes: k * g,
-                            marks: Vec::new(),
-                            maps: 0,
-                        },
-                    );
-                    st.stats.creates += 1;
-                    st.stats.handles += 1;
-                    st.stats.reserved += k * g;
-                    st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
-                    pieces.push((h, k * g));
-                    left -= k;
-                }
-                Err(e) if is_out_of_memory(&e) && !retried && st.stats.free_bytes > 0 => {
-                    retried = true;
-                    self.poll(&mut st, b, usize::MAX);
-                    self.release_free(&mut st, b, 0, false);
-                }
-                Err(e) => {
-                    self.undo(&mut st, va, len, pieces, 0);
-                    return Err(e);
+        // Map the chunks that are not, and order `stream` after the last users of the
+        // run and of the handles mapped.
+        let mut after = run.stamps.clone();
+        let ordered = self.map_chunks(&mut st, b, start, n, &mut after).and_then(|()| {
+            let me = B::stream_id(stream);
+            for s in &after {
+                if s.stream != me && !s.complete(b) {
+                    if let Some(m) = &s.mark {
+                        b.wait(stream, m)?;
+                        st.stats.waits += 1;
+                    }
                 }
             }
-        }
-        // Order `stream` after the previous users of the handles it takes.
-        let me = B::stream_id(stream);
-        let mut waited: Vec<*const Stamp<B::Mark>> = Vec::new();
-        let mut failed = None;
-        'outer: for (h, _) in &pieces {
-            let Some(page) = st.pages.get_mut(h) else { continue };
-            page.marks.retain(|s| !s.complete(b));
-            for s in &page.marks {
-                let (Some(m), false) = (&s.mark, s.stream == me || waited.contains(&Arc::as_ptr(s))) else {
-                    continue;
-                };
-                if let Err(e) = b.wait(stream, m) {
-                    failed = Some(e);
-                    break 'outer;
-                }
-                waited.push(Arc::as_ptr(s));
-            }
-        }
-        st.stats.waits += waited.len() as u64;
-        if let Some(e) = failed {
-            self.undo(&mut st, va, len, pieces, 0);
+            Ok(())
+        });
+        if let Err(e) = ordered {
+            self.give_back(&mut st, start, n, after);
             return Err(e);
         }
-        let mut off = 0u64;
-        for (i, &(h, sz)) in pieces.iter().enumerate() {
-            // SAFETY: the range [va, va + len) is reserved and unmapped (fresh, or cached
-            // after its mappings were unmapped); the pieces' sizes sum to len; h is live and
-            // of sz bytes.
-            if let Err(e) = unsafe { self.phys.map(va + off, sz, h) } {
-                self.undo(&mut st, va, len, pieces, i);
-                return Err(e);
-            }
-            if let Some(p) = st.pages.get_mut(&h) {
-                p.maps += 1;
-            }
-            st.stats.maps += 1;
-            off += sz as u64;
-        }
-        // SAFETY: every piece of the range was mapped above.
-        if let Err(e) = unsafe { self.phys.set_access(va, len) } {
-            let mapped = pieces.len();
-            self.undo(&mut st, va, len, pieces, mapped);
-            return Err(e);
-        }
+        let va = self.va_of(&st, start);
+        st.live.insert(va, (start, n));
         st.stats.block_bytes += len;
         st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
-        st.live.insert(va, pieces);
+        st.stats.free_bytes = st.stats.reserved - st.stats.block_bytes;
         Ok(va)
     }
 
-    /// Undoes a failed allocation: unmaps the first `mapped` pieces (nothing used them),
-    /// puts the handles back in the free lists, keeps the range for reuse.
-    fn undo(&self, st: &mut State<B::Mark>, va: u64, len: usize, pieces: Pieces, mapped: usize) {
-        // SAFETY: the first `mapped` pieces were mapped at `va` by this allocation (at
-        // consecutive offsets); no work was queued on them.
-        let clean = unsafe { self.unmap_pieces(st, va, &pieces[..mapped]) };
-        if !clean {
-            // A mapping stays: neither the range nor its handles may be reused.
-            st.lost.push((va, pieces));
-            return;
-        }
-        for (h, sz) in pieces.into_iter().rev() {
-            let order = self.order(sz);
-            if st.free.len() <= order {
-                st.free.resize_with(order + 1, VecDeque::new);
+    /// Maps every chunk of the run of `n` granules from `start` that is not mapped,
+    /// adding to `after` the marks of handles taken from chunks whose work is pending.
+    fn map_chunks(
+        &self,
+        st: &mut State<B::Mark>,
+        b: &B,
+        start: usize,
+        n: usize,
+        after: &mut Stamps<B::Mark>,
+    ) -> Result<()> {
+        let cb = self.chunk_bytes();
+        let chunks: Vec<usize> = self.chunks_of(start, n).map(|(c, _)| c).collect();
+        let mut i = 0;
+        while i < chunks.len() {
+            if st.chunks[chunks[i]].handle.is_some() {
+                i += 1;
+                continue;
             }
-            st.free[order].push_front(h);
-            st.stats.free_bytes += sz;
+            // A span of unmapped chunks: a handle mapped at each, one access call.
+            let from = i;
+            let mut failed = None;
+            while i < chunks.len() && st.chunks[chunks[i]].handle.is_none() {
+                let c = chunks[i];
+                let (h, pending) = match self.handle(st, b) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                };
+                let first = c * self.chunk_granules;
+                if !pending.is_empty() {
+                    // The handle's old work may touch any part of it: the free granules
+                    // of the chunk pass its marks on too.
+                    self.stamp_free(st, first, first + self.chunk_granules, &pending);
+                    merge(after, pending);
+                }
+                let va = self.va_of(st, first);
+                // SAFETY: the chunk lies in a reserved region, and nothing is mapped there
+                // (no handle is recorded for it); h is live, of a chunk's bytes, and mapped
+                // nowhere (spare, unmapped from an idle chunk, or new) or only at a retired
+                // chunk whose work the allocation is ordered after.
+                if let Err(e) = timed(&mut st.stats.driver_ns[1], || unsafe { self.phys.map(va, cb, h) }) {
+                    st.spare.push(h);
+                    failed = Some(e);
+                    break;
+                }
+                st.chunks[c].handle = Some(h);
+                st.stats.maps += 1;
+                i += 1;
+            }
+            if from < i {
+                let va = self.va_of(st, chunks[from] * self.chunk_granules);
+                st.stats.accesses += 1;
+                // SAFETY: chunks[from..i] are consecutive and were all mapped above.
+                let access = timed(&mut st.stats.driver_ns[2], || unsafe {
+                    self.phys.set_access(va, (i - from) * cb)
+                });
+                if let Err(e) = access {
+                    failed = failed.or(Some(e));
+                    for &c in &chunks[from..i] {
+                        let va = self.va_of(st, c * self.chunk_granules);
+                        // SAFETY: mapped above, and no work was queued on it.
+                        match unsafe { self.phys.unmap(va, cb) } {
+                            Ok(()) => {
+                                if let Some(h) = st.chunks[c].handle.take() {
+                                    st.spare.push(h);
+                                }
+                            }
+                            Err(e) => {
+                                record_drop_error("cuMemUnmap", e);
+                                st.chunks[c].stuck = true;
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(e) = failed {
+                return Err(e);
+            }
         }
-        self.keep_range(st, va, len);
+        Ok(())
     }
 
-    /// Unmaps `pieces`, mapped at consecutive offsets from `va`, one call each; false if
-    /// any unmap failed (counted as a drop error; that mapping stays).
-    ///
-    /// # Safety
-    /// 1. Each piece is mapped at its offset from `va` and no work uses the range any more
-    ///    (none was queued on it, or every use completed).
-    unsafe fn unmap_pieces(&self, st: &mut State<B::Mark>, va: u64, pieces: &[(u64, usize)]) -> bool {
-        let mut off = 0u64;
-        let mut clean = true;
-        for &(h, sz) in pieces {
-            // SAFETY: obligation 1.
-            match unsafe { self.phys.unmap(va + off, sz) } {
+    /// Adds `stamps` to the free runs overlapping granules `lo..hi`.
+    fn stamp_free(&self, st: &mut State<B::Mark>, lo: usize, hi: usize, stamps: &Stamps<B::Mark>) {
+        let starts: Vec<usize> = st
+            .free
+            .range(..hi)
+            .rev()
+            .take_while(|(&s, r)| s + r.len > lo)
+            .map(|(&s, _)| s)
+            .collect();
+        for s in starts {
+            if let Some(run) = st.free.get_mut(&s) {
+                merge(&mut run.stamps, stamps.clone());
+            }
+        }
+    }
+
+    /// A handle for a chunk, with the marks its previous users' work must be ordered
+    /// after: a spare one, one unmapped from an idle chunk whose work completed, a new
+    /// one, or (when none can be made) one of an idle chunk whose work is pending, mapped
+    /// anew while its old mapping is retired.
+    fn handle(&self, st: &mut State<B::Mark>, b: &B) -> Result<(u64, Stamps<B::Mark>)> {
+        if let Some(h) = st.spare.pop() {
+            return Ok((h, Vec::new()));
+        }
+        // Idle chunks stay mapped for the blocks that fit there, up to an allowance;
+        // beyond it one is moved (its work completed, else pending) before new memory is
+        // made. Moving costs an unmap and a map where making costs a map: an allowance of
+        // none would move chunks back and forth (on the H200, 20 s for RMM's workload).
+        let idle_bytes = st.idle.len() * self.chunk_bytes();
+        if idle_bytes > (st.stats.block_bytes >> IDLE_SHIFT).max(IDLE_FLOOR_CHUNKS * self.chunk_bytes()) {
+            if let Some(h) = self.reclaim(st, b, RECLAIM_TRIES, Reclaim::Retire) {
+                return Ok(h);
+            }
+        }
+        let chunk = self.chunk_bytes();
+        match timed(&mut st.stats.driver_ns[0], || self.phys.create(chunk)) {
+            Ok(h) => {
+                st.stats.creates += 1;
+                st.stats.reserved += self.chunk_bytes();
+                st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
+                Ok((h, Vec::new()))
+            }
+            Err(e) if is_out_of_memory(&e) => self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes the handle of an idle chunk (trying at most `tries`, from the highest
+    /// address), as `how` says, with the marks to order its next use after.
+    fn reclaim(
+        &self,
+        st: &mut State<B::Mark>,
+        b: &B,
+        tries: usize,
+        how: Reclaim,
+    ) -> Option<(u64, Stamps<B::Mark>)> {
+        let mut below = usize::MAX;
+        let mut pending = None;
+        for _ in 0..tries {
+            let Some(&c) = st.idle.range(..below).next_back() else {
+                break;
+            };
+            below = c;
+            let first = c * self.chunk_granules;
+            let Some((&rs, run)) = st.free.range(..=first).next_back() else {
+                continue;
+            };
+            let done = run.stamps.iter().all(|s| match how {
+                Reclaim::Wait => s.wait_host(b),
+                Reclaim::Retire => s.complete(b),
+            });
+            if !done {
+                pending = pending.or(Some((c, rs)));
+                continue;
+            }
+            st.idle.remove(&c);
+            let va = self.va_of(st, first);
+            let cb = self.chunk_bytes();
+            // SAFETY: the chunk was mapped by `map_chunks` with a chunk's bytes; no block
+            // holds a granule of it, and the marks of every free of its granules
+            // completed (a run keeps the latest mark of each stream until it completes).
+            match timed(&mut st.stats.driver_ns[3], || unsafe { self.phys.unmap(va, cb) }) {
                 Ok(()) => {
-                    if let Some(p) = st.pages.get_mut(&h) {
-                        p.maps -= 1;
-                    }
                     st.stats.unmaps += 1;
+                    return st.chunks[c].handle.take().map(|h| (h, Vec::new()));
                 }
                 Err(e) => {
-                    clean = false;
                     record_drop_error("cuMemUnmap", e);
+                    st.chunks[c].stuck = true;
                 }
             }
-            off += sz as u64;
         }
-        clean
+        let (c, rs) = pending.filter(|_| how == Reclaim::Retire)?;
+        // Carve the chunk out of its run: its granules stay mapped, out of use, until the
+        // run's marks complete (`poll`).
+        let run = self.take_run(st, rs);
+        let (first, end) = (c * self.chunk_granules, (c + 1) * self.chunk_granules);
+        if rs < first {
+            self.put_run(st, rs, first - rs, run.stamps.clone());
+        }
+        if rs + run.len > end {
+            self.put_run(st, end, rs + run.len - end, run.stamps.clone());
+        }
+        st.idle.remove(&c);
+        st.chunks[c].used = self.chunk_granules;
+        let h = st.chunks[c].handle?;
+        st.retired.push((c, run.stamps.clone()));
+        Some((h, run.stamps))
     }
 
-    /// Keeps an unmapped range for reuse, or frees it.
-    fn keep_range(&self, st: &mut State<B::Mark>, va: u64, len: usize) {
-        if st.range_count < MAX_RANGES {
-            st.ranges.entry(len).or_default().push(va);
-            st.range_count += 1;
-        } else {
-            // SAFETY: the range came from reserve, is unmapped and is forgotten here.
-            if let Err(e) = unsafe { self.phys.free_range(va, len) } {
-                record_drop_error("cuMemAddressFree", e);
+    /// Unmaps retired chunks whose marks completed (querying at most `max` chunks; with
+    /// `wait`, all, after waiting on the host), and frees their granules.
+    fn poll(&self, st: &mut State<B::Mark>, b: &B, max: usize) {
+        self.unretire(st, b, max, false);
+    }
+
+    fn unretire(&self, st: &mut State<B::Mark>, b: &B, max: usize, wait: bool) {
+        let mut i = 0;
+        let mut seen = 0;
+        while i < st.retired.len() && seen < max {
+            seen += 1;
+            let done = st.retired[i]
+                .1
+                .iter()
+                .all(|s| if wait { s.wait_host(b) } else { s.complete(b) });
+            if !done {
+                i += 1;
+                continue;
+            }
+            let (c, _) = st.retired.swap_remove(i);
+            let first = c * self.chunk_granules;
+            let va = self.va_of(st, first);
+            let cb = self.chunk_bytes();
+            // SAFETY: the chunk's old mapping (a chunk's bytes, by `map_chunks`); no block
+            // holds its granules, and the marks of their last frees completed.
+            match timed(&mut st.stats.driver_ns[3], || unsafe { self.phys.unmap(va, cb) }) {
+                Ok(()) => {
+                    st.stats.unmaps += 1;
+                    // The handle lives on in its new mapping.
+                    st.chunks[c].handle = None;
+                    self.give_back(st, first, self.chunk_granules, Vec::new());
+                }
+                Err(e) => {
+                    // The mapping stays: the granules are never used again.
+                    record_drop_error("cuMemUnmap", e);
+                    st.chunks[c].stuck = true;
+                }
             }
         }
+    }
+
+    /// Reserves a region for at least `n` granules; returns its first granule (a free run
+    /// of the whole region).
+    fn add_region(&self, st: &mut State<B::Mark>, n: usize) -> Result<usize> {
+        let cg = self.chunk_granules;
+        let too_large = || Error::OutOfMemory {
+            requested: n.saturating_mul(self.granule),
+        };
+        let granules = (self.region_bytes / self.granule)
+            .max(n)
+            .checked_next_multiple_of(cg)
+            .ok_or_else(too_large)?;
+        let bytes = granules.checked_mul(self.granule).ok_or_else(too_large)?;
+        let va = self.phys.reserve(bytes)?;
+        st.stats.range_reserves += 1;
+        let first = st.next_index;
+        st.next_index = first + granules + cg;
+        st.regions.push(Region { first, granules, va });
+        st.chunks.resize_with(st.next_index / cg, Chunk::default);
+        self.put_run(st, first, granules, Vec::new());
+        Ok(first)
+    }
+
+    /// Removes the free run starting at `start`.
+    fn take_run(&self, st: &mut State<B::Mark>, start: usize) -> Run<B::Mark> {
+        let run = st.free.remove(&start).expect("a free run from the index");
+        st.by_len.remove(&(run.len, start));
+        run
+    }
+
+    /// Inserts a free run as it is (its neighbours are not free).
+    fn put_run(&self, st: &mut State<B::Mark>, start: usize, len: usize, stamps: Stamps<B::Mark>) {
+        st.by_len.insert((len, start));
+        st.free.insert(start, Run { len, stamps });
+    }
+
+    /// Frees granules `start..start + n` (of a block or a failed allocation) with
+    /// `stamps`: coalesced with the free runs around them, their chunks idle if wholly free.
+    fn give_back(&self, st: &mut State<B::Mark>, start: usize, n: usize, mut stamps: Stamps<B::Mark>) {
+        for (c, k) in self.chunks_of(start, n) {
+            let ch = &mut st.chunks[c];
+            ch.used -= k;
+            if ch.used == 0 && ch.handle.is_some() && !ch.stuck {
+                st.idle.insert(c);
+            }
+        }
+        let (mut start, mut len) = (start, n);
+        let before = st.free.range(..start).next_back().map(|(&s, r)| (s, r.len));
+        if let Some((s, l)) = before.filter(|&(s, l)| s + l == start) {
+            let run = self.take_run(st, s);
+            merge(&mut stamps, run.stamps);
+            (start, len) = (s, len + l);
+        }
+        if st.free.contains_key(&(start + len)) {
+            let run = self.take_run(st, start + len);
+            len += run.len;
+            merge(&mut stamps, run.stamps);
+        }
+        merge(&mut stamps, Vec::new());
+        self.put_run(st, start, len, stamps);
+        st.stats.free_bytes = st.stats.reserved - st.stats.block_bytes;
     }
 
     /// Frees the block at `ptr` in the order of `stream`.
@@ -479,176 +761,107 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
     /// 1. `ptr` came from [`PageHeap::alloc`] of this heap, is freed once, and every use of
     ///    it is ordered before this point of `stream`.
     pub(crate) unsafe fn free(&self, b: &B, ptr: u64, stream: &B::Stream) {
-        let mark = match b.mark(stream) {
-            Ok(m) => Some(m),
-            Err(e) => {
-                record_drop_error("recording a page block's free", e);
-                if let Err(e) = b.synchronize(stream) {
-                    record_drop_error("synchronizing a page block's free", e);
-                    let mut st = lock(&self.state);
-                    if let Some(pieces) = st.live.remove(&ptr) {
-                        st.lost.push((ptr, pieces));
-                    }
-                    return;
-                }
-                None
-            }
-        };
-        let stamp = Arc::new(Stamp {
-            stream: B::stream_id(stream),
-            mark,
-            done: AtomicBool::new(false),
-        });
         let mut st = lock(&self.state);
-        let Some(pieces) = st.live.remove(&ptr) else {
+        let Some((start, n)) = st.live.remove(&ptr) else {
             drop(st);
             return record_drop_error(
                 "freeing a page block",
                 Error::InvalidArgument("not a live block of the page heap"),
             );
         };
-        for &(h, sz) in &pieces {
-            if let Some(page) = st.pages.get_mut(&h) {
-                page.marks.retain(|s| !s.complete(b));
-                page.marks.push(stamp.clone());
+        // Recorded under the lock: stamps of one stream are numbered in its order.
+        let mark = match b.mark(stream) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                record_drop_error("recording a page block's free", e);
+                if let Err(e) = b.synchronize(stream) {
+                    // Never reused: the granules stay out of the free runs, their chunks
+                    // mapped.
+                    record_drop_error("synchronizing a page block's free", e);
+                    return;
+                }
+                None
             }
-            let order = self.order(sz);
-            if st.free.len() <= order {
-                st.free.resize_with(order + 1, VecDeque::new);
-            }
-            st.free[order].push_back(h);
-            st.stats.free_bytes += sz;
-            st.stats.block_bytes -= sz;
-        }
-        st.retired.push_back(Retired {
-            va: ptr,
-            pieces,
-            stamp,
+        };
+        st.stats.block_bytes -= n * self.granule;
+        st.seq += 1;
+        let stamp = Arc::new(Stamp {
+            stream: B::stream_id(stream),
+            seq: st.seq,
+            done: AtomicBool::new(mark.is_none()),
+            mark,
         });
+        self.give_back(&mut st, start, n, vec![stamp]);
         self.poll(&mut st, b, POLL);
     }
 
-    /// Unmaps retired ranges whose marks completed, querying at most `max` marks. Marks of
-    /// one stream complete in order: after one that has not, the later ones of its stream
-    /// are skipped without a query.
-    fn poll(&self, st: &mut State<B::Mark>, b: &B, max: usize) {
+    /// Releases spare handles, then idle chunks from the highest address (waiting on the
+    /// host for their marks), until the heap reserves less than `keep` bytes (0: all it
+    /// can, and the regions left empty are freed).
+    pub(crate) fn trim_to(&self, b: &B, keep: usize) {
+        let mut st = lock(&self.state);
+        let all = keep == 0;
+        let keep = keep.max(1);
+        self.unretire(&mut st, b, usize::MAX, true);
+        while st.stats.reserved >= keep {
+            let h = match st.spare.pop() {
+                Some(h) => h,
+                None => match self.reclaim(&mut st, b, usize::MAX, Reclaim::Wait) {
+                    Some((h, _)) => h,
+                    None => break,
+                },
+            };
+            // SAFETY: the handle is mapped nowhere (spare, or just unmapped) and
+            // forgotten here.
+            match timed(&mut st.stats.driver_ns[4], || unsafe { self.phys.release(h) }) {
+                Ok(()) => {
+                    st.stats.reserved -= self.chunk_bytes();
+                    st.stats.releases += 1;
+                }
+                Err(e) => record_drop_error("cuMemRelease", e),
+            }
+        }
+        st.stats.free_bytes = st.stats.reserved - st.stats.block_bytes;
+        if all {
+            self.free_empty_regions(&mut st);
+        }
+    }
+
+    /// Frees the regions with no block and no mapping.
+    fn free_empty_regions(&self, st: &mut State<B::Mark>) {
+        let cg = self.chunk_granules;
         let mut i = 0;
-        let mut seen = 0;
-        let mut behind: Vec<StreamId> = Vec::new();
-        while i < st.retired.len() && seen < max {
-            let stamp = &st.retired[i].stamp;
-            if behind.contains(&stamp.stream) {
+        while i < st.regions.len() {
+            let r = &st.regions[i];
+            let (first, granules, va) = (r.first, r.granules, r.va);
+            let empty = st.free.get(&first).is_some_and(|run| run.len == granules)
+                && (first / cg..(first + granules) / cg).all(|c| st.chunks[c].handle.is_none());
+            if !empty {
                 i += 1;
                 continue;
             }
-            seen += 1;
-            if stamp.complete(b) {
-                if let Some(r) = st.retired.remove(i) {
-                    self.unmap_retired(st, r);
-                }
-            } else {
-                behind.push(st.retired[i].stamp.stream);
-                i += 1;
+            // SAFETY: the range came from reserve, nothing is mapped in it, and it is
+            // forgotten here.
+            if let Err(e) = unsafe { self.phys.free_range(va, granules * self.granule) } {
+                record_drop_error("cuMemAddressFree", e);
             }
-        }
-    }
-
-    fn unmap_retired(&self, st: &mut State<B::Mark>, r: Retired<B::Mark>) {
-        let len: usize = r.pieces.iter().map(|p| p.1).sum();
-        // SAFETY: the pieces were mapped at `r.va` by an allocation; the free's mark
-        // completed, so no work uses them (every use was ordered before the mark).
-        let clean = unsafe { self.unmap_pieces(st, r.va, &r.pieces) };
-        if clean {
-            self.keep_range(st, r.va, len);
-        }
-    }
-
-    /// Releases free handles, largest first, while the free bytes exceed `target`: those
-    /// that nothing maps and whose marks completed (with `wait`, after waiting on the host
-    /// for them).
-    fn release_free(&self, st: &mut State<B::Mark>, b: &B, target: usize, wait: bool) {
-        for order in (0..st.free.len()).rev() {
-            let mut i = 0;
-            while i < st.free[order].len() && st.stats.free_bytes > target {
-                let h = st.free[order][i];
-                let Some(page) = st.pages.get_mut(&h) else {
-                    st.free[order].remove(i);
-                    continue;
-                };
-                let ready = page.maps == 0
-                    && page
-                        .marks
-                        .iter()
-                        .all(|s| if wait { s.wait_host(b) } else { s.complete(b) });
-                if !ready {
-                    i += 1;
-                    continue;
-                }
-                // SAFETY: the handle is live, in no block, and nothing maps it.
-                match unsafe { self.phys.release(h) } {
-                    Ok(()) => {
-                        st.free[order].remove(i);
-                        let bytes = st.pages.remove(&h).map_or(0, |p| p.bytes);
-                        st.stats.free_bytes -= bytes;
-                        st.stats.reserved -= bytes;
-                        st.stats.handles -= 1;
-                        st.stats.releases += 1;
-                    }
-                    Err(e) => {
-                        record_drop_error("cuMemRelease", e);
-                        i += 1;
-                    }
-                }
-            }
-        }
-    }
-
-    /// Waits on the host for every retired range and free handle, unmaps, and releases
-    /// free handles until the heap reserves less than `keep` bytes (0: all of them, and the
-    /// cached ranges are freed too).
-    pub(crate) fn trim_to(&self, b: &B, keep: usize) {
-        let mut st = lock(&self.state);
-        let retired: Vec<Retired<B::Mark>> = st.retired.drain(..).collect();
-        for r in retired {
-            if r.stamp.wait_host(b) {
-                self.unmap_retired(&mut st, r);
-            } else {
-                st.retired.push_back(r);
-            }
-        }
-        if st.stats.reserved >= keep.max(1) {
-            // Releasing more than reserved - keep of the free bytes brings it below keep.
-            let target = st.stats.free_bytes.saturating_sub(st.stats.reserved - keep + 1);
-            self.release_free(&mut st, b, target, true);
-        }
-        if keep == 0 {
-            for (len, vas) in std::mem::take(&mut st.ranges) {
-                for va in vas {
-                    // SAFETY: cached ranges are unmapped and owned by the heap alone.
-                    if let Err(e) = unsafe { self.phys.free_range(va, len) } {
-                        record_drop_error("cuMemAddressFree", e);
-                    }
-                }
-            }
-            st.range_count = 0;
+            self.take_run(st, first);
+            st.regions.remove(i);
         }
     }
 
     /// Gives everything back, at the backend's drop: trims to 0, then releases the
-    /// handles of blocks still live or lost (the driver frees them once unmapped).
+    /// handles of chunks still mapped (blocks still live, or stuck; the driver frees them
+    /// once unmapped).
     pub(crate) fn shutdown(&self, b: &B) {
         self.trim_to(b, 0);
         let mut st = lock(&self.state);
-        let st = &mut *st;
-        let live: Vec<(u64, Pieces)> = st.live.drain().chain(st.lost.drain(..)).collect();
-        for (_, pieces) in live {
-            for (h, _) in pieces {
-                if st.pages.remove(&h).is_some() {
-                    // SAFETY: the pool is being dropped: nothing allocates from it again; a
-                    // handle released while mapped is freed by the driver at its unmap.
-                    if let Err(e) = unsafe { self.phys.release(h) } {
-                        record_drop_error("cuMemRelease", e);
-                    }
+        for c in 0..st.chunks.len() {
+            if let Some(h) = st.chunks[c].handle.take() {
+                // SAFETY: the pool is being dropped: nothing allocates from it again; a
+                // handle released while mapped is freed by the driver at its unmap.
+                if let Err(e) = unsafe { self.phys.release(h) } {
+                    record_drop_error("cuMemRelease", e);
                 }
             }
         }

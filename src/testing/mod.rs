@@ -14,3 +14,9 @@ pub use crate::cuda::async_memory::AsyncDeviceMemory;
 pub use crate::cuda::memory::DeviceMemory;
 pub use crate::source::managed::managed_bytes_held;
 pub use raw_pinned::RawPinnedBuffer;
+
+/// The page heap's counters of a pool on physical pages (driver calls made and the time
+/// spent in them), for benchmarks; `None` for a pool on the driver pool.
+pub fn page_heap_counters(pool: &crate::device::DevicePool) -> Option<String> {
+    pool.page_counters()
+}

@@ -96,9 +96,8 @@ fn freed_pages_serve_blocks_of_other_sizes_without_new_reservations() {
     gpu!();
     let pool = pages(DevicePoolConfig::default().with_cache(false));
     let s = stream();
-    // 48 MiB (handles of 32 and 16 MiB: powers of two of the 2 MiB granule) and 16 MiB,
-    // freed; a 64 MiB block is mapped from the three handles, and then 32 + 16 + 16 MiB
-    // blocks reuse them again.
+    // 48 MiB and 16 MiB, freed; a 64 MiB block takes their memory (the free runs
+    // coalesced, still mapped), and then 32 + 16 + 16 MiB blocks take it again.
     let a = pool.alloc_zeroed::<u8>(48 * MIB, &s).unwrap();
     let b = pool.alloc_zeroed::<u8>(16 * MIB, &s).unwrap();
     s.synchronize().unwrap();
