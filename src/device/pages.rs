@@ -9,13 +9,14 @@
 //!
 //! - **Address space**: the heap reserves large *regions* of virtual addresses (the
 //!   device's memory each; another only when no free run fits) and cuts them into
-//!   granules (2 MiB on the H200). Blocks are runs of granules; free granules form
-//!   maximal *free runs*, coalesced at every free. An allocation of n granules takes the
+//!   units of 64 KiB. Blocks are runs of units (a request rounds up to a unit, not to
+//!   the 2 MiB allocation granule: only chunks are mapped); free units form
+//!   maximal *free runs*, coalesced at every free. An allocation of n units takes the
 //!   smallest free run of at least n (lowest address among equals), from its start; the
 //!   rest of the run stays free.
 //! - **Physical memory** comes in *chunks* of [`CHUNK_GRANULES`] granules, one handle
 //!   each, mapped at chunk-aligned places of a region. A chunk is mapped while any
-//!   granule of it is in a block; a wholly free chunk stays mapped (*idle*) so that the
+//!   unit of it is in a block; a wholly free chunk stays mapped (*idle*) so that the
 //!   next block there costs nothing. An allocation maps the chunks of its run that are
 //!   not mapped, with a handle from (in this order) the spare handles; while the idle
 //!   chunks exceed 1/2^[`IDLE_SHIFT`] of the bytes in blocks, an idle chunk elsewhere
@@ -67,6 +68,9 @@ use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 /// in 2.2 s with 4 (`page_chunk_sizes_compared` in `device::tests` runs the comparison on
 /// the simulated GPU). The target of that workload (1.15) sets 2.
 pub(crate) const CHUNK_GRANULES: usize = 2;
+/// The most bytes of one step of the address index (blocks are multiples of it; less on
+/// a device whose granule is smaller).
+const UNIT: usize = 64 << 10;
 /// Virtual bytes per region at least (the CUDA backend uses the device's memory).
 const REGION_BYTES: usize = 1 << 36;
 /// Idle chunks tried per handle needed before a new handle is created.
@@ -126,7 +130,7 @@ pub(crate) trait Phys: Send + Sync + 'static {
     unsafe fn set_access(&self, va: u64, bytes: usize) -> Result<()>;
 }
 
-/// A mark recorded at a free, shared by the free runs that hold the freed granules.
+/// A mark recorded at a free, shared by the free runs that hold the freed units.
 struct Stamp<M> {
     stream: StreamId,
     /// Order of recording (under the heap's lock): on one stream, a later stamp's mark
@@ -191,13 +195,13 @@ fn merge<M>(into: &mut Stamps<M>, from: Stamps<M>) {
     }
 }
 
-/// A maximal run of free granules.
+/// A maximal run of free units.
 struct Run<M> {
     len: usize,
     stamps: Stamps<M>,
 }
 
-/// One chunk of a region's granules.
+/// One chunk of a region's units.
 #[derive(Default)]
 struct Chunk {
     /// The handle mapped there.
@@ -208,11 +212,11 @@ struct Chunk {
     stuck: bool,
 }
 
-/// A reserved range of virtual addresses: granules `first..first + granules` of the
+/// A reserved range of virtual addresses: units `first..first + units` of the
 /// heap's index space.
 struct Region {
     first: usize,
-    granules: usize,
+    units: usize,
     va: u64,
 }
 
@@ -249,23 +253,23 @@ fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
 
 struct State<M> {
     regions: Vec<Region>,
-    /// The first granule index of the next region (regions are a chunk apart in the index
+    /// The first unit index of the next region (regions are a chunk apart in the index
     /// space, so that no free run reaches from one into the next).
     next_index: usize,
-    /// By chunk index (granule index / CHUNK_GRANULES).
+    /// By chunk index (unit index / CHUNK_GRANULES).
     chunks: Vec<Chunk>,
-    /// Free runs by first granule, and by (length, first granule) for the best fit.
+    /// Free runs by first unit, and by (length, first unit) for the best fit.
     free: BTreeMap<usize, Run<M>>,
     by_len: BTreeSet<(usize, usize)>,
-    /// Mapped chunks with no granule in a block (and not stuck).
+    /// Mapped chunks with no unit in a block (and not stuck).
     idle: BTreeSet<usize>,
     /// Handles mapped nowhere.
     spare: Vec<u64>,
     /// Chunks whose handle was mapped elsewhere while their last frees' marks were
-    /// pending: the old mapping stays (their granules out of the free runs) until the marks
+    /// pending: the old mapping stays (their units out of the free runs) until the marks
     /// complete.
     retired: Vec<(usize, Stamps<M>)>,
-    /// Live blocks by address: (first granule, granules).
+    /// Live blocks by address: (first unit, units).
     live: HashMap<u64, (usize, usize)>,
     /// The next stamp's sequence number.
     seq: u64,
@@ -273,20 +277,20 @@ struct State<M> {
 }
 
 /// Blocks of at least this many granules go to the page heap (when there is one): 2
-/// granules (4 MiB on the H200). Rounding a block up to whole granules wastes less than a
-/// granule, at most a third of a block from 2 granules up and little of the bytes of a
-/// workload whose sizes spread to tens of MiB; blocks below a granule would waste most
-/// of one, and the driver pool packs them into its chunks. The threshold is low because
-/// the driver pool fragments under blocks of mixed sizes (`page_thresholds_compared` in
-/// `device::tests` measures it on the simulated pool).
+/// granules (4 MiB on the H200). Smaller blocks stay on the driver pool, which packs them
+/// into its chunks; the threshold is low because the driver pool fragments under blocks of
+/// mixed sizes (`page_thresholds_compared` in `device::tests` measures it on the
+/// simulated pool).
 pub(crate) const PAGE_MIN_GRANULES: usize = 2;
 
 /// Large blocks on physical pages. See the [module docs](self).
 pub(crate) struct PageHeap<P: Phys, B: Backend> {
     phys: P,
     granule: usize,
-    /// Granules per chunk (a power of two).
-    chunk_granules: usize,
+    /// The bytes of one step of the address index: blocks are runs of units.
+    unit: usize,
+    /// Units per chunk (a power of two).
+    chunk_units: usize,
     /// Virtual bytes of a region at least.
     region_bytes: usize,
     /// The smallest block the heap serves; smaller ones stay on the driver pool.
@@ -311,7 +315,8 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         Self {
             phys,
             granule,
-            chunk_granules: CHUNK_GRANULES,
+            unit: granule.min(UNIT),
+            chunk_units: CHUNK_GRANULES * (granule / granule.min(UNIT)),
             region_bytes: REGION_BYTES,
             min_block: granule * PAGE_MIN_GRANULES,
             state: Mutex::new(State {
@@ -345,7 +350,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
     pub(crate) fn with_chunk_granules(self, granules: usize) -> Self {
         debug_assert!(granules.is_power_of_two());
         Self {
-            chunk_granules: granules.max(1),
+            chunk_units: granules.max(1) * (self.granule / self.unit),
             ..self
         }
     }
@@ -392,28 +397,28 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
     }
 
     fn chunk_bytes(&self) -> usize {
-        self.chunk_granules * self.granule
+        self.chunk_units * self.unit
     }
 
-    /// The address of granule `g` (in a region).
+    /// The address of unit `g` (in a region).
     fn va_of(&self, st: &State<B::Mark>, g: usize) -> u64 {
         let i = st.regions.partition_point(|r| r.first <= g) - 1;
         let r = &st.regions[i];
-        debug_assert!(g < r.first + r.granules);
-        r.va + ((g - r.first) * self.granule) as u64
+        debug_assert!(g < r.first + r.units);
+        r.va + ((g - r.first) * self.unit) as u64
     }
 
-    /// The chunks a run of `len` granules from `start` touches, with the granules of each
+    /// The chunks a run of `len` units from `start` touches, with the units of each
     /// inside the run.
     fn chunks_of(&self, start: usize, len: usize) -> impl Iterator<Item = (usize, usize)> {
-        let cg = self.chunk_granules;
+        let cg = self.chunk_units;
         let end = start + len;
         (start / cg..end.div_ceil(cg)).map(move |c| (c, end.min((c + 1) * cg) - start.max(c * cg)))
     }
 
     /// A block of at least `bytes` (nonzero) usable by work queued on `stream` from now on.
     pub(crate) fn alloc(&self, b: &B, bytes: usize, stream: &B::Stream) -> Result<u64> {
-        let g = self.granule;
+        let g = self.unit;
         let n = bytes.div_ceil(g).max(1);
         let len = n.checked_mul(g).ok_or(Error::OutOfMemory { requested: bytes })?;
         let mut st = lock(&self.state);
@@ -458,7 +463,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         Ok(va)
     }
 
-    /// Maps every chunk of the run of `n` granules from `start` that is not mapped,
+    /// Maps every chunk of the run of `n` units from `start` that is not mapped,
     /// adding to `after` the marks of handles taken from chunks whose work is pending.
     fn map_chunks(
         &self,
@@ -488,11 +493,11 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                         break;
                     }
                 };
-                let first = c * self.chunk_granules;
+                let first = c * self.chunk_units;
                 if !pending.is_empty() {
-                    // The handle's old work may touch any part of it: the free granules
+                    // The handle's old work may touch any part of it: the free units
                     // of the chunk pass its marks on too.
-                    self.stamp_free(st, first, first + self.chunk_granules, &pending);
+                    self.stamp_free(st, first, first + self.chunk_units, &pending);
                     merge(after, pending);
                 }
                 let va = self.va_of(st, first);
@@ -510,7 +515,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 i += 1;
             }
             if from < i {
-                let va = self.va_of(st, chunks[from] * self.chunk_granules);
+                let va = self.va_of(st, chunks[from] * self.chunk_units);
                 st.stats.accesses += 1;
                 // SAFETY: chunks[from..i] are consecutive and were all mapped above.
                 let access = timed(&mut st.stats.driver_ns[2], || unsafe {
@@ -519,7 +524,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 if let Err(e) = access {
                     failed = failed.or(Some(e));
                     for &c in &chunks[from..i] {
-                        let va = self.va_of(st, c * self.chunk_granules);
+                        let va = self.va_of(st, c * self.chunk_units);
                         // SAFETY: mapped above, and no work was queued on it.
                         match unsafe { self.phys.unmap(va, cb) } {
                             Ok(()) => {
@@ -542,7 +547,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         Ok(())
     }
 
-    /// Adds `stamps` to the free runs overlapping granules `lo..hi`.
+    /// Adds `stamps` to the free runs overlapping units `lo..hi`.
     fn stamp_free(&self, st: &mut State<B::Mark>, lo: usize, hi: usize, stamps: &Stamps<B::Mark>) {
         let starts: Vec<usize> = st
             .free
@@ -605,7 +610,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 break;
             };
             below = c;
-            let first = c * self.chunk_granules;
+            let first = c * self.chunk_units;
             let Some((&rs, run)) = st.free.range(..=first).next_back() else {
                 continue;
             };
@@ -621,7 +626,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             let va = self.va_of(st, first);
             let cb = self.chunk_bytes();
             // SAFETY: the chunk was mapped by `map_chunks` with a chunk's bytes; no block
-            // holds a granule of it, and the marks of every free of its granules
+            // holds a unit of it, and the marks of every free of its units
             // completed (a run keeps the latest mark of each stream until it completes).
             match timed(&mut st.stats.driver_ns[3], || unsafe { self.phys.unmap(va, cb) }) {
                 Ok(()) => {
@@ -635,10 +640,10 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             }
         }
         let (c, rs) = pending.filter(|_| how == Reclaim::Retire)?;
-        // Carve the chunk out of its run: its granules stay mapped, out of use, until the
+        // Carve the chunk out of its run: its units stay mapped, out of use, until the
         // run's marks complete (`poll`).
         let run = self.take_run(st, rs);
-        let (first, end) = (c * self.chunk_granules, (c + 1) * self.chunk_granules);
+        let (first, end) = (c * self.chunk_units, (c + 1) * self.chunk_units);
         if rs < first {
             self.put_run(st, rs, first - rs, run.stamps.clone());
         }
@@ -646,14 +651,14 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             self.put_run(st, end, rs + run.len - end, run.stamps.clone());
         }
         st.idle.remove(&c);
-        st.chunks[c].used = self.chunk_granules;
+        st.chunks[c].used = self.chunk_units;
         let h = st.chunks[c].handle?;
         st.retired.push((c, run.stamps.clone()));
         Some((h, run.stamps))
     }
 
     /// Unmaps retired chunks whose marks completed (querying at most `max` chunks; with
-    /// `wait`, all, after waiting on the host), and frees their granules.
+    /// `wait`, all, after waiting on the host), and frees their units.
     fn poll(&self, st: &mut State<B::Mark>, b: &B, max: usize) {
         self.unretire(st, b, max, false);
     }
@@ -672,20 +677,20 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 continue;
             }
             let (c, _) = st.retired.swap_remove(i);
-            let first = c * self.chunk_granules;
+            let first = c * self.chunk_units;
             let va = self.va_of(st, first);
             let cb = self.chunk_bytes();
             // SAFETY: the chunk's old mapping (a chunk's bytes, by `map_chunks`); no block
-            // holds its granules, and the marks of their last frees completed.
+            // holds its units, and the marks of their last frees completed.
             match timed(&mut st.stats.driver_ns[3], || unsafe { self.phys.unmap(va, cb) }) {
                 Ok(()) => {
                     st.stats.unmaps += 1;
                     // The handle lives on in its new mapping.
                     st.chunks[c].handle = None;
-                    self.give_back(st, first, self.chunk_granules, Vec::new());
+                    self.give_back(st, first, self.chunk_units, Vec::new());
                 }
                 Err(e) => {
-                    // The mapping stays: the granules are never used again.
+                    // The mapping stays: the units are never used again.
                     record_drop_error("cuMemUnmap", e);
                     st.chunks[c].stuck = true;
                 }
@@ -693,25 +698,25 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         }
     }
 
-    /// Reserves a region for at least `n` granules; returns its first granule (a free run
+    /// Reserves a region for at least `n` units; returns its first unit (a free run
     /// of the whole region).
     fn add_region(&self, st: &mut State<B::Mark>, n: usize) -> Result<usize> {
-        let cg = self.chunk_granules;
+        let cu = self.chunk_units;
         let too_large = || Error::OutOfMemory {
-            requested: n.saturating_mul(self.granule),
+            requested: n.saturating_mul(self.unit),
         };
-        let granules = (self.region_bytes / self.granule)
+        let units = (self.region_bytes / self.unit)
             .max(n)
-            .checked_next_multiple_of(cg)
+            .checked_next_multiple_of(cu)
             .ok_or_else(too_large)?;
-        let bytes = granules.checked_mul(self.granule).ok_or_else(too_large)?;
+        let bytes = units.checked_mul(self.unit).ok_or_else(too_large)?;
         let va = self.phys.reserve(bytes)?;
         st.stats.range_reserves += 1;
         let first = st.next_index;
-        st.next_index = first + granules + cg;
-        st.regions.push(Region { first, granules, va });
-        st.chunks.resize_with(st.next_index / cg, Chunk::default);
-        self.put_run(st, first, granules, Vec::new());
+        st.next_index = first + units + cu;
+        st.regions.push(Region { first, units, va });
+        st.chunks.resize_with(st.next_index / cu, Chunk::default);
+        self.put_run(st, first, units, Vec::new());
         Ok(first)
     }
 
@@ -728,7 +733,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         st.free.insert(start, Run { len, stamps });
     }
 
-    /// Frees granules `start..start + n` (of a block or a failed allocation) with
+    /// Frees units `start..start + n` (of a block or a failed allocation) with
     /// `stamps`: coalesced with the free runs around them, their chunks idle if wholly free.
     fn give_back(&self, st: &mut State<B::Mark>, start: usize, n: usize, mut stamps: Stamps<B::Mark>) {
         for (c, k) in self.chunks_of(start, n) {
@@ -775,7 +780,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             Err(e) => {
                 record_drop_error("recording a page block's free", e);
                 if let Err(e) = b.synchronize(stream) {
-                    // Never reused: the granules stay out of the free runs, their chunks
+                    // Never reused: the units stay out of the free runs, their chunks
                     // mapped.
                     record_drop_error("synchronizing a page block's free", e);
                     return;
@@ -783,7 +788,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 None
             }
         };
-        st.stats.block_bytes -= n * self.granule;
+        st.stats.block_bytes -= n * self.unit;
         st.seq += 1;
         let stamp = Arc::new(Stamp {
             stream: B::stream_id(stream),
@@ -829,20 +834,20 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
 
     /// Frees the regions with no block and no mapping.
     fn free_empty_regions(&self, st: &mut State<B::Mark>) {
-        let cg = self.chunk_granules;
+        let cu = self.chunk_units;
         let mut i = 0;
         while i < st.regions.len() {
             let r = &st.regions[i];
-            let (first, granules, va) = (r.first, r.granules, r.va);
-            let empty = st.free.get(&first).is_some_and(|run| run.len == granules)
-                && (first / cg..(first + granules) / cg).all(|c| st.chunks[c].handle.is_none());
+            let (first, units, va) = (r.first, r.units, r.va);
+            let empty = st.free.get(&first).is_some_and(|run| run.len == units)
+                && (first / cu..(first + units) / cu).all(|c| st.chunks[c].handle.is_none());
             if !empty {
                 i += 1;
                 continue;
             }
             // SAFETY: the range came from reserve, nothing is mapped in it, and it is
             // forgotten here.
-            if let Err(e) = unsafe { self.phys.free_range(va, granules * self.granule) } {
+            if let Err(e) = unsafe { self.phys.free_range(va, units * self.unit) } {
                 record_drop_error("cuMemAddressFree", e);
             }
             self.take_run(st, first);
