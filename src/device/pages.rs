@@ -25,12 +25,18 @@
 //!   block of one size serves a block of another); or `cuMemCreate`. One
 //!   `cuMemSetAccess` per span of chunks mapped together. So the heap reserves what its
 //!   blocks touch plus at most about 1/32 more of idle chunks.
+//! - **Placement**: a block takes the smallest free run that fits and is mapped over
+//!   the block's length, among the [`PLACE_TRIES`] smallest that fit; else the one of
+//!   those with the fewest chunks to map (on the H200 this halved the moves of RMM's
+//!   random workload: 3.8 s instead of 7.2-9.8 s, the same reservation).
 //! - **Costs** (H200): `cuMemSetAccess` about 30 us per chunk in its range, `cuMemUnmap`
 //!   34 us, `cuMemMap` 2.4 us, `cuMemCreate` 19 us; an allocation that fits in mapped
-//!   memory makes none of them. The idle allowance trades memory for moves: on RMM's
-//!   random workload (10^5 allocations, `benches/device.rs`) 1/32 reserved 1.137x the
-//!   peak request in 9.8 s, 1/16 1.167x in 1.5 s, 1/8 1.184x in 0.8 s (the driver pool
-//!   under the cache: 1.472x in 0.6 s).
+//!   memory makes none of them. The idle allowance and the chunk size trade memory for
+//!   moves: on RMM's random workload (10^5 allocations, `benches/device.rs`), with 4 MiB
+//!   chunks an allowance of 1/64 reserved 1.129x the peak request in 5.6 s, 1/32 1.137x
+//!   in 3.8 s, 1/16 1.163x in 1.1 s; 2 MiB chunks and 1/32 1.124x in 10.1 s; 8 MiB chunks
+//!   and 1/32 1.156x in 1.1 s (the driver pool under the cache: 1.472x in 0.6-0.9 s,
+//!   `cuMemAllocAsync` 1.260x in 0.4-0.5 s). Issue 10's target (1.15) sets 4 MiB, 1/32.
 //! - **Stream order**: a free records one mark (an event) on the freeing stream, under
 //!   the heap's lock, and the freed run carries it. A free run keeps the latest mark of
 //!   each stream whose work may not have completed (marks of one stream complete in
@@ -63,10 +69,8 @@ use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 
 /// Granules per chunk (one handle of physical memory): 4 MiB chunks on the H200.
 /// Smaller chunks pack blocks tighter into the memory they keep mapped and need more moves
-/// and more mappings per block; on the H200, RMM's random workload with an idle allowance
-/// of 1/32 reserved 1.137x its peak request in 9.8 s with chunks of 2 granules and 1.158x
-/// in 2.2 s with 4 (`page_chunk_sizes_compared` in `device::tests` runs the comparison on
-/// the simulated GPU). The target of that workload (1.15) sets 2.
+/// and more mappings per block (the trade-off measured in the [module docs](self);
+/// `page_chunk_sizes_compared` in `device::tests` runs it on the simulated GPU).
 pub(crate) const CHUNK_GRANULES: usize = 2;
 /// The most bytes of one step of the address index (blocks are multiples of it; less on
 /// a device whose granule is smaller).
@@ -75,6 +79,8 @@ const UNIT: usize = 64 << 10;
 const REGION_BYTES: usize = 1 << 36;
 /// Idle chunks tried per handle needed before a new handle is created.
 const RECLAIM_TRIES: usize = 8;
+/// Free runs a placement considers.
+const PLACE_TRIES: usize = 16;
 /// Retired chunks polled per call.
 const POLL: usize = 16;
 
@@ -423,8 +429,8 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         let len = n.checked_mul(g).ok_or(Error::OutOfMemory { requested: bytes })?;
         let mut st = lock(&self.state);
         self.poll(&mut st, b, POLL);
-        let start = match st.by_len.range((n, 0)..).next() {
-            Some(&(_, start)) => start,
+        let start = match self.place(&st, n) {
+            Some(start) => start,
             None => self.add_region(&mut st, n)?,
         };
         let run = self.take_run(&mut st, start);
@@ -461,6 +467,26 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
         st.stats.free_bytes = st.stats.reserved - st.stats.block_bytes;
         Ok(va)
+    }
+
+    /// Where a block of `n` units goes: the smallest free run that fits whose first `n`
+    /// units are all mapped, among the [`PLACE_TRIES`] smallest that fit; else the one of
+    /// those with the fewest chunks to map (the smallest among equals).
+    fn place(&self, st: &State<B::Mark>, n: usize) -> Option<usize> {
+        let mut best: Option<(usize, usize)> = None;
+        for &(_, start) in st.by_len.range((n, 0)..).take(PLACE_TRIES) {
+            let unmapped = self
+                .chunks_of(start, n)
+                .filter(|&(c, _)| st.chunks[c].handle.is_none())
+                .count();
+            if unmapped == 0 {
+                return Some(start);
+            }
+            if best.is_none_or(|(u, _)| unmapped < u) {
+                best = Some((unmapped, start));
+            }
+        }
+        best.map(|(_, start)| start)
     }
 
     /// Maps every chunk of the run of `n` units from `start` that is not mapped,

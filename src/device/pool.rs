@@ -94,7 +94,7 @@ pub enum Backing {
     /// reserved stays near what is held (RMM's random workload on the H200: 1.14x the peak
     /// request, against 1.47x on the driver pool), at the price of the moves: mapping,
     /// and above all `cuMemSetAccess` (about 30 us per chunk), make that workload take
-    /// 9.8 s where the driver pool takes 0.6 s. Smaller blocks stay on the driver pool.
+    /// 3.8 s where the driver pool takes 0.6-0.9 s. Smaller blocks stay on the driver pool.
     /// Needs a device with VMM support: [`DevicePool::new`] fails without it. Peer access
     /// ([`DevicePool::enable_peer_access`]) is not supported on such a pool yet. A
     /// [`limit`](DevicePoolConfig::limit) counts blocks at their class size: the rounding

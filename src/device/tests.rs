@@ -1136,3 +1136,39 @@ fn page_chunk_sizes_compared() {
         );
     }
 }
+
+#[test]
+fn a_page_block_goes_where_memory_is_mapped_before_where_it_fits_best() {
+    let (h, b, phys) = heap(usize::MAX);
+    let s = FakeStream::new();
+    // y (16 MiB), a kept block, x (12 MiB), a kept block; y and x freed.
+    let blocks: Vec<u64> = [16, 4, 12, 4]
+        .iter()
+        .map(|&m| h.alloc(&b, m * MIB, &s).unwrap())
+        .collect();
+    let (y, x) = (blocks[0], blocks[2]);
+    // SAFETY: unused blocks, freed once.
+    unsafe {
+        h.free(&b, y, &s);
+        h.free(&b, x, &s);
+    }
+    s.complete_all();
+    // Trimming one chunk unmaps the highest idle one: x's last.
+    h.trim_to(&b, h.stats().reserved - 1);
+    assert_eq!(h.stats().reserved, 32 * MIB);
+    // 12 MiB fits x's run best but would map a chunk; y's run is mapped.
+    let maps = h.stats().maps;
+    let c = h.alloc(&b, 12 * MIB, &s).unwrap();
+    assert_eq!(c, y);
+    assert_eq!(h.stats().maps, maps, "nothing mapped");
+    assert!(phys.use_block(c, 12 * MIB, &s));
+    // SAFETY: as above.
+    unsafe {
+        h.free(&b, c, &s);
+        h.free(&b, blocks[1], &s);
+        h.free(&b, blocks[3], &s);
+    }
+    h.trim_to(&b, 0);
+    assert_eq!(phys.live(), (0, 0, 0, 0));
+    assert_eq!(phys.violations(), 0);
+}
