@@ -38,13 +38,16 @@
 //!   and 1/32 1.156x in 1.1 s (the driver pool under the cache: 1.472x in 0.6-0.9 s,
 //!   `cuMemAllocAsync` 1.260x in 0.4-0.5 s). Issue 10's target (1.15) sets 4 MiB, 1/32.
 //! - **Stream order**: a free records one mark (an event) on the freeing stream, under
-//!   the heap's lock, and the freed run carries it. A free run keeps the latest mark of
-//!   each stream whose work may not have completed (marks of one stream complete in
-//!   order; recorded under the lock, their sequence numbers follow the stream's order),
-//!   merged when runs coalesce and copied when a run is split. An allocation on stream T
-//!   makes T wait for the marks of other streams on the run it takes
-//!   (`cuStreamWaitEvent`, no host wait), the ordering the cache uses for its cross-stream
-//!   hand-over; an idle chunk is unmapped only once the marks of its run completed.
+//!   the heap's lock, and the freed run carries it, tagged with the units freed. A free
+//!   run keeps the latest mark of each stream whose work may not have completed (marks of
+//!   one stream complete in order; recorded under the lock, their sequence numbers follow
+//!   the stream's order), tagged with the hull of the units that stream's frees touched;
+//!   marks are merged when runs coalesce and kept by the parts they touch when a run is
+//!   split. An allocation on stream T makes T wait for the marks of other streams that
+//!   touched the units it takes (`cuStreamWaitEvent`, no host wait), the ordering the
+//!   cache uses for its cross-stream hand-over, and for none in memory no free touched;
+//!   an idle chunk is unmapped only once the marks touching it completed. A handle moved
+//!   from a chunk whose work is pending passes that chunk's marks on to its new chunk.
 //! - **Out of memory**: when `cuMemCreate` fails, every idle chunk whose work completed
 //!   is taken before the error goes up to the cache, which releases its blocks, retries,
 //!   and finally trims (below) after synchronizing. A failed allocation gives its run and
@@ -182,11 +185,38 @@ impl<M> Stamp<M> {
     }
 }
 
-/// The marks of a free run: the latest of each stream not known to have completed.
-type Stamps<M> = Vec<Arc<Stamp<M>>>;
+/// A stamp with the units its stream's frees touched: the hull of the ranges of the
+/// frees it stands for (itself and the earlier stamps of its stream it replaced).
+struct Tagged<M> {
+    stamp: Arc<Stamp<M>>,
+    lo: usize,
+    hi: usize,
+}
 
-/// Adds `from` to `into`, keeping the latest stamp of each stream and dropping those
-/// known complete.
+impl<M> Clone for Tagged<M> {
+    fn clone(&self) -> Self {
+        Self {
+            stamp: self.stamp.clone(),
+            lo: self.lo,
+            hi: self.hi,
+        }
+    }
+}
+
+impl<M> core::ops::Deref for Tagged<M> {
+    type Target = Stamp<M>;
+    fn deref(&self) -> &Stamp<M> {
+        &self.stamp
+    }
+}
+
+/// The marks of a free run: the latest of each stream not known to have completed, each
+/// with the units the frees it stands for touched.
+type Stamps<M> = Vec<Tagged<M>>;
+
+/// Adds `from` to `into`, keeping the latest stamp of each stream (with the hull of both
+/// ranges: waiting for the later mark waits for the earlier) and dropping those known
+/// complete.
 fn merge<M>(into: &mut Stamps<M>, from: Stamps<M>) {
     into.retain(|s| !s.done.load(Ordering::Relaxed));
     for s in from {
@@ -194,11 +224,33 @@ fn merge<M>(into: &mut Stamps<M>, from: Stamps<M>) {
             continue;
         }
         match into.iter_mut().find(|t| t.stream == s.stream) {
-            Some(t) if t.seq < s.seq => *t = s,
-            Some(_) => {}
+            Some(t) => {
+                let (lo, hi) = (t.lo.min(s.lo), t.hi.max(s.hi));
+                if t.seq < s.seq {
+                    *t = s;
+                }
+                (t.lo, t.hi) = (lo, hi);
+            }
             None => into.push(s),
         }
     }
+}
+
+/// The stamps of `stamps` whose frees touched units `lo..hi`.
+fn touching<M>(stamps: &Stamps<M>, lo: usize, hi: usize) -> Stamps<M> {
+    stamps
+        .iter()
+        .filter(|s| s.lo < hi && s.hi > lo)
+        .cloned()
+        .collect()
+}
+
+/// `stamps` taken to stand for frees of units `lo..hi` (where their work may now touch).
+fn retag<M>(mut stamps: Stamps<M>, lo: usize, hi: usize) -> Stamps<M> {
+    for s in &mut stamps {
+        (s.lo, s.hi) = (lo, hi);
+    }
+    stamps
 }
 
 /// A maximal run of free units.
@@ -436,15 +488,16 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         let run = self.take_run(&mut st, start);
         if run.len > n {
             // The rest of a maximal run: its neighbours are this block and a block.
-            self.put_run(&mut st, start + n, run.len - n, run.stamps.clone());
+            let rest = touching(&run.stamps, start + n, start + run.len);
+            self.put_run(&mut st, start + n, run.len - n, rest);
         }
         for (c, k) in self.chunks_of(start, n) {
             st.chunks[c].used += k;
             st.idle.remove(&c);
         }
-        // Map the chunks that are not, and order `stream` after the last users of the
-        // run and of the handles mapped.
-        let mut after = run.stamps.clone();
+        // Map the chunks that are not, and order `stream` after the last users of these
+        // units and of the handles mapped.
+        let mut after = touching(&run.stamps, start, start + n);
         let ordered = self.map_chunks(&mut st, b, start, n, &mut after).and_then(|()| {
             let me = B::stream_id(stream);
             for s in &after {
@@ -458,7 +511,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             Ok(())
         });
         if let Err(e) = ordered {
-            self.give_back(&mut st, start, n, after);
+            self.give_back(&mut st, start, n, retag(after, start, start + n));
             return Err(e);
         }
         let va = self.va_of(&st, start);
@@ -523,6 +576,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 if !pending.is_empty() {
                     // The handle's old work may touch any part of it: the free units
                     // of the chunk pass its marks on too.
+                    let pending = retag(pending, first, first + self.chunk_units);
                     self.stamp_free(st, first, first + self.chunk_units, &pending);
                     merge(after, pending);
                 }
@@ -640,10 +694,15 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             let Some((&rs, run)) = st.free.range(..=first).next_back() else {
                 continue;
             };
-            let done = run.stamps.iter().all(|s| match how {
-                Reclaim::Wait => s.wait_host(b),
-                Reclaim::Retire => s.complete(b),
-            });
+            let last = first + self.chunk_units;
+            let done = run
+                .stamps
+                .iter()
+                .filter(|s| s.lo < last && s.hi > first)
+                .all(|s| match how {
+                    Reclaim::Wait => s.wait_host(b),
+                    Reclaim::Retire => s.complete(b),
+                });
             if !done {
                 pending = pending.or(Some((c, rs)));
                 continue;
@@ -671,16 +730,22 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         let run = self.take_run(st, rs);
         let (first, end) = (c * self.chunk_units, (c + 1) * self.chunk_units);
         if rs < first {
-            self.put_run(st, rs, first - rs, run.stamps.clone());
+            self.put_run(st, rs, first - rs, touching(&run.stamps, rs, first));
         }
         if rs + run.len > end {
-            self.put_run(st, end, rs + run.len - end, run.stamps.clone());
+            self.put_run(
+                st,
+                end,
+                rs + run.len - end,
+                touching(&run.stamps, end, rs + run.len),
+            );
         }
         st.idle.remove(&c);
         st.chunks[c].used = self.chunk_units;
         let h = st.chunks[c].handle?;
-        st.retired.push((c, run.stamps.clone()));
-        Some((h, run.stamps))
+        let mine = touching(&run.stamps, first, end);
+        st.retired.push((c, mine.clone()));
+        Some((h, mine))
     }
 
     /// Unmaps retired chunks whose marks completed (querying at most `max` chunks; with
@@ -816,12 +881,16 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         };
         st.stats.block_bytes -= n * self.unit;
         st.seq += 1;
-        let stamp = Arc::new(Stamp {
-            stream: B::stream_id(stream),
-            seq: st.seq,
-            done: AtomicBool::new(mark.is_none()),
-            mark,
-        });
+        let stamp = Tagged {
+            stamp: Arc::new(Stamp {
+                stream: B::stream_id(stream),
+                seq: st.seq,
+                done: AtomicBool::new(mark.is_none()),
+                mark,
+            }),
+            lo: start,
+            hi: start + n,
+        };
         self.give_back(&mut st, start, n, vec![stamp]);
         self.poll(&mut st, b, POLL);
     }
