@@ -725,6 +725,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             }
         }
         let (c, rs) = pending.filter(|_| how == Reclaim::Retire)?;
+        let h = st.chunks[c].handle?;
         // Carve the chunk out of its run: its units stay mapped, out of use, until the
         // run's marks complete (`poll`).
         let run = self.take_run(st, rs);
@@ -742,7 +743,6 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         }
         st.idle.remove(&c);
         st.chunks[c].used = self.chunk_units;
-        let h = st.chunks[c].handle?;
         let mine = touching(&run.stamps, first, end);
         st.retired.push((c, mine.clone()));
         Some((h, mine))
@@ -911,6 +911,11 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                     None => break,
                 },
             };
+            if st.retired.iter().any(|&(c, _)| st.chunks[c].handle == Some(h)) {
+                // Still mapped at a chunk whose work could not be waited for: kept.
+                st.spare.push(h);
+                break;
+            }
             // SAFETY: the handle is mapped nowhere (spare, or just unmapped) and
             // forgotten here.
             match timed(&mut st.stats.driver_ns[4], || unsafe { self.phys.release(h) }) {
@@ -956,13 +961,14 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
     pub(crate) fn shutdown(&self, b: &B) {
         self.trim_to(b, 0);
         let mut st = lock(&self.state);
-        for c in 0..st.chunks.len() {
-            if let Some(h) = st.chunks[c].handle.take() {
-                // SAFETY: the pool is being dropped: nothing allocates from it again; a
-                // handle released while mapped is freed by the driver at its unmap.
-                if let Err(e) = unsafe { self.phys.release(h) } {
-                    record_drop_error("cuMemRelease", e);
-                }
+        // A handle may be mapped at two chunks (its own and a retired one): released once.
+        let mut handles: std::collections::BTreeSet<u64> = st.spare.drain(..).collect();
+        handles.extend(st.chunks.iter_mut().filter_map(|c| c.handle.take()));
+        for h in handles {
+            // SAFETY: the pool is being dropped: nothing allocates from it again; a
+            // handle released while mapped is freed by the driver at its unmap.
+            if let Err(e) = unsafe { self.phys.release(h) } {
+                record_drop_error("cuMemRelease", e);
             }
         }
     }
