@@ -223,6 +223,20 @@ impl Rng {
 /// of them allocate (a uniform size up to `max_size`, on a random one of `streams`
 /// streams), the rest free a random live block (on its stream). Returns the peak of the
 /// bytes requested.
+/// One memory run of the workload (allocations, max size, max usage) on `streams`,
+/// allocating with `alloc`, then the streams synchronized: (peak bytes requested, time).
+fn timed_run<T>(
+    alloc: impl FnMut(usize, usize) -> T,
+    (allocations, max_size, max_usage): (usize, usize, usize),
+    streams: &[Stream],
+) -> (usize, Duration) {
+    let t0 = Instant::now();
+    let peak = random_allocations(alloc, allocations, max_size, max_usage, streams.len());
+    let elapsed = t0.elapsed();
+    streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
+    (peak, elapsed)
+}
+
 fn random_allocations<T>(
     mut alloc: impl FnMut(usize, usize) -> T,
     allocations: usize,
@@ -262,20 +276,16 @@ fn device_random(c: &mut Criterion) {
     };
     let streams: Vec<Stream> = (0..4).map(|_| Stream::new(0).expect("stream")).collect();
     let sync = || streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
+    let work = (allocations, max_size, max_usage);
     // Memory: one run each on a fresh pool / a freshly reset default pool.
     if wanted("device_random") {
         for (name, backing) in [("cache", Backing::DriverPool), ("pages", Backing::PhysicalPages)] {
             let pool = DevicePool::new(0, DevicePoolConfig::default().with_backing(backing)).expect("pool");
-            let t0 = Instant::now();
-            let peak = random_allocations(
+            let (peak, elapsed) = timed_run(
                 |size, s| pool.alloc::<u8>(size, &streams[s]).expect(name),
-                allocations,
-                max_size,
-                max_usage,
-                streams.len(),
+                work,
+                &streams,
             );
-            let elapsed = t0.elapsed();
-            sync();
             let st = pool.stats();
             println!(
                 "device_random {name}: {allocations} allocations in {:.1} ms; peak requested {:.0} MiB, \
@@ -299,16 +309,11 @@ fn device_random(c: &mut Criterion) {
     if wanted("device_random") {
         sync();
         let _ = default_pool_reserved(0, true);
-        let t0 = Instant::now();
-        let peak = random_allocations(
+        let (peak, elapsed) = timed_run(
             |size, s| AsyncDeviceMemory::new(size, &streams[s]).expect("cuMemAllocAsync"),
-            allocations,
-            max_size,
-            max_usage,
-            streams.len(),
+            work,
+            &streams,
         );
-        let elapsed = t0.elapsed();
-        sync();
         if let Ok((_, high)) = default_pool_reserved(0, false) {
             println!(
                 "device_random cu_mem_alloc_async: {allocations} allocations in {:.1} ms; peak requested \

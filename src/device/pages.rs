@@ -284,8 +284,6 @@ pub(crate) struct PageStats {
     /// Bytes of live handles (mapped or spare), now and at most.
     pub(crate) reserved: usize,
     pub(crate) peak_reserved: usize,
-    /// Bytes of handles in no block (idle or partly used chunks, spare handles).
-    pub(crate) free_bytes: usize,
     /// Bytes in live blocks, now and at most.
     pub(crate) block_bytes: usize,
     pub(crate) peak_block_bytes: usize,
@@ -480,7 +478,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         let n = bytes.div_ceil(g).max(1);
         let len = n.checked_mul(g).ok_or(Error::OutOfMemory { requested: bytes })?;
         let mut st = lock(&self.state);
-        self.poll(&mut st, b, POLL);
+        self.poll(&mut st, b, POLL, false);
         let start = match self.place(&st, n) {
             Some(start) => start,
             None => self.add_region(&mut st, n)?,
@@ -518,7 +516,6 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         st.live.insert(va, (start, n));
         st.stats.block_bytes += len;
         st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
-        st.stats.free_bytes = st.stats.reserved - st.stats.block_bytes;
         Ok(va)
     }
 
@@ -553,18 +550,18 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         after: &mut Stamps<B::Mark>,
     ) -> Result<()> {
         let cb = self.chunk_bytes();
-        let chunks: Vec<usize> = self.chunks_of(start, n).map(|(c, _)| c).collect();
-        let mut i = 0;
-        while i < chunks.len() {
-            if st.chunks[chunks[i]].handle.is_some() {
+        // The chunks the run touches: consecutive indices.
+        let (mut i, end) = (start / self.chunk_units, (start + n).div_ceil(self.chunk_units));
+        while i < end {
+            if st.chunks[i].handle.is_some() {
                 i += 1;
                 continue;
             }
             // A span of unmapped chunks: a handle mapped at each, one access call.
             let from = i;
             let mut failed = None;
-            while i < chunks.len() && st.chunks[chunks[i]].handle.is_none() {
-                let c = chunks[i];
+            while i < end && st.chunks[i].handle.is_none() {
+                let c = i;
                 let (h, pending) = match self.handle(st, b) {
                     Ok(x) => x,
                     Err(e) => {
@@ -595,15 +592,15 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 i += 1;
             }
             if from < i {
-                let va = self.va_of(st, chunks[from] * self.chunk_units);
+                let va = self.va_of(st, from * self.chunk_units);
                 st.stats.accesses += 1;
-                // SAFETY: chunks[from..i] are consecutive and were all mapped above.
+                // SAFETY: chunks from..i are consecutive and were all mapped above.
                 let access = timed(&mut st.stats.driver_ns[2], || unsafe {
                     self.phys.set_access(va, (i - from) * cb)
                 });
                 if let Err(e) = access {
                     failed = failed.or(Some(e));
-                    for &c in &chunks[from..i] {
+                    for c in from..i {
                         let va = self.va_of(st, c * self.chunk_units);
                         // SAFETY: mapped above, and no work was queued on it.
                         match unsafe { self.phys.unmap(va, cb) } {
@@ -749,12 +746,8 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
     }
 
     /// Unmaps retired chunks whose marks completed (querying at most `max` chunks; with
-    /// `wait`, all, after waiting on the host), and frees their units.
-    fn poll(&self, st: &mut State<B::Mark>, b: &B, max: usize) {
-        self.unretire(st, b, max, false);
-    }
-
-    fn unretire(&self, st: &mut State<B::Mark>, b: &B, max: usize, wait: bool) {
+    /// `wait`, after waiting on the host), and frees their units.
+    fn poll(&self, st: &mut State<B::Mark>, b: &B, max: usize, wait: bool) {
         let mut i = 0;
         let mut seen = 0;
         while i < st.retired.len() && seen < max {
@@ -848,7 +841,6 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         }
         merge(&mut stamps, Vec::new());
         self.put_run(st, start, len, stamps);
-        st.stats.free_bytes = st.stats.reserved - st.stats.block_bytes;
     }
 
     /// Frees the block at `ptr` in the order of `stream`.
@@ -892,7 +884,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             hi: start + n,
         };
         self.give_back(&mut st, start, n, vec![stamp]);
-        self.poll(&mut st, b, POLL);
+        self.poll(&mut st, b, POLL, false);
     }
 
     /// Releases spare handles, then idle chunks from the highest address (waiting on the
@@ -902,7 +894,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         let mut st = lock(&self.state);
         let all = keep == 0;
         let keep = keep.max(1);
-        self.unretire(&mut st, b, usize::MAX, true);
+        self.poll(&mut st, b, usize::MAX, true);
         while st.stats.reserved >= keep {
             let h = match st.spare.pop() {
                 Some(h) => h,
@@ -926,7 +918,6 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 Err(e) => record_drop_error("cuMemRelease", e),
             }
         }
-        st.stats.free_bytes = st.stats.reserved - st.stats.block_bytes;
         if all {
             self.free_empty_regions(&mut st);
         }

@@ -848,6 +848,14 @@ fn heap(limit: usize) -> (Heap, FakeBackend, FakePhys) {
     (PageHeap::new(phys.clone()), FakeBackend::new(u64::MAX), phys)
 }
 
+/// Trims `h` to nothing (after every block was freed) and checks that no handle, range or
+/// mapping is left and that no operation broke the fake's rules.
+fn trim_clean(h: &Heap, b: &FakeBackend, phys: &FakePhys) {
+    h.trim_to(b, 0);
+    assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
+    assert_eq!(phys.violations(), 0);
+}
+
 /// A chunk of the page heap (one handle), in bytes.
 const CHUNK: usize = super::pages::CHUNK_GRANULES * GRANULE;
 
@@ -894,10 +902,8 @@ fn page_blocks_reuse_memory_across_sizes_and_wait_for_other_streams() {
     }
     assert_eq!(h.stats().reserved, 64 * MIB);
     // Trim waits for the marks, unmaps and releases everything.
-    h.trim_to(&b, 0);
+    trim_clean(&h, &b, &phys);
     assert_eq!(h.stats().reserved, 0);
-    assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
-    assert_eq!(phys.violations(), 0);
 }
 
 #[test]
@@ -928,9 +934,7 @@ fn a_page_heap_moves_a_pending_chunks_handle_and_orders_its_next_user() {
     }
     s1.complete_all();
     s2.complete_all();
-    h.trim_to(&b, 0);
-    assert_eq!(phys.live(), (0, 0, 0, 0));
-    assert_eq!(phys.violations(), 0);
+    trim_clean(&h, &b, &phys);
 }
 
 #[test]
@@ -989,9 +993,7 @@ fn a_page_heap_out_of_memory_fails_cleanly_and_serves_once_memory_is_free() {
     assert!(phys.use_block(d, 64 * MIB, &s2));
     // SAFETY: as above.
     unsafe { h.free(&b, d, &s2) };
-    h.trim_to(&b, 0);
-    assert_eq!(phys.live(), (0, 0, 0, 0));
-    assert_eq!(phys.violations(), 0);
+    trim_clean(&h, &b, &phys);
 }
 
 #[test]
@@ -1167,9 +1169,7 @@ fn a_page_block_goes_where_memory_is_mapped_before_where_it_fits_best() {
         h.free(&b, blocks[1], &s);
         h.free(&b, blocks[3], &s);
     }
-    h.trim_to(&b, 0);
-    assert_eq!(phys.live(), (0, 0, 0, 0));
-    assert_eq!(phys.violations(), 0);
+    trim_clean(&h, &b, &phys);
 }
 
 #[test]
@@ -1196,7 +1196,5 @@ fn a_page_block_waits_only_for_the_streams_whose_frees_touched_its_memory() {
         h.free(&b, c, &s2);
         h.free(&b, d, &s2);
     }
-    h.trim_to(&b, 0);
-    assert_eq!(phys.live(), (0, 0, 0, 0));
-    assert_eq!(phys.violations(), 0);
+    trim_clean(&h, &b, &phys);
 }
