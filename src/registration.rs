@@ -17,30 +17,42 @@ use crate::sync::{lock, Arc, Mutex};
 /// (uses without a stream, such as those of cudarc copies, are never merged).
 const PRUNE_ABOVE: usize = 32;
 
+/// The uses of a registration still open to records.
+struct OpenUses {
+    set: UseSet,
+    /// Above this many uses a record forgets the completed ones: [`PRUNE_ABOVE`], or
+    /// twice what a prune left pending, so that uses that stay pending are polled once
+    /// per doubling (amortized O(1) polls per record) rather than at every record.
+    prune_at: usize,
+}
+
 /// The uses recorded on a registered range, shared with its registry entry. `None` once
 /// the guard has started to release the range: later records are refused with an error,
 /// so that a copy helper falls back to synchronizing its stream.
 struct RegistrationUses {
-    set: Mutex<Option<UseSet>>,
+    set: Mutex<Option<OpenUses>>,
 }
 
 impl RegistrationUses {
     fn new() -> Self {
         Self {
-            set: Mutex::new(Some(UseSet::default())),
+            set: Mutex::new(Some(OpenUses {
+                set: UseSet::default(),
+                prune_at: PRUNE_ABOVE,
+            })),
         }
     }
 
     fn record(&self, fence: SharedFence) -> Result<bool> {
         let (superseded, crowded) = {
             let mut set = lock(&self.set);
-            let Some(set) = set.as_mut() else {
+            let Some(open) = set.as_mut() else {
                 return Err(Error::InvalidArgument(
                     "the host registration holding this memory is being released",
                 ));
             };
-            let superseded = set.record(fence);
-            (superseded, set.len() > PRUNE_ABOVE)
+            let superseded = open.set.record(fence);
+            (superseded, open.set.len() > open.prune_at)
         };
         drop(superseded); // outside the lock: a pooled event goes back to its pool
         if crowded {
@@ -52,25 +64,26 @@ impl RegistrationUses {
     /// Polls the recorded uses (no lock held: driver calls) and forgets the completed ones.
     fn forget_completed(&self) {
         let snapshot: Vec<SharedFence> = match lock(&self.set).as_ref() {
-            Some(set) => set.fences().to_vec(),
+            Some(open) => open.set.fences().to_vec(),
             None => return,
         };
         let done: Vec<SharedFence> = snapshot.into_iter().filter(crate::fence::poll_one).collect();
-        if let Some(set) = lock(&self.set).as_mut() {
+        if let Some(open) = lock(&self.set).as_mut() {
             for f in &done {
-                set.forget(f);
+                open.set.forget(f);
             }
+            open.prune_at = (2 * open.set.len()).max(PRUNE_ABOVE);
         }
         drop(done); // outside the lock
     }
 
     fn len(&self) -> usize {
-        lock(&self.set).as_ref().map_or(0, UseSet::len)
+        lock(&self.set).as_ref().map_or(0, |open| open.set.len())
     }
 
     /// Closes the set and returns what it held.
     fn close(&self) -> UseSet {
-        lock(&self.set).take().unwrap_or_default()
+        lock(&self.set).take().map(|open| open.set).unwrap_or_default()
     }
 }
 
@@ -254,5 +267,66 @@ impl<T> Drop for HostRegistration<'_, T> {
         if let Err(e) = self.release() {
             crate::cuda::record_drop_error("releasing a host registration", e);
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::fence::Fence;
+    use crate::sync::{AtomicBool, AtomicUsize, Ordering};
+
+    /// A use without a stream (never merged) that counts its polls.
+    struct Counted {
+        polls: Arc<AtomicUsize>,
+        done: Arc<AtomicBool>,
+    }
+
+    // SAFETY: the test sets `done` only for uses it no longer has (no memory is behind it).
+    unsafe impl Fence for Counted {
+        fn is_complete(&self) -> Result<bool> {
+            self.polls.fetch_add(1, Ordering::Relaxed);
+            Ok(self.done.load(Ordering::Relaxed))
+        }
+    }
+
+    #[test]
+    fn pending_uses_are_polled_amortized_not_at_every_record() {
+        let uses = RegistrationUses::new();
+        let polls = Arc::new(AtomicUsize::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let fence = || -> SharedFence {
+            Arc::new(Box::new(Counted {
+                polls: polls.clone(),
+                done: done.clone(),
+            }))
+        };
+        let n = 4096;
+        for _ in 0..n {
+            uses.record(fence()).unwrap();
+        }
+        assert_eq!(uses.len(), n, "pending uses are all kept");
+        // A prune at each doubling polls fewer than 2n + 33 fences in all (polling every
+        // pending use at every record past 32 would be about n^2 / 2).
+        let p = polls.load(Ordering::Relaxed);
+        assert!(p < 2 * n + PRUNE_ABOVE + 1, "{p} polls for {n} records");
+        // Once they complete, the next prune forgets them, and the threshold comes down.
+        done.store(true, Ordering::Relaxed);
+        while uses.len() >= n {
+            uses.record(fence()).unwrap();
+        }
+        assert!(uses.len() <= PRUNE_ABOVE, "{} left", uses.len());
+        for _ in 0..4 * PRUNE_ABOVE {
+            uses.record(fence()).unwrap();
+        }
+        assert!(
+            uses.len() <= PRUNE_ABOVE + 1,
+            "completed uses are forgotten again"
+        );
+        // Closed: what it held comes out once, and later records are refused.
+        let held = uses.len();
+        assert_eq!(uses.close().len(), held);
+        assert!(matches!(uses.record(fence()), Err(Error::InvalidArgument(_))));
+        assert_eq!(uses.len(), 0);
     }
 }
