@@ -16,8 +16,11 @@
 //!   `cu_mem_alloc_async`, whole runs timed. Before timing, one run of each prints peak
 //!   bytes held / peak bytes requested and peak bytes reserved / peak bytes requested (what
 //!   the device gives up), with the times the cache trimmed its driver pool. Target: cache
-//!   reserved / requested <= 1.15. The row `pages` (and its memory line) is the cache on
-//!   physical pages (`Backing::PhysicalPages`).
+//!   reserved / requested <= 1.15. `cache` is the default pool (large blocks on physical
+//!   pages, `PageTuning::TIGHT`); the row `driver_pool` (and its memory line) is the
+//!   cache on the driver pool (`Backing::DriverPool`); the memory line `pages_fast` the
+//!   default with `PageTuning::FAST`, and `PAGE_TUNINGS="8:32,16:64"` adds memory lines
+//!   of other tunings (chunk MiB : idle divisor).
 //! - `device_page_miss`: what a miss of the cache costs on physical pages: an alloc +
 //!   free pair of 32 MiB on an uncached pool, `pages` (the page heap takes the freed run,
 //!   still mapped; the free records an event) vs `driver_pool`
@@ -50,7 +53,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use cudalloc::cuda::{copy_async, default_pool_reserved, device_count, Stream};
 use cudalloc::device::sim::{SimPool, SimStream};
-use cudalloc::device::Backing;
+use cudalloc::device::{Backing, PageTuning};
 use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::testing::{AsyncDeviceMemory, DeviceMemory};
 
@@ -279,8 +282,28 @@ fn device_random(c: &mut Criterion) {
     let work = (allocations, max_size, max_usage);
     // Memory: one run each on a fresh pool / a freshly reset default pool.
     if wanted("device_random") {
-        for (name, backing) in [("cache", Backing::DriverPool), ("pages", Backing::PhysicalPages)] {
-            let pool = DevicePool::new(0, DevicePoolConfig::default().with_backing(backing)).expect("pool");
+        let paged = DevicePoolConfig::default().with_backing(Backing::PhysicalPages);
+        let mut configs = vec![
+            ("cache".to_string(), DevicePoolConfig::default()),
+            ("pages_fast".to_string(), paged.with_pages(PageTuning::FAST)),
+            (
+                "driver_pool".to_string(),
+                DevicePoolConfig::default().with_backing(Backing::DriverPool),
+            ),
+        ];
+        // More page tunings to compare: `PAGE_TUNINGS="8:32,16:64"` (chunk MiB : idle divisor).
+        for t in std::env::var("PAGE_TUNINGS").unwrap_or_default().split(',') {
+            if let Some((mib, div)) = t.split_once(':') {
+                let (mib, div) = (mib.parse::<usize>().expect("MiB"), div.parse().expect("divisor"));
+                configs.push((
+                    format!("pages_{mib}mib_1/{div}"),
+                    paged.with_pages(PageTuning::new(mib << 20, div)),
+                ));
+            }
+        }
+        for (name, config) in configs {
+            let name = name.as_str();
+            let pool = DevicePool::new(0, config).expect("pool");
             let (peak, elapsed) = timed_run(
                 |size, s| pool.alloc::<u8>(size, &streams[s]).expect(name),
                 work,
@@ -352,19 +375,16 @@ fn device_random(c: &mut Criterion) {
     random_row!("cu_mem_alloc_async", |size, s| {
         AsyncDeviceMemory::new(size, &streams[s]).expect("cuMemAllocAsync")
     });
-    let pages = DevicePool::new(
-        0,
-        DevicePoolConfig::default().with_backing(Backing::PhysicalPages),
-    )
-    .expect("pool on physical pages");
-    random_row!("pages", |size, s| pages
+    let driver = DevicePool::new(0, DevicePoolConfig::default().with_backing(Backing::DriverPool))
+        .expect("pool on the driver pool");
+    random_row!("driver_pool", |size, s| driver
         .alloc::<u8>(size, &streams[s])
-        .expect("pages"));
+        .expect("driver pool"));
     g.finish();
     sync();
     // The process-wide pool keeps what the runs cached; give it back for later groups.
     pool.trim();
-    pages.trim();
+    driver.trim();
 }
 
 /// What a miss costs on physical pages (see the module docs).

@@ -352,8 +352,9 @@ fn device_latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, Str
     stream.synchronize().map_err(|e| e.to_string())?;
     table.note(
         "raw cuMemAllocAsync: the device's default pool with its release threshold raised to the \
-         maximum; DevicePool: the crate's own pool (cuMemAllocFromPoolAsync); raw cuMemAlloc: \
-         synchronous allocation and free.",
+         maximum; DevicePool: the crate's process-wide pool of the device (its cache in front of \
+         physical pages from 4 MiB, a driver pool below); raw cuMemAlloc: synchronous allocation \
+         and free.",
     );
     Ok(vec![table])
 }

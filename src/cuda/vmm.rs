@@ -7,7 +7,7 @@
 
 use cudarc::driver::sys;
 
-use super::driver::{bind, check, driver};
+use super::driver::{bind, check, driver, ordinal_i32};
 use crate::device::pages::Phys;
 use crate::error::{Error, Result};
 
@@ -25,8 +25,7 @@ impl Vmm {
     pub(crate) fn new(device: usize) -> Result<Self> {
         driver()?;
         bind(device)?;
-        let ordinal =
-            i32::try_from(device).map_err(|_| Error::InvalidArgument("device ordinal out of range"))?;
+        let ordinal = ordinal_i32(device)?;
         let mut dev: sys::CUdevice = 0;
         // SAFETY: cuDeviceGet writes the handle of a valid ordinal (an error otherwise).
         check(unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
@@ -135,18 +134,22 @@ impl Phys for Vmm {
         Ok(())
     }
 
-    unsafe fn set_access(&self, va: u64, bytes: usize) -> Result<()> {
+    unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()> {
         bind(self.device)?;
-        let desc = sys::CUmemAccessDesc {
+        let read_write = |id| sys::CUmemAccessDesc {
             location: sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: self.ordinal,
+                id,
             },
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: obligation 1: the range is wholly mapped; one descriptor, read during
-        // the call.
-        check(unsafe { sys::cuMemSetAccess(va, bytes, &desc, 1) })?;
+        let mut desc = vec![read_write(self.ordinal)];
+        for &p in peers {
+            desc.push(read_write(ordinal_i32(p)?));
+        }
+        // SAFETY: obligation 1: the range is wholly mapped; the descriptors are read
+        // during the call.
+        check(unsafe { sys::cuMemSetAccess(va, bytes, desc.as_ptr(), desc.len()) })?;
         Ok(())
     }
 }

@@ -5,6 +5,7 @@
 //! CPU tests and loom models, and checks every cross-stream hand-over it makes.
 
 use super::pages::PageHeap;
+use super::pool::PageTuning;
 use crate::cuda::mem_pool::MemPool;
 use crate::cuda::vmm::Vmm;
 use crate::cuda::{mem_info, PooledEvent, Stream, StreamId};
@@ -69,23 +70,37 @@ pub(crate) struct CudaBackend {
 }
 
 impl CudaBackend {
-    pub(crate) fn new(pool: MemPool, device_bytes: usize, pages: Option<Vmm>) -> Self {
+    pub(crate) fn new(
+        pool: MemPool,
+        device_bytes: usize,
+        pages: Option<Vmm>,
+        tuning: PageTuning,
+        limit: Option<usize>,
+    ) -> Self {
         Self {
             pool,
             device_bytes,
-            pages: pages.map(|p| PageHeap::new(p).with_region_bytes(device_bytes)),
+            pages: pages.map(|p| {
+                PageHeap::new(p, tuning)
+                    .with_region_bytes(device_bytes)
+                    .with_limit(limit)
+            }),
         }
     }
 
     /// Refuses, before any driver allocation, what cannot fit: for requests of an eighth
-    /// of the device and more, more than is free on it plus what this pool holds unused.
-    /// A driver asked for more than is free may fill the device while it tries, failing
+    /// of the device and more, more than is free on it plus what this pool holds unused
+    /// (in the driver pool and on pages). A driver asked for more than is free may fill
+    /// the device while it tries (the page heap would map chunk after chunk), failing
     /// other threads' and processes' allocations.
     fn check_fits(&self, bytes: usize) -> Result<()> {
         if bytes >= self.device_bytes / 8 {
             let (free, _) = mem_info(self.pool.device())?;
             let u = self.pool.usage()?;
-            let idle = usize::try_from(u.reserved.saturating_sub(u.used)).unwrap_or(usize::MAX);
+            let pages_idle = self.pages.as_ref().map_or(0, PageHeap::unused);
+            let idle = usize::try_from(u.reserved.saturating_sub(u.used))
+                .unwrap_or(usize::MAX)
+                .saturating_add(pages_idle);
             if bytes > free.saturating_add(idle) {
                 return Err(Error::OutOfMemory { requested: bytes });
             }
@@ -124,11 +139,11 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, bytes: usize, stream: &Stream) -> Result<u64> {
-        if let Some(h) = PageHeap::serving(&self.pages, bytes) {
-            return h.alloc(self, bytes, stream);
-        }
         self.check_fits(bytes)?;
-        self.pool.alloc_async(bytes, stream)
+        match PageHeap::serving(&self.pages, bytes) {
+            Some(h) => h.alloc(self, bytes, stream),
+            None => self.pool.alloc_async(bytes, stream),
+        }
     }
 
     unsafe fn free(&self, ptr: u64, bytes: usize, stream: &Stream) {
@@ -174,6 +189,7 @@ pub(crate) mod fake {
     use std::collections::BTreeMap;
 
     use super::super::pages::{PageHeap, Phys};
+    use super::super::pool::PageTuning;
     use super::Backend;
     use crate::cuda::StreamId;
     use crate::error::{Error, Result};
@@ -422,10 +438,10 @@ pub(crate) mod fake {
         }
 
         /// A simulated device whose blocks of `page_min` bytes and more live on the page
-        /// heap over `phys`.
-        pub(crate) fn paged(limit: u64, phys: FakePhys, page_min: usize) -> Self {
+        /// heap over `phys`, tuned by `tuning`.
+        pub(crate) fn paged(limit: u64, phys: FakePhys, page_min: usize, tuning: PageTuning) -> Self {
             let mut b = Self::new(limit);
-            b.pages = Some(PageHeap::new(phys).with_min_block(page_min));
+            b.pages = Some(PageHeap::new(phys, tuning).with_min_block(page_min));
             b
         }
 
@@ -613,8 +629,9 @@ pub(crate) mod fake {
         pub(crate) state: Arc<Mutex<PhysState>>,
     }
 
-    /// A mapping: bytes, handle, access set, uses through it, its id (one per `map`).
-    pub(crate) type Mapping = (usize, u64, bool, Vec<(FakeStream, u64)>, u64);
+    /// A mapping: bytes, handle, the devices with access (bit d: device d; the fake's own
+    /// device is 0), uses through it, its id (one per `map`).
+    pub(crate) type Mapping = (usize, u64, u64, Vec<(FakeStream, u64)>, u64);
 
     /// The simulated physical memory's books.
     #[derive(Debug, Default)]
@@ -698,7 +715,7 @@ pub(crate) mod fake {
             for v in found {
                 let m = st.mappings.get_mut(&v).expect("found");
                 covered += (v + m.0 as u64).min(end).saturating_sub(v.max(va)) as usize;
-                if !m.2 {
+                if m.2 & 1 == 0 {
                     problems.push(format!("use of {v:#x} without access"));
                 }
                 m.3.push((stream.clone(), pos));
@@ -733,6 +750,25 @@ pub(crate) mod fake {
                 st.violation(p);
             }
             true
+        }
+
+        /// Whether device `peer` may access the whole of `[va, va + bytes)`.
+        pub(crate) fn peer_reaches(&self, va: u64, bytes: usize, peer: usize) -> bool {
+            let st = lock(&self.state);
+            let end = va + bytes as u64;
+            let mut covered = 0u64;
+            for (&v, m) in st
+                .mappings
+                .range(..end)
+                .rev()
+                .take_while(|(&v, m)| v + m.0 as u64 > va)
+            {
+                if m.2 & (1 << peer) == 0 {
+                    return false;
+                }
+                covered += (v + m.0 as u64).min(end) - v.max(va);
+            }
+            covered == bytes as u64
         }
 
         /// Breaches so far.
@@ -836,7 +872,7 @@ pub(crate) mod fake {
             }
             st.next_mapping += 1;
             let id = st.next_mapping;
-            st.mappings.insert(va, (bytes, handle, false, Vec::new(), id));
+            st.mappings.insert(va, (bytes, handle, 0, Vec::new(), id));
             st.history
                 .entry(handle)
                 .or_default()
@@ -866,7 +902,8 @@ pub(crate) mod fake {
             Ok(())
         }
 
-        unsafe fn set_access(&self, va: u64, bytes: usize) -> Result<()> {
+        unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()> {
+            let mask = peers.iter().fold(1u64, |m, &p| m | 1 << p);
             let mut st = lock(&self.state);
             let mut at = va;
             let end = va + bytes as u64;
@@ -876,7 +913,7 @@ pub(crate) mod fake {
                 if k != at {
                     break;
                 }
-                m.2 = true;
+                m.2 |= mask;
                 at += m.0 as u64;
             }
             if at != end {

@@ -43,15 +43,17 @@
 //! (2026-11-30: 1.33 with it, 1.26 for `cuMemAllocAsync`, 47852 trims making the run 4x
 //! slower), whose pool keeps chunks that hold any live block: it is off by default.
 //!
-//! With [`Backing::PhysicalPages`](super::Backing::PhysicalPages) the backend puts blocks
-//! of 2 granules and more (4 MiB on the H200) on its page heap (`pages.rs`) instead: runs
-//! of one large virtual range over 4 MiB chunks of physical memory, freed runs coalescing
-//! and staying mapped, so that what a released block held serves a miss of any size with
-//! no driver call when it fits (after a wait for the free's mark on the GPU when the miss
-//! is on another stream), and idle chunks move to where blocks need them beyond 1/32 of
-//! the heap's block bytes. On the simulated GPU RMM's random workload then reserves 1.137
-//! of its peak request (the driver pool: 1.212), on the H200 1.137 (1.472); the cache
-//! above is unchanged (same classes, same idle bound), the cost is on the misses that map.
+//! With [`Backing::PhysicalPages`](super::Backing::PhysicalPages) (the default where the
+//! device supports it) the backend puts blocks of 2 granules and more (4 MiB on the H200)
+//! on its page heap (`pages.rs`) instead: runs of one large virtual range over chunks of
+//! physical memory (8 MiB by default), freed runs coalescing and staying mapped, so that
+//! what a released block held serves a miss of any size with no driver call when it fits
+//! (after a wait for the free's mark on the GPU when the miss is on another stream), and
+//! idle chunks move to where blocks need them beyond an allowance (1/128 of the heap's
+//! block bytes by default). On the simulated GPU RMM's random workload then reserves
+//! 1.141 of its peak request (the driver pool: 1.212), on the H200 1.144 (1.472); the
+//! cache above is unchanged (same classes, same idle bound), the cost is on the misses
+//! that map.
 //!
 //! Out of memory: every idle block is released, other threads are asked for theirs, and
 //! the allocation is retried; then the streams involved are synchronized, the driver pool

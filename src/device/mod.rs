@@ -39,11 +39,12 @@
 //!   [`DevicePoolConfig::max_cached_block`] (1 GiB) bypass the cache. A miss that must
 //!   allocate releases idle blocks first while they exceed 1/32 of the live bytes (at
 //!   least 64 MiB), so a workload whose sizes change keeps its memory near its use.
-//!   With [`Backing::PhysicalPages`] blocks of 4 MiB and more are instead runs of one
-//!   large virtual range over chunks of physical memory (CUDA's virtual memory
-//!   management): freed runs coalesce, any later block that fits takes them whatever its
-//!   size, and idle chunks move to where blocks need them, so the driver pool's
-//!   fragmentation goes away for them.
+//!   By default ([`Backing::Auto`], on a device with CUDA's virtual memory management)
+//!   blocks of 4 MiB and more are instead runs of one large virtual range over chunks
+//!   of physical memory ([`Backing::PhysicalPages`]): freed runs coalesce, any later
+//!   block that fits takes them whatever its size, and idle chunks move to where blocks
+//!   need them ([`PageTuning`] sets how eagerly), so the driver pool's fragmentation
+//!   goes away for them. [`Backing::DriverPool`] keeps every block on the driver pool.
 //! - **Out of memory**: the pool releases every cached block (each freed in its stream's
 //!   order), asks other threads for theirs, retries, then synchronizes, trims the driver
 //!   pool and retries once more; then it returns [`Error::DeviceOutOfMemory`] naming the
@@ -82,7 +83,7 @@ mod loom_models;
 pub use arena::{ArenaSlice, DeviceArena, DeviceArenaStats, DeviceCheckpoint};
 pub use buffer::DeviceBuffer;
 pub(crate) use buffer::{copy_from_host_async, copy_to_host_async};
-pub use pool::{Backing, DevicePool, DevicePoolConfig};
+pub use pool::{Backing, DevicePool, DevicePoolConfig, PageTuning};
 pub use report::{report, DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
 
 /// Element types of a [`DeviceBuffer`]: plain data that may be copied to and from the

@@ -2,8 +2,8 @@
 //! CUDA virtual memory management API (`cuMemCreate`, `cuMemAddressReserve`, `cuMemMap`,
 //! `cuMemSetAccess`), so that memory freed from a block of one size serves blocks of any
 //! other size, and an allocation that fits in memory already mapped makes no driver call
-//! (PyTorch's expandable segments). Opt-in:
-//! [`Backing::PhysicalPages`](super::Backing::PhysicalPages).
+//! (PyTorch's expandable segments). The default where the device supports it
+//! ([`Backing::Auto`](super::Backing::Auto)); [`PageTuning`] tunes it.
 //!
 //! # The algorithm
 //!
@@ -14,17 +14,17 @@
 //!   maximal *free runs*, coalesced at every free. An allocation of n units takes the
 //!   smallest free run of at least n (lowest address among equals), from its start; the
 //!   rest of the run stays free.
-//! - **Physical memory** comes in *chunks* of [`CHUNK_GRANULES`] granules, one handle
+//! - **Physical memory** comes in *chunks* (4 MiB by default: [`PageTuning`]), one handle
 //!   each, mapped at chunk-aligned places of a region. A chunk is mapped while any
 //!   unit of it is in a block; a wholly free chunk stays mapped (*idle*) so that the
 //!   next block there costs nothing. An allocation maps the chunks of its run that are
 //!   not mapped, with a handle from (in this order) the spare handles; while the idle
-//!   chunks exceed 1/2^[`IDLE_SHIFT`] of the bytes in blocks, an idle chunk elsewhere
+//!   chunks exceed an allowance (1/32 of the bytes in blocks by default), an idle chunk elsewhere
 //!   (unmapped if its work completed, else mapped anew at once while its old mapping is
 //!   *retired* until the work completes, the new user ordered after it: memory freed by a
 //!   block of one size serves a block of another); or `cuMemCreate`. One
 //!   `cuMemSetAccess` per span of chunks mapped together. So the heap reserves what its
-//!   blocks touch plus at most about 1/32 more of idle chunks.
+//!   blocks touch plus at most the allowance of idle chunks.
 //! - **Placement**: a block takes the smallest free run that fits and is mapped over
 //!   the block's length, among the [`PLACE_TRIES`] smallest that fit; else the one of
 //!   those with the fewest chunks to map (on the H200 this halved the moves of RMM's
@@ -32,11 +32,15 @@
 //! - **Costs** (H200): `cuMemSetAccess` about 30 us per chunk in its range, `cuMemUnmap`
 //!   34 us, `cuMemMap` 2.4 us, `cuMemCreate` 19 us; an allocation that fits in mapped
 //!   memory makes none of them. The idle allowance and the chunk size trade memory for
-//!   moves: on RMM's random workload (10^5 allocations, `benches/device.rs`), with 4 MiB
-//!   chunks an allowance of 1/64 reserved 1.129x the peak request in 5.6 s, 1/32 1.137x
-//!   in 3.8 s, 1/16 1.163x in 1.1 s; 2 MiB chunks and 1/32 1.124x in 10.1 s; 8 MiB chunks
-//!   and 1/32 1.156x in 1.1 s (the driver pool under the cache: 1.472x in 0.6-0.9 s,
-//!   `cuMemAllocAsync` 1.260x in 0.4-0.5 s). Issue 10's target (1.15) sets 4 MiB, 1/32.
+//!   moves, and a move costs about the same whatever the chunk's size (25-30 us of
+//!   access, 24 us of unmap), so larger chunks with a smaller allowance move fewer
+//!   bytes for the same reservation. On RMM's random workload (10^5 allocations,
+//!   `benches/device.rs`, one H200, one process): 4 MiB chunks and 1/32 reserved 1.137x
+//!   the peak request in 2.7 s, 4 MiB 1/16 1.163x in 0.73 s, 8 MiB 1/256 1.139x in
+//!   2.1 s, **8 MiB 1/128 1.144x in 1.4 s** ([`PageTuning::TIGHT`], the default: the
+//!   fastest under issue 10's 1.15), 8 MiB 1/32 1.156x in 0.69 s, **16 MiB 1/128 1.163x
+//!   in 0.42 s** ([`PageTuning::FAST`]), 32 MiB 1/128 1.176x in 0.33 s (the driver pool
+//!   under the cache: 1.472x in 0.52 s, `cuMemAllocAsync` 1.260x in 0.33 s).
 //! - **Stream order**: a free records one mark (an event) on the freeing stream, under
 //!   the heap's lock, and the freed run carries it, tagged with the units freed. A free
 //!   run keeps the latest mark of each stream whose work may not have completed (marks of
@@ -66,15 +70,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::marker::PhantomData;
 
 use super::backend::{is_out_of_memory, Backend};
+use super::pool::PageTuning;
 use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 
-/// Granules per chunk (one handle of physical memory): 4 MiB chunks on the H200.
-/// Smaller chunks pack blocks tighter into the memory they keep mapped and need more moves
-/// and more mappings per block (the trade-off measured in the [module docs](self);
-/// `page_chunk_sizes_compared` in `device::tests` runs it on the simulated GPU).
-pub(crate) const CHUNK_GRANULES: usize = 2;
 /// The most bytes of one step of the address index (blocks are multiples of it; less on
 /// a device whose granule is smaller).
 const UNIT: usize = 64 << 10;
@@ -87,9 +87,8 @@ const PLACE_TRIES: usize = 16;
 /// Retired chunks polled per call.
 const POLL: usize = 16;
 
-/// Idle memory tolerated before a chunk whose work is pending is moved rather than new
-/// memory made: 1/2^IDLE_SHIFT of the bytes in blocks, at least IDLE_FLOOR_CHUNKS chunks.
-pub(crate) const IDLE_SHIFT: u32 = 5;
+/// Idle chunks tolerated at least before one is moved rather than new memory made (the
+/// tuning's `idle_divisor` sets the allowance above this floor).
 const IDLE_FLOOR_CHUNKS: usize = 4;
 
 /// How [`PageHeap::reclaim`] may take an idle chunk's handle.
@@ -132,11 +131,12 @@ pub(crate) trait Phys: Send + Sync + 'static {
     /// 1. One [`Phys::map`] made exactly this mapping, and no work queued on the device
     ///    that has not completed uses it.
     unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()>;
-    /// Lets the device read and write `[va, va + bytes)`.
+    /// Lets the device, and the devices `peers`, read and write `[va, va + bytes)`
+    /// (access of devices not named is left as it is).
     ///
     /// # Safety
     /// 1. The range is wholly mapped.
-    unsafe fn set_access(&self, va: u64, bytes: usize) -> Result<()>;
+    unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()>;
 }
 
 /// A mark recorded at a free, shared by the free runs that hold the freed units.
@@ -312,7 +312,7 @@ struct State<M> {
     /// The first unit index of the next region (regions are a chunk apart in the index
     /// space, so that no free run reaches from one into the next).
     next_index: usize,
-    /// By chunk index (unit index / CHUNK_GRANULES).
+    /// By chunk index (unit index / units per chunk).
     chunks: Vec<Chunk>,
     /// Free runs by first unit, and by (length, first unit) for the best fit.
     free: BTreeMap<usize, Run<M>>,
@@ -327,6 +327,8 @@ struct State<M> {
     retired: Vec<(usize, Stamps<M>)>,
     /// Live blocks by address: (first unit, units).
     live: HashMap<u64, (usize, usize)>,
+    /// Other devices that may access every mapping (`enable_peer`).
+    peers: Vec<usize>,
     /// The next stamp's sequence number.
     seq: u64,
     stats: PageStats,
@@ -347,10 +349,14 @@ pub(crate) struct PageHeap<P: Phys, B: Backend> {
     unit: usize,
     /// Units per chunk (a power of two).
     chunk_units: usize,
+    /// Idle chunks are tolerated up to 1/idle_divisor of the bytes in blocks.
+    idle_divisor: usize,
     /// Virtual bytes of a region at least.
     region_bytes: usize,
     /// The smallest block the heap serves; smaller ones stay on the driver pool.
     min_block: usize,
+    /// The most bytes of handles the heap holds (the pool's limit).
+    limit: Option<usize>,
     state: Mutex<State<B::Mark>>,
     _backend: PhantomData<fn() -> B>,
 }
@@ -365,16 +371,20 @@ impl<P: Phys, B: Backend> core::fmt::Debug for PageHeap<P, B> {
 }
 
 impl<P: Phys, B: Backend> PageHeap<P, B> {
-    pub(crate) fn new(phys: P) -> Self {
+    /// A heap over `phys`, tuned by `tuning` (checked: [`PageTuning::check`]).
+    pub(crate) fn new(phys: P, tuning: PageTuning) -> Self {
         let granule = phys.granule();
         debug_assert!(granule.is_power_of_two());
+        let unit = granule.min(UNIT);
         Self {
             phys,
             granule,
-            unit: granule.min(UNIT),
-            chunk_units: CHUNK_GRANULES * (granule / granule.min(UNIT)),
+            unit,
+            chunk_units: tuning.chunk_granules(granule) * (granule / unit),
+            idle_divisor: tuning.idle_divisor.max(1) as usize,
             region_bytes: REGION_BYTES,
             min_block: granule * PAGE_MIN_GRANULES,
+            limit: None,
             state: Mutex::new(State {
                 regions: Vec::new(),
                 next_index: 0,
@@ -385,6 +395,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 spare: Vec::new(),
                 retired: Vec::new(),
                 live: HashMap::new(),
+                peers: Vec::new(),
                 seq: 0,
                 stats: PageStats::default(),
             }),
@@ -401,14 +412,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         }
     }
 
-    /// This heap with chunks of `granules` granules (a power of two; tests compare sizes).
-    #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) fn with_chunk_granules(self, granules: usize) -> Self {
-        debug_assert!(granules.is_power_of_two());
-        Self {
-            chunk_units: granules.max(1) * (self.granule / self.unit),
-            ..self
-        }
+    /// This heap holding at most `limit` bytes of handles (`None`: no cap).
+    pub(crate) fn with_limit(self, limit: Option<usize>) -> Self {
+        Self { limit, ..self }
     }
 
     /// This heap reserving virtual regions of at least `bytes` (the device's memory).
@@ -442,8 +448,55 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         lock(&self.state).stats
     }
 
+    /// Lets device `peer` access every block, present and future: access is set on every
+    /// mapped chunk (span by span) and every later mapping includes it. Under the heap's
+    /// lock, so no mapping is made meanwhile without it. On an error the peer is not
+    /// recorded (some chunks may have access already).
+    pub(crate) fn enable_peer(&self, peer: usize) -> Result<()> {
+        let mut guard = lock(&self.state);
+        let st = &mut *guard;
+        if st.peers.contains(&peer) {
+            return Ok(());
+        }
+        let cb = self.chunk_bytes();
+        let mut c = 0;
+        while c < st.chunks.len() {
+            if st.chunks[c].handle.is_none() {
+                c += 1;
+                continue;
+            }
+            // A span of mapped chunks (never across regions: a chunk of the index space
+            // between regions is never mapped).
+            let from = c;
+            while c < st.chunks.len() && st.chunks[c].handle.is_some() {
+                c += 1;
+            }
+            let va = self.va_of(st, from * self.chunk_units);
+            st.stats.accesses += 1;
+            // SAFETY: every chunk with a handle is mapped (in blocks, idle, retired or
+            // stuck), and chunks from..c are consecutive in one region.
+            timed(&mut st.stats.driver_ns[2], || unsafe {
+                self.phys.set_access(va, (c - from) * cb, &[peer])
+            })?;
+        }
+        st.peers.push(peer);
+        Ok(())
+    }
+
+    /// Whether [`enable_peer`](Self::enable_peer) gave `peer` access.
+    pub(crate) fn has_peer(&self, peer: usize) -> bool {
+        lock(&self.state).peers.contains(&peer)
+    }
+
     pub(crate) fn reserved(&self) -> usize {
         lock(&self.state).stats.reserved
+    }
+
+    /// Bytes of handles no block uses (idle chunks, spare handles, the unused parts of
+    /// chunks): what an allocation may take without new physical memory, at most.
+    pub(crate) fn unused(&self) -> usize {
+        let st = lock(&self.state);
+        st.stats.reserved.saturating_sub(st.stats.block_bytes)
     }
 
     pub(crate) fn reset_peak(&self) {
@@ -596,7 +649,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 st.stats.accesses += 1;
                 // SAFETY: chunks from..i are consecutive and were all mapped above.
                 let access = timed(&mut st.stats.driver_ns[2], || unsafe {
-                    self.phys.set_access(va, (i - from) * cb)
+                    self.phys.set_access(va, (i - from) * cb, &st.peers)
                 });
                 if let Err(e) = access {
                     failed = failed.or(Some(e));
@@ -653,12 +706,23 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         // made. Moving costs an unmap and a map where making costs a map: an allowance of
         // none would move chunks back and forth (on the H200, 20 s for RMM's workload).
         let idle_bytes = st.idle.len() * self.chunk_bytes();
-        if idle_bytes > (st.stats.block_bytes >> IDLE_SHIFT).max(IDLE_FLOOR_CHUNKS * self.chunk_bytes()) {
+        if idle_bytes > (st.stats.block_bytes / self.idle_divisor).max(IDLE_FLOOR_CHUNKS * self.chunk_bytes())
+        {
             if let Some(h) = self.reclaim(st, b, RECLAIM_TRIES, Reclaim::Retire) {
                 return Ok(h);
             }
         }
         let chunk = self.chunk_bytes();
+        if self.limit.is_some_and(|l| st.stats.reserved + chunk > l) {
+            // At the cap: only an idle chunk can serve (the cache's recovery runs next).
+            return self
+                .reclaim(st, b, usize::MAX, Reclaim::Retire)
+                .ok_or(Error::LimitExceeded {
+                    requested: chunk,
+                    held: st.stats.reserved,
+                    limit: self.limit.unwrap_or(0),
+                });
+        }
         match timed(&mut st.stats.driver_ns[0], || self.phys.create(chunk)) {
             Ok(h) => {
                 st.stats.creates += 1;

@@ -28,16 +28,16 @@ use crate::sync::{thread_local_const, Arc};
 /// assert!(c.cache);
 /// assert_eq!(c.thread_cache_bytes, 256 << 20);
 /// assert_eq!(c.max_cached_block, 1 << 30);
-/// assert_eq!(c.backing, Backing::DriverPool);
+/// assert_eq!(c.backing, Backing::Auto); // physical pages where the device has them
 /// let small = DevicePoolConfig::default()
 ///     .with_limit(64 << 20)           // hold at most 64 MiB from the device
 ///     .with_thread_cache_bytes(0);    // every free block in the shared lists
 /// assert_eq!(small.limit, Some(64 << 20));
 /// let uncached = DevicePoolConfig::default().with_cache(false);
 /// assert!(!uncached.cache);
-/// // Large blocks on physical pages (opt-in; needs a device with VMM support).
-/// let paged = DevicePoolConfig::default().with_backing(Backing::PhysicalPages);
-/// if let Ok(pool) = cudalloc::device::DevicePool::new(0, paged) {
+/// // Every block on the driver pool (`cuMemAllocFromPoolAsync`), as before 0.3.
+/// let driver = DevicePoolConfig::default().with_backing(Backing::DriverPool);
+/// if let Ok(pool) = cudalloc::device::DevicePool::new(0, driver) {
 ///     assert_eq!(pool.stats().reserved_bytes, 0);
 /// }
 /// ```
@@ -45,15 +45,17 @@ use crate::sync::{thread_local_const, Arc};
 #[non_exhaustive]
 pub struct DevicePoolConfig {
     /// Freed bytes the driver pool keeps across synchronizations (default `u64::MAX`:
-    /// all; the driver's default of 0 returns memory at every synchronization).
+    /// all; the driver's default of 0 returns memory at every synchronization). Physical
+    /// pages are kept until [`DevicePool::trim`] or an allocation's need.
     pub release_threshold: u64,
     /// The most bytes the pool holds from the device (`None`, the default: no limit
     /// beyond the device's memory). The cache counts blocks at their class size; the
     /// driver pool is capped at the same value.
     pub limit: Option<usize>,
-    /// Whether freed blocks are cached by (stream, size class) in front of the driver
-    /// pool (default true). `false` gives the plain stream-ordered driver pool: every
-    /// allocation is a `cuMemAllocFromPoolAsync`, every free a `cuMemFreeAsync`.
+    /// Whether freed blocks are cached by (stream, size class) in front of the backing
+    /// (default true). `false` with [`Backing::DriverPool`] gives the plain stream-ordered
+    /// driver pool ([`DevicePool::uncached`]): every allocation is a
+    /// `cuMemAllocFromPoolAsync`, every free a `cuMemFreeAsync`.
     pub cache: bool,
     /// The most bytes of free blocks one thread keeps for this pool, in bins served
     /// without a lock (default 256 MiB; 0: no thread caches, every free block goes to
@@ -62,44 +64,56 @@ pub struct DevicePoolConfig {
     /// Requests above this many bytes are not cached: they are allocated from and freed
     /// to the driver pool directly (default 1 GiB).
     pub max_cached_block: usize,
-    /// What memory blocks are made of (default [`Backing::DriverPool`]).
+    /// What memory blocks are made of (default [`Backing::Auto`]: physical pages where
+    /// the device supports them).
     pub backing: Backing,
+    /// How a [`Backing::PhysicalPages`] pool trades memory for driver calls (default
+    /// [`PageTuning::TIGHT`]; unused on the driver pool).
+    pub pages: PageTuning,
 }
 
 /// What a [`DevicePool`]'s blocks are made of.
 ///
 /// ```
 /// use cudalloc::device::{Backing, DevicePool, DevicePoolConfig};
-/// let c = DevicePoolConfig::default().with_backing(Backing::PhysicalPages);
+/// assert_eq!(DevicePoolConfig::default().backing, Backing::Auto);
+/// if let Ok(pool) = DevicePool::new(0, DevicePoolConfig::default()) {
+///     // The pool says what it chose: pages where the device supports them.
+///     assert_ne!(pool.config().backing, Backing::Auto);
+/// }
+/// let c = DevicePoolConfig::default().with_backing(Backing::DriverPool);
 /// if let Ok(pool) = DevicePool::new(0, c) {
-///     assert_eq!(pool.config().backing, Backing::PhysicalPages);
+///     assert_eq!(pool.config().backing, Backing::DriverPool);
 /// }
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Backing {
+    /// [`PhysicalPages`](Self::PhysicalPages) where the device supports CUDA's virtual
+    /// memory management (every GPU of the last decade on Linux), else
+    /// [`DriverPool`](Self::DriverPool). The default; a pool made with it reports the
+    /// backing it chose in [`DevicePool::config`].
+    #[default]
+    Auto,
     /// Every block is an allocation of the pool's driver pool (`cuMemPoolCreate`,
     /// `cuMemAllocFromPoolAsync`), which carves its chunks in stream order. The driver
     /// keeps a chunk while any block lives in it, so a workload whose sizes vary makes its
-    /// reservations drift above what it holds (RMM's random workload: 1.26 reserved /
-    /// requested for `cuMemAllocAsync` on the H200).
-    #[default]
+    /// reservations drift above what it holds (RMM's random workload on the H200:
+    /// `cuMemAllocAsync` 1.26x the peak request; the cache on the driver pool 1.47x).
     DriverPool,
-    /// Blocks of 2 allocation granules and more (4 MiB on the H200) are runs of a large
+    /// Blocks of 2 allocation granules and more (4 MiB on the H200) are runs of one large
     /// virtual range backed by chunks of physical memory (`cuMemCreate`, `cuMemMap`:
     /// CUDA's virtual memory management, as PyTorch's expandable segments use it): freed
     /// runs coalesce and stay mapped, so a block of any size that fits in freed memory
     /// takes it with no driver call, and a block that does not fit moves idle chunks
-    /// rather than reserve more once they exceed 1/32 of the bytes in blocks. What is
-    /// reserved stays near what is held (RMM's random workload on the H200: 1.14x the peak
-    /// request, against 1.47x on the driver pool), at the price of the moves: mapping,
-    /// and above all `cuMemSetAccess` (about 30 us per chunk), make that workload take
-    /// 3.8 s where the driver pool takes 0.6-0.9 s. Smaller blocks stay on the driver pool.
-    /// Needs a device with VMM support: [`DevicePool::new`] fails without it. Peer access
-    /// ([`DevicePool::enable_peer_access`]) is not supported on such a pool yet. A
-    /// [`limit`](DevicePoolConfig::limit) counts blocks at their class size: the rounding
-    /// of page blocks to whole granules and the idle chunks the heap keeps mapped come on
-    /// top.
+    /// rather than reserve more once they exceed an allowance. What is reserved stays near
+    /// what is held, at the price of the moves (mapping, and above all `cuMemSetAccess`,
+    /// about 25-30 us per chunk); [`PageTuning`] sets the trade-off (RMM's random
+    /// workload on the H200: 1.144x the peak request in 1.4 s with the default tuning,
+    /// 1.163x in 0.42 s with [`PageTuning::FAST`]). Smaller blocks stay on the driver
+    /// pool. Needs a device with VMM support: [`DevicePool::new`] fails without it. A
+    /// [`limit`](DevicePoolConfig::limit) also caps the physical memory the pages reserve
+    /// (idle chunks move rather than grow past it).
     PhysicalPages,
 }
 
@@ -111,8 +125,89 @@ impl Default for DevicePoolConfig {
             cache: true,
             thread_cache_bytes: 256 << 20,
             max_cached_block: 1 << 30,
-            backing: Backing::DriverPool,
+            backing: Backing::Auto,
+            pages: PageTuning::TIGHT,
         }
+    }
+}
+
+/// How a pool on [`Backing::PhysicalPages`] trades memory for driver calls: the size of
+/// its chunks of physical memory, and how much idle memory (chunks mapped with no block in
+/// them) it keeps before it moves a chunk to where a block needs it rather than create
+/// more. Smaller chunks and a smaller allowance keep the reservation nearer to what the
+/// blocks hold and pay more moves (each about 50-60 us of driver calls per chunk on the
+/// H200, whatever its size: `cuMemUnmap`, `cuMemMap`, `cuMemSetAccess`).
+///
+/// Measured on RMM's random workload (`benches/device.rs`, 10^5 allocations up to 64 MiB,
+/// 4 streams, one H200, BENCHMARKS.md): [`TIGHT`](Self::TIGHT) (the default) reserved
+/// 1.144x the peak request in 1.4 s, [`FAST`](Self::FAST) 1.163x in 0.42 s; in the same
+/// process the cache on the driver pool reserved 1.472x in 0.52 s and `cuMemAllocAsync`
+/// 1.260x in 0.33 s.
+///
+/// ```
+/// use cudalloc::device::{Backing, DevicePoolConfig, PageTuning};
+/// let c = DevicePoolConfig::default()
+///     .with_backing(Backing::PhysicalPages)
+///     .with_pages(PageTuning::FAST);
+/// assert_eq!(c.pages.chunk_bytes, 16 << 20);
+/// let custom = PageTuning::new(4 << 20, 32); // 4 MiB chunks, idle up to 1/32
+/// assert_eq!(custom.idle_divisor, 32);
+/// // Checked when a pool is made: a chunk of 0 bytes or an allowance of 1/0 is refused.
+/// assert!(PageTuning::new(0, 8).check().is_err());
+/// assert!(PageTuning::new(4 << 20, 0).check().is_err());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PageTuning {
+    /// Bytes of one chunk of physical memory (one `cuMemCreate` handle), rounded up to a
+    /// power-of-two number of the device's allocation granules (2 MiB on the H200).
+    pub chunk_bytes: usize,
+    /// Idle chunks are kept mapped up to 1/`idle_divisor` of the bytes in blocks (and at
+    /// least 4 chunks); beyond that a block that needs memory moves an idle chunk.
+    pub idle_divisor: u32,
+}
+
+impl PageTuning {
+    /// 8 MiB chunks, idle memory up to 1/128: reserves within 15% of the peak request on
+    /// RMM's random workload (the default).
+    pub const TIGHT: Self = Self::new(8 << 20, 128);
+    /// 16 MiB chunks, idle memory up to 1/128: a few percent more reserved, a third of the
+    /// moves' time (about `cuMemAllocAsync`'s time on RMM's workload).
+    pub const FAST: Self = Self::new(16 << 20, 128);
+    /// The most bytes a chunk may have.
+    pub const MAX_CHUNK_BYTES: usize = 1 << 30;
+
+    /// Chunks of `chunk_bytes`, idle memory up to 1/`idle_divisor` of the bytes in blocks.
+    pub const fn new(chunk_bytes: usize, idle_divisor: u32) -> Self {
+        Self {
+            chunk_bytes,
+            idle_divisor,
+        }
+    }
+
+    /// Refuses a chunk of 0 bytes or more than [`MAX_CHUNK_BYTES`](Self::MAX_CHUNK_BYTES),
+    /// and an `idle_divisor` of 0 ([`DevicePool::new`] checks this).
+    pub fn check(&self) -> Result<()> {
+        if self.chunk_bytes == 0 || self.chunk_bytes > Self::MAX_CHUNK_BYTES {
+            return Err(Error::InvalidArgument(
+                "PageTuning::chunk_bytes must be in 1..=1 GiB",
+            ));
+        }
+        if self.idle_divisor == 0 {
+            return Err(Error::InvalidArgument("PageTuning::idle_divisor must not be 0"));
+        }
+        Ok(())
+    }
+
+    /// Granules per chunk on a device of `granule` bytes (a power of two).
+    pub(crate) fn chunk_granules(&self, granule: usize) -> usize {
+        self.chunk_bytes.div_ceil(granule).max(1).next_power_of_two()
+    }
+}
+
+impl Default for PageTuning {
+    fn default() -> Self {
+        Self::TIGHT
     }
 }
 
@@ -191,6 +286,18 @@ impl DevicePoolConfig {
     pub const fn with_backing(self, backing: Backing) -> Self {
         Self { backing, ..self }
     }
+
+    /// This configuration with page-backed blocks tuned by `pages` (used with
+    /// [`Backing::PhysicalPages`] only).
+    ///
+    /// ```
+    /// use cudalloc::device::{DevicePoolConfig, PageTuning};
+    /// let c = DevicePoolConfig::default().with_pages(PageTuning::FAST);
+    /// assert_eq!(c.pages, PageTuning::FAST);
+    /// ```
+    pub const fn with_pages(self, pages: PageTuning) -> Self {
+        Self { pages, ..self }
+    }
 }
 
 pub(crate) struct Inner {
@@ -266,6 +373,7 @@ impl fmt::Debug for DevicePool {
 impl DevicePool {
     /// A new pool on device `device`, with a driver pool of its own.
     pub fn new(device: usize, config: DevicePoolConfig) -> Result<Self> {
+        config.pages.check()?;
         // The driver pool's maxSize of 0 is its default (the device's memory); a limit of
         // 0 bytes is enforced by the cache, which then refuses every allocation.
         let pool = MemPool::new(device, config.limit.unwrap_or(0), config.release_threshold)?;
@@ -273,6 +381,15 @@ impl DevicePool {
         let pages = match config.backing {
             Backing::DriverPool => None,
             Backing::PhysicalPages => Some(Vmm::new(device)?),
+            Backing::Auto => Vmm::new(device).ok(),
+        };
+        let config = DevicePoolConfig {
+            backing: if pages.is_some() {
+                Backing::PhysicalPages
+            } else {
+                Backing::DriverPool
+            },
+            ..config
         };
         let settings = if config.cache {
             Settings::new(config.max_cached_block, config.thread_cache_bytes, config.limit)
@@ -282,7 +399,7 @@ impl DevicePool {
         Ok(Self {
             inner: Arc::new(Inner {
                 core: Core::new::<DevicePool>(Cache::new(
-                    CudaBackend::new(pool, device_bytes, pages),
+                    CudaBackend::new(pool, device_bytes, pages, config.pages, config.limit),
                     settings,
                 )),
                 device,
@@ -291,9 +408,9 @@ impl DevicePool {
         })
     }
 
-    /// A pool without the cache: every allocation goes to the driver pool
-    /// (`cuMemAllocFromPoolAsync`) and every free back to it (`cuMemFreeAsync`). The
-    /// reference the cache is measured against.
+    /// A pool without the cache on [`Backing::DriverPool`]: every allocation goes to the
+    /// driver pool (`cuMemAllocFromPoolAsync`) and every free back to it
+    /// (`cuMemFreeAsync`). The reference the cache is measured against.
     ///
     /// ```
     /// use cudalloc::{cuda::Stream, device::DevicePool};
@@ -304,7 +421,10 @@ impl DevicePool {
     /// }
     /// ```
     pub fn uncached(device: usize) -> Result<Self> {
-        Self::new(device, DevicePoolConfig::default().with_cache(false))
+        let config = DevicePoolConfig::default()
+            .with_cache(false)
+            .with_backing(Backing::DriverPool);
+        Self::new(device, config)
     }
 
     /// The process-wide pool of device `device` (default configuration), created on
@@ -610,9 +730,10 @@ impl DevicePool {
     }
 
     /// Lets kernels and copies on device `peer` read and write this pool's memory (every
-    /// block, present and future: `cuMemPoolSetAccess`). Errors with `InvalidArgument` when
-    /// the devices have no peer path (`cuDeviceCanAccessPeer`). On the pool's own device
-    /// it does nothing.
+    /// block, present and future: `cuMemPoolSetAccess` on the driver pool, and on
+    /// [`Backing::PhysicalPages`] `cuMemSetAccess` on every mapped chunk, which later
+    /// mappings repeat). Errors with `InvalidArgument` when the devices have no peer path
+    /// (`cuDeviceCanAccessPeer`). On the pool's own device it does nothing.
     ///
     /// ```
     /// use cudalloc::device::DevicePool;
@@ -628,17 +749,17 @@ impl DevicePool {
         if peer == self.inner.device {
             return Ok(());
         }
-        if self.cache().backend.pages.is_some() {
-            return Err(Error::InvalidArgument(
-                "peer access is not supported on a pool with Backing::PhysicalPages yet",
-            ));
-        }
         if !crate::cuda::can_access_peer(peer, self.inner.device)? {
             return Err(Error::InvalidArgument(
                 "the devices have no peer path: the peer cannot access this device's memory",
             ));
         }
-        self.cache().backend.pool.set_access(peer, true)
+        let backend = &self.cache().backend;
+        backend.pool.set_access(peer, true)?;
+        match &backend.pages {
+            Some(h) => h.enable_peer(peer),
+            None => Ok(()),
+        }
     }
 
     /// Whether device `peer` may access this pool's memory (always true for the pool's
@@ -647,7 +768,8 @@ impl DevicePool {
         if peer == self.inner.device {
             return Ok(true);
         }
-        self.cache().backend.pool.access(peer)
+        let backend = &self.cache().backend;
+        Ok(backend.pool.access(peer)? && backend.pages.as_ref().is_none_or(|h| h.has_peer(peer)))
     }
 
     /// Test switch: with `false`, a stream takes blocks freed on another stream without

@@ -713,7 +713,7 @@ fn threads_sharing_streams_on_physical_pages_never_map_a_page_unordered() {
     // pages pass between blocks of all sizes, streams and threads.
     let phys = FakePhys::new(64 << 10, usize::MAX);
     let c = Cache::new(
-        FakeBackend::paged(u64::MAX, phys.clone(), 128 << 10),
+        FakeBackend::paged(u64::MAX, phys.clone(), 128 << 10, HEAP_TUNING),
         Settings::new(1 << 30, 4 * MIB, None),
     );
     threads_sharing_streams(Arc::new(c), 4 << 20);
@@ -836,6 +836,7 @@ fn dropping_the_cache_frees_every_block() {
 
 use super::backend::fake::FakePhys;
 use super::pages::PageHeap;
+use super::pool::PageTuning;
 
 const GRANULE: usize = 2 * MIB;
 
@@ -845,7 +846,11 @@ type Heap = PageHeap<FakePhys, FakeBackend>;
 /// its marks.
 fn heap(limit: usize) -> (Heap, FakeBackend, FakePhys) {
     let phys = FakePhys::new(GRANULE, limit);
-    (PageHeap::new(phys.clone()), FakeBackend::new(u64::MAX), phys)
+    (
+        PageHeap::new(phys.clone(), HEAP_TUNING),
+        FakeBackend::new(u64::MAX),
+        phys,
+    )
 }
 
 /// Trims `h` to nothing (after every block was freed) and checks that no handle, range or
@@ -857,7 +862,9 @@ fn trim_clean(h: &Heap, b: &FakeBackend, phys: &FakePhys) {
 }
 
 /// A chunk of the page heap (one handle), in bytes.
-const CHUNK: usize = super::pages::CHUNK_GRANULES * GRANULE;
+/// The heap tests' geometry: 4 MiB chunks, idle memory up to 1/32.
+const HEAP_TUNING: PageTuning = PageTuning::new(4 * MIB, 32);
+const CHUNK: usize = HEAP_TUNING.chunk_bytes;
 
 #[test]
 fn page_blocks_reuse_memory_across_sizes_and_wait_for_other_streams() {
@@ -907,6 +914,45 @@ fn page_blocks_reuse_memory_across_sizes_and_wait_for_other_streams() {
 }
 
 #[test]
+fn a_page_heap_gives_a_peer_access_to_present_and_future_blocks() {
+    let (h, b, phys) = heap(usize::MAX);
+    let s = FakeStream::new();
+    // Live blocks in two spans of mapped chunks (a hole of idle memory between them
+    // stays mapped), and one freed whose chunks stay idle.
+    let a = h.alloc(&b, 16 * MIB, &s).unwrap();
+    let gap = h.alloc(&b, 8 * MIB, &s).unwrap();
+    let c = h.alloc(&b, 12 * MIB, &s).unwrap();
+    // SAFETY: gap came from h; no use.
+    unsafe { h.free(&b, gap, &s) };
+    assert!(!phys.peer_reaches(a, 16 * MIB, 1));
+    assert!(!h.has_peer(1));
+    let before = h.stats().accesses;
+    h.enable_peer(1).unwrap();
+    assert!(h.has_peer(1) && !h.has_peer(2));
+    // One access call for the one span of mapped chunks (the idle hole is mapped too).
+    assert_eq!(h.stats().accesses, before + 1);
+    for (ptr, bytes) in [(a, 16 * MIB), (gap, 8 * MIB), (c, 12 * MIB)] {
+        assert!(phys.peer_reaches(ptr, bytes, 1), "{ptr:#x}");
+        assert!(!phys.peer_reaches(ptr, bytes, 2));
+    }
+    // Enabling again changes nothing; a block mapped later includes the peer.
+    h.enable_peer(1).unwrap();
+    assert_eq!(h.stats().accesses, before + 1);
+    let d = h.alloc(&b, 40 * MIB, &s).unwrap();
+    assert!(phys.peer_reaches(d, 40 * MIB, 1));
+    assert!(phys.use_block(d, 40 * MIB, &s), "the own device keeps its access");
+    assert_eq!(phys.violations(), 0);
+    // SAFETY: from h, their uses on s.
+    unsafe {
+        h.free(&b, a, &s);
+        h.free(&b, c, &s);
+        h.free(&b, d, &s);
+    }
+    s.complete_all();
+    trim_clean(&h, &b, &phys);
+}
+
+#[test]
 fn a_page_heap_moves_a_pending_chunks_handle_and_orders_its_next_user() {
     // 32 MiB freed on s1 (s1 not run) leaves a hole too small for 40 MiB: the block goes
     // past the live one, and rather than make new memory while a hole as large idles,
@@ -948,9 +994,9 @@ fn the_fake_physical_memory_catches_an_unordered_reuse_and_an_early_unmap() {
     // SAFETY: the fake only keeps books.
     unsafe {
         phys.map(v1, GRANULE, hd).unwrap();
-        phys.set_access(v1, GRANULE).unwrap();
+        phys.set_access(v1, GRANULE, &[]).unwrap();
         phys.map(v2, GRANULE, hd).unwrap();
-        phys.set_access(v2, GRANULE).unwrap();
+        phys.set_access(v2, GRANULE, &[]).unwrap();
     }
     phys.use_block(v1, GRANULE, &s1);
     assert_eq!(phys.violations(), 0);
@@ -964,6 +1010,22 @@ fn the_fake_physical_memory_catches_an_unordered_reuse_and_an_early_unmap() {
 #[test]
 fn a_page_heap_out_of_memory_fails_cleanly_and_serves_once_memory_is_free() {
     let (h, b, phys) = heap(64 * MIB);
+    out_of_memory_scenario(h, b, phys);
+}
+
+#[test]
+fn a_page_heap_under_a_pool_limit_moves_memory_and_never_holds_more() {
+    // The same at a pool's limit of 64 MiB, with no shortage of physical memory: the
+    // heap refuses with LimitExceeded (which the cache's recovery treats as out of
+    // memory) rather than make a handle past the limit.
+    let (h, b, phys) = heap(usize::MAX);
+    let h = h.with_limit(Some(64 * MIB));
+    out_of_memory_scenario(h, b, phys);
+}
+
+/// 64 MiB of memory at most (the physical memory's or the heap's limit): a block that
+/// needs more fails and changes nothing; freed memory serves, moved if need be.
+fn out_of_memory_scenario(h: Heap, b: FakeBackend, phys: FakePhys) {
     let s = FakeStream::new();
     let s2 = FakeStream::new();
     let a = h.alloc(&b, 32 * MIB, &s).unwrap();
@@ -1028,7 +1090,7 @@ fn a_page_heap_trims_to_what_it_keeps_and_reuses_ranges() {
 #[test]
 fn a_paged_fake_backend_gives_everything_back_at_drop() {
     let phys = FakePhys::new(GRANULE, usize::MAX);
-    let b = FakeBackend::paged(u64::MAX, phys.clone(), 8 * GRANULE);
+    let b = FakeBackend::paged(u64::MAX, phys.clone(), 8 * GRANULE, HEAP_TUNING);
     let s = FakeStream::new();
     use super::backend::Backend;
     let small = b.alloc(MIB, &s).unwrap();
@@ -1049,15 +1111,19 @@ fn a_paged_fake_backend_gives_everything_back_at_drop() {
     assert_eq!(phys.violations(), 0);
 }
 
+/// The page figures of one run of RMM's random workload.
+struct PagedRun {
+    requested: u64,
+    reserved: u64,
+    /// Chunk mappings made.
+    maps: u64,
+}
+
 /// RMM's random workload on a cache over the paged fake backend (blocks of `page_min`
-/// bytes and more on pages): (peak requested, peak held, peak reserved, creates, maps).
-fn random_reservations_paged(page_min: usize, chunk_granules: usize) -> (u64, u64, u64) {
+/// bytes and more on pages, tuned by `tuning`).
+fn random_reservations_paged(page_min: usize, tuning: PageTuning) -> PagedRun {
     let phys = FakePhys::new(GRANULE, usize::MAX);
-    let mut backend = FakeBackend::paged(u64::MAX, phys.clone(), page_min);
-    backend.pages = backend
-        .pages
-        .take()
-        .map(|h| h.with_chunk_granules(chunk_granules));
+    let backend = FakeBackend::paged(u64::MAX, phys.clone(), page_min, tuning);
     let c = Cache::new(backend, Settings::new(1 << 30, 256 << 20, None));
     let mut tc: Tc = c.new_thread_cache().unwrap();
     let (peak_requested, peak_held, violations) =
@@ -1068,12 +1134,11 @@ fn random_reservations_paged(page_min: usize, chunk_granules: usize) -> (u64, u6
     let s = c.snapshot();
     let p = c.backend.pages.as_ref().unwrap().stats();
     println!(
-        "random workload, physical pages from {} MiB, chunks of {} granules: peak requested {} MiB, held / requested \
+        "random workload, physical pages from {} MiB, {tuning:?}: peak requested {} MiB, held / requested \
          {:.3}, reserved / requested {:.3}; {} hits, {} misses, {} released; {} handles \
          created, {} released, {} maps, {} unmaps, {} ranges reserved, {} waits; peaks: pages {} MiB, \
          driver pool {} MiB",
         page_min >> 20,
-        chunk_granules,
         peak_requested >> 20,
         peak_held as f64 / peak_requested as f64,
         peak_reserved as f64 / peak_requested as f64,
@@ -1095,16 +1160,24 @@ fn random_reservations_paged(page_min: usize, chunk_granules: usize) -> (u64, u6
     assert_eq!(c.backend.live_blocks(), 0);
     assert_eq!(c.backend.reservation().0, 0, "trim gives every reservation back");
     assert_eq!(phys.live(), (0, 0, 0, 0));
-    (peak_requested, peak_held, peak_reserved)
+    PagedRun {
+        requested: peak_requested,
+        reserved: peak_reserved,
+        maps: p.maps,
+    }
 }
+
+impl PagedRun {
+    fn ratio(&self) -> f64 {
+        self.reserved as f64 / self.requested as f64
+    }
+}
+
+const PAGE_MIN: usize = super::pages::PAGE_MIN_GRANULES * GRANULE;
 
 #[test]
 fn random_workload_on_physical_pages_reserves_at_most_15_percent_more_than_it_requests() {
-    let (requested, _, reserved) = random_reservations_paged(
-        super::pages::PAGE_MIN_GRANULES * GRANULE,
-        super::pages::CHUNK_GRANULES,
-    );
-    let paged = reserved as f64 / requested as f64;
+    let paged = random_reservations_paged(PAGE_MIN, PageTuning::default()).ratio();
     assert!(paged <= 1.15, "peak reserved / peak requested = {paged:.3}");
     // The simulated driver pool alone (no reservation policy) keeps more.
     let (requested, _, reserved) = random_reservations(false);
@@ -1114,28 +1187,79 @@ fn random_workload_on_physical_pages_reserves_at_most_15_percent_more_than_it_re
 
 #[test]
 fn page_thresholds_compared() {
-    // Which blocks go to pages: from 1 granule up the figures barely move (1.11) while the
-    // simulated driver pool's share grows; from 8 granules (16 MiB) the driver pool's
-    // fragmentation of the many blocks below shows (1.17 here).
+    // Which blocks go to pages: up to the threshold the crate uses (2 granules) the figures
+    // do not move (1.141 with the default tuning) while the simulated driver pool's share
+    // grows; from 4 granules (8 MiB) the driver pool's fragmentation of the many blocks
+    // below shows (1.152 at 4, 1.197 at 8).
     for g in [1, 2, 4, 8] {
-        let (requested, _, reserved) = random_reservations_paged(g * GRANULE, super::pages::CHUNK_GRANULES);
-        assert!(reserved as f64 / requested as f64 <= if g < 8 { 1.15 } else { 1.25 });
+        let run = random_reservations_paged(g * GRANULE, PageTuning::default());
+        assert!(
+            run.ratio()
+                <= if g <= super::pages::PAGE_MIN_GRANULES {
+                    1.15
+                } else {
+                    1.25
+                },
+            "from {g} granules: {:.3}",
+            run.ratio()
+        );
     }
 }
 
 #[test]
 fn page_chunk_sizes_compared() {
     // Smaller chunks pack the mapped memory tighter and map more often (the figures in
-    // `pages::CHUNK_GRANULES`'s docs); every size keeps within 1.25 of the request here,
-    // where the simulated GPU lags up to 64 operations behind.
+    // the `pages` module docs); every size keeps within 1.25 of the request here, where
+    // the simulated GPU lags up to 64 operations behind.
     for chunk in [1, 2, 4, 8] {
-        let (requested, _, reserved) =
-            random_reservations_paged(super::pages::PAGE_MIN_GRANULES * GRANULE, chunk);
-        assert!(
-            reserved as f64 / requested as f64 <= 1.25,
-            "chunks of {chunk} granules"
-        );
+        let run = random_reservations_paged(PAGE_MIN, PageTuning::new(chunk * GRANULE, 32));
+        assert!(run.ratio() <= 1.25, "chunks of {chunk} granules");
     }
+}
+
+#[test]
+fn page_tuning_trades_reservation_for_moves() {
+    // What `PageTuning` promises: FAST (larger chunks, more idle memory) maps fewer
+    // chunks than TIGHT and reserves more; both stay near the request.
+    let tight = random_reservations_paged(PAGE_MIN, PageTuning::TIGHT);
+    let fast = random_reservations_paged(PAGE_MIN, PageTuning::FAST);
+    assert!(
+        fast.maps * 2 < tight.maps,
+        "maps: fast {}, tight {}",
+        fast.maps,
+        tight.maps
+    );
+    assert!(
+        fast.ratio() > tight.ratio() && fast.ratio() <= 1.25,
+        "reserved / requested: fast {:.3}, tight {:.3}",
+        fast.ratio(),
+        tight.ratio()
+    );
+}
+
+#[test]
+fn page_tuning_rounds_chunks_to_granules_and_refuses_nonsense() {
+    assert_eq!(PageTuning::new(1, 32).chunk_granules(GRANULE), 1);
+    assert_eq!(PageTuning::new(3 * MIB, 32).chunk_granules(GRANULE), 2);
+    assert_eq!(PageTuning::new(5 * MIB, 32).chunk_granules(GRANULE), 4);
+    assert_eq!(PageTuning::TIGHT.chunk_granules(GRANULE), 4);
+    assert_eq!(PageTuning::TIGHT.chunk_granules(64 << 10), 128);
+    for bad in [
+        PageTuning::new(0, 32),
+        PageTuning::new(PageTuning::MAX_CHUNK_BYTES + 1, 32),
+        PageTuning::new(4 * MIB, 0),
+    ] {
+        assert!(matches!(bad.check(), Err(Error::InvalidArgument(_))), "{bad:?}");
+        // Refused before any driver call, with or without a GPU.
+        let config = super::DevicePoolConfig::default()
+            .with_backing(super::Backing::PhysicalPages)
+            .with_pages(bad);
+        assert!(matches!(
+            super::DevicePool::new(0, config),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+    assert!(PageTuning::TIGHT.check().is_ok() && PageTuning::FAST.check().is_ok());
 }
 
 #[test]

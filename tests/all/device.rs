@@ -1,7 +1,7 @@
 //! Typed device buffers from stream-ordered device pools.
 
 use cudalloc::cuda::Stream;
-use cudalloc::device::{DeviceBuffer, DevicePool, DevicePoolConfig};
+use cudalloc::device::{Backing, DeviceBuffer, DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
 const MIB: usize = 1 << 20;
@@ -102,7 +102,8 @@ fn release_threshold_zero_returns_memory_at_synchronization() {
         0,
         DevicePoolConfig::default()
             .with_release_threshold(0)
-            .with_cache(false),
+            .with_cache(false)
+            .with_backing(Backing::DriverPool),
     )
     .unwrap();
     let s = stream();

@@ -3,7 +3,7 @@
 //! needs 2 GPUs` and passes, unless `REQUIRE_GPUS=2`.
 
 use cudalloc::cuda::{can_access_peer, copy_async, Stream};
-use cudalloc::device::{DevicePool, DevicePoolConfig};
+use cudalloc::device::{Backing, DevicePool, DevicePoolConfig};
 use cudalloc::Error;
 
 use crate::gpu_support::{fill, finishes_within, gpus, mismatches, Gate, RUN_FOR};
@@ -142,4 +142,39 @@ fn a_buffer_read_by_a_peer_is_declared_and_waited_for() {
     s1.synchronize().unwrap();
     s0.synchronize().unwrap();
     assert_eq!(mismatches(&z.to_vec().unwrap(), 0xAA), 0);
+}
+
+#[test]
+fn a_page_backed_pool_lets_a_peer_write_its_present_and_future_blocks() {
+    two_gpus!();
+    if !can_access_peer(1, 0).unwrap() {
+        println!("skipped: device 1 cannot access device 0");
+        return;
+    }
+    let config = DevicePoolConfig::default().with_backing(Backing::PhysicalPages);
+    let pool = DevicePool::new(0, config).unwrap();
+    assert!(!pool.peer_access(1).unwrap());
+    let (s0, s1) = (Stream::new(0).unwrap(), Stream::new(1).unwrap());
+    // A page block mapped before access is given, and one mapped after (new chunks).
+    let before = pool.alloc::<u8>(8 * MIB, &s0).unwrap();
+    s0.synchronize().unwrap(); // device 1 writes it after this
+    pool.enable_peer_access(1).unwrap();
+    assert!(pool.peer_access(1).unwrap());
+    let after = pool.alloc::<u8>(64 * MIB, &s0).unwrap();
+    let small = pool.alloc::<u8>(MIB, &s0).unwrap(); // on the driver pool
+    assert!(pool.stats().reserved_bytes >= 72 * MIB as u64);
+    s0.synchronize().unwrap();
+    // Device 1 writes all three directly (a memset on its stream).
+    for (b, v) in [(&before, 0xC1u8), (&after, 0xC2), (&small, 0xC3)] {
+        // SAFETY: the block is device 0's, accessible from device 1 now; device 0's
+        // stream has no work on it, and reads it only after s1 is synchronized.
+        unsafe { fill(b.device_ptr(), v, b.len(), &s1) };
+    }
+    s1.synchronize().unwrap();
+    for (b, v) in [(&before, 0xC1u8), (&after, 0xC2), (&small, 0xC3)] {
+        assert_eq!(mismatches(&b.to_vec().unwrap(), v), 0, "{} bytes", b.len());
+    }
+    drop((before, after, small));
+    pool.trim();
+    assert_eq!(pool.stats().reserved_bytes, 0);
 }
