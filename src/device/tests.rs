@@ -1010,7 +1010,8 @@ fn the_fake_physical_memory_catches_an_unordered_reuse_and_an_early_unmap() {
 #[test]
 fn a_page_heap_out_of_memory_fails_cleanly_and_serves_once_memory_is_free() {
     let (h, b, phys) = heap(64 * MIB);
-    out_of_memory_scenario(h, b, phys);
+    let e = out_of_memory_scenario(h, b, phys);
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e:?}");
 }
 
 #[test]
@@ -1020,12 +1021,14 @@ fn a_page_heap_under_a_pool_limit_moves_memory_and_never_holds_more() {
     // memory) rather than make a handle past the limit.
     let (h, b, phys) = heap(usize::MAX);
     let h = h.with_limit(Some(64 * MIB));
-    out_of_memory_scenario(h, b, phys);
+    let e = out_of_memory_scenario(h, b, phys);
+    assert!(matches!(e, Error::LimitExceeded { .. }), "{e:?}");
 }
 
 /// 64 MiB of memory at most (the physical memory's or the heap's limit): a block that
-/// needs more fails and changes nothing; freed memory serves, moved if need be.
-fn out_of_memory_scenario(h: Heap, b: FakeBackend, phys: FakePhys) {
+/// needs more fails and changes nothing; freed memory serves, moved if need be. Returns
+/// the failure's error.
+fn out_of_memory_scenario(h: Heap, b: FakeBackend, phys: FakePhys) -> Error {
     let s = FakeStream::new();
     let s2 = FakeStream::new();
     let a = h.alloc(&b, 32 * MIB, &s).unwrap();
@@ -1056,6 +1059,7 @@ fn out_of_memory_scenario(h: Heap, b: FakeBackend, phys: FakePhys) {
     // SAFETY: as above.
     unsafe { h.free(&b, d, &s2) };
     trim_clean(&h, &b, &phys);
+    e
 }
 
 #[test]
