@@ -45,7 +45,7 @@ pub struct DevicePoolStats {
     pub pending_bytes: u64,
     /// Blocks waiting so.
     pub pending_blocks: u64,
-    /// Bytes held from the driver pool: live, cached and pending.
+    /// Bytes held from the driver pool and the page heap: live, cached and pending.
     pub held_bytes: u64,
     /// The most bytes held at once.
     pub peak_held_bytes: u64,
@@ -82,7 +82,7 @@ pub struct DevicePoolStats {
     pub events: u64,
     /// Allocations that failed.
     pub failures: u64,
-    /// Blocks given back to the driver pool.
+    /// Blocks given back to the driver pool or the page heap.
     pub released: u64,
     /// Times the pool ran out of memory and released its cache to retry.
     pub oom_recoveries: u64,
@@ -120,10 +120,10 @@ impl fmt::Display for Bytes {
 /// ```text
 /// device 0: 139.8 GiB total, 120.3 GiB free
 ///   pool: live 10.0 GiB in 1234 buffers, cached 1.5 GiB in 77 blocks, pending 0 B
-///   held 11.5 GiB (peak 14.0 GiB), driver pool reserved 12.0 GiB (peak 14.2 GiB), no limit
+///   held 11.5 GiB (peak 14.0 GiB), reserved 12.0 GiB (peak 14.2 GiB), no limit
 ///   cached by stream: stream#3 1.0 GiB in 50 blocks; stream#7 512.0 MiB in 27 blocks
 ///   allocations: 123456 hits, 1234 from the driver, 12 cross-stream takes (12 events), 0 failed
-///   released: 1200 blocks to the driver pool, 30 trims of its idle reservations
+///   released: 1200 blocks to the driver pool or pages, 30 trims of its idle reservations
 /// ```
 impl fmt::Display for DevicePoolStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -146,7 +146,7 @@ impl fmt::Display for DevicePoolStats {
         )?;
         write!(
             f,
-            "  held {} (peak {}), driver pool reserved {} (peak {}), ",
+            "  held {} (peak {}), reserved {} (peak {}), ",
             Bytes(self.held_bytes),
             Bytes(self.peak_held_bytes),
             Bytes(self.reserved_bytes),
@@ -184,7 +184,7 @@ impl fmt::Display for DevicePoolStats {
         if self.released > 0 {
             write!(
                 f,
-                "\n  released: {} blocks to the driver pool, {} trims of its idle reservations",
+                "\n  released: {} blocks to the driver pool or pages, {} trims of its idle reservations",
                 self.released, self.trims
             )?;
         }
@@ -204,9 +204,9 @@ pub struct DeviceMemorySummary {
     pub cached_bytes: u64,
     /// Bytes of freed blocks waiting for recorded uses.
     pub pending_bytes: u64,
-    /// Bytes the pool held from its driver pool.
+    /// Bytes the pool held from its driver pool and page heap.
     pub held_bytes: u64,
-    /// Bytes the driver pool reserved from the device.
+    /// Bytes the pool reserved from the device (its driver pool and its page heap).
     pub reserved_bytes: u64,
     /// The pool's limit (`None`: none).
     pub limit_bytes: Option<u64>,
@@ -218,7 +218,7 @@ impl fmt::Display for DeviceMemorySummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "live {}, cached {}, pending {}, held {}, driver pool reserved {}, ",
+            "live {}, cached {}, pending {}, held {}, reserved {}, ",
             Bytes(self.live_bytes),
             Bytes(self.cached_bytes),
             Bytes(self.pending_bytes),

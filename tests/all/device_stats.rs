@@ -82,6 +82,8 @@ fn out_of_memory_releases_the_cache_then_names_the_device_the_size_and_the_state
     let st = pool.stats();
     println!("after making room: {st}");
     assert!(st.held_bytes <= 64 * MIB as u64, "{st:?}");
+    // The limit holds for what the device gives up too (on pages: the heap's handles).
+    assert!(st.peak_reserved_bytes <= 64 * MIB as u64, "{st:?}");
     assert!(st.released >= 2, "{st:?}");
     // Now it cannot fit at all.
     let e = pool.alloc::<u8>(40 * MIB, &t).unwrap_err();
@@ -100,6 +102,7 @@ fn out_of_memory_releases_the_cache_then_names_the_device_the_size_and_the_state
     }
     assert!(e.to_string().contains("device 0"), "{e}");
     assert!(pool.stats().oom_recoveries >= 1);
+    assert!(pool.stats().peak_reserved_bytes <= 64 * MIB as u64);
     // The pool goes on.
     drop(big);
     let again = pool.from_host(&vec![7u8; 40 * MIB], &t).unwrap();
