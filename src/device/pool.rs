@@ -109,7 +109,7 @@ pub enum Backing {
     /// rather than reserve more once they exceed an allowance. What is reserved stays near
     /// what is held, at the price of the moves (mapping, and above all `cuMemSetAccess`,
     /// about 25-30 us per chunk); [`PageTuning`] sets the trade-off (RMM's random
-    /// workload on the H200: 1.144x the peak request in 1.4 s with the default tuning,
+    /// workload on the H200: 1.144x the peak request in 1.4-1.7 s with the default tuning,
     /// 1.163x in 0.42 s with [`PageTuning::FAST`]). Smaller blocks stay on the driver
     /// pool. Needs a device with VMM support: [`DevicePool::new`] fails without it. A
     /// [`limit`](DevicePoolConfig::limit) also caps the physical memory the pages reserve
@@ -140,7 +140,7 @@ impl Default for DevicePoolConfig {
 ///
 /// Measured on RMM's random workload (`benches/device.rs`, 10^5 allocations up to 64 MiB,
 /// 4 streams, one H200, BENCHMARKS.md): [`TIGHT`](Self::TIGHT) (the default) reserved
-/// 1.144x the peak request in 1.4 s, [`FAST`](Self::FAST) 1.163x in 0.42 s; in the same
+/// 1.144x the peak request in 1.4-1.7 s, [`FAST`](Self::FAST) 1.163x in 0.42 s; in the same
 /// process the cache on the driver pool reserved 1.472x in 0.52 s and `cuMemAllocAsync`
 /// 1.260x in 0.33 s.
 ///
