@@ -137,6 +137,7 @@ pub mod source;
 mod sync;
 #[doc(hidden)]
 pub mod testing;
+pub mod trace;
 mod util;
 
 pub use arena::{Arena, ArenaConfig, ArenaStats, Checkpoint};
