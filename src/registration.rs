@@ -182,7 +182,14 @@ impl<'a, T> HostRegistration<'a, T> {
         let uses = Arc::new(RegistrationUses::new());
         let id = registry::new_owner_id();
         registry::add_owner(id, UsesRef(uses.clone()));
-        registry::insert_range(start, bytes, id);
+        if !registry::insert_range(start, bytes, id) {
+            drop(registry::remove_owner(id));
+            // SAFETY: registered just above, and no copy has used it yet.
+            unsafe { raw::host_unregister(ptr.as_ptr().cast()) };
+            return Err(Error::InvalidArgument(
+                "the buffer is (partly) memory of the crate's allocators or of another registration, already pinned",
+            ));
+        }
         this.registered = Some(Registered { id, uses });
         Ok(this)
     }

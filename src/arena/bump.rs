@@ -26,8 +26,10 @@ pub(crate) trait Hooks {
     /// the source (`freeing` true): blocks until the GPU no longer uses it. False: it
     /// could not make sure, and the memory must be given up.
     fn wait(&self, freeing: bool) -> bool;
-    /// A chunk was taken from the source.
-    fn added(&self, base: usize, size: usize);
+    /// A chunk was taken from the source. False: the range overlaps memory the crate's
+    /// allocators already hold in a way that cannot nest (a broken source), and the chunk
+    /// must go back.
+    fn added(&self, base: usize, size: usize) -> bool;
     /// A chunk goes back to the source (or is given up).
     fn removed(&self, base: usize);
 }
@@ -232,7 +234,13 @@ impl<S: HostVisible> Bump<S> {
             0,
             "source broke its alignment promise"
         );
-        hooks.added(base.as_ptr() as usize, size);
+        if !hooks.added(base.as_ptr() as usize, size) {
+            // SAFETY: allocated just above with this size and never handed out.
+            unsafe { self.source.deallocate(base, size) };
+            return Err(Error::InvalidArgument(
+                "the arena's source returned memory that overlaps memory the crate's allocators already hold",
+            ));
+        }
         self.held.set(self.held.get() + size);
         let grown = if dedicated { regular } else { size };
         let cap = self.config.max_chunk.unwrap_or(usize::MAX);
@@ -594,7 +602,9 @@ mod tests {
         fn wait(&self, _freeing: bool) -> bool {
             true
         }
-        fn added(&self, _: usize, _: usize) {}
+        fn added(&self, _: usize, _: usize) -> bool {
+            true
+        }
         fn removed(&self, _: usize) {}
     }
 

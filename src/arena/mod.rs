@@ -274,11 +274,11 @@ impl Hooks for ArenaHooks<'_> {
         self.uses.recorded.store(false, Ordering::Relaxed);
         true
     }
-    fn added(&self, base: usize, size: usize) {
-        registry::insert_range(base, size, self.id);
+    fn added(&self, base: usize, size: usize) -> bool {
+        registry::insert_range(base, size, self.id)
     }
     fn removed(&self, base: usize) {
-        registry::remove_range(base);
+        registry::remove_range(base, self.id);
     }
 }
 

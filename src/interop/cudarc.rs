@@ -291,9 +291,7 @@ impl Drop for Recorded {
 /// Checks that `data` is memory of the crate's allocators (a `Vec<T, PinnedAlloc>`, a
 /// `Pool`, an `Arena`) or of a [`HostRegistration`](crate::HostRegistration).
 fn check_owned<T>(data: &[T]) -> Result<()> {
-    if core::mem::size_of_val(data) == 0
-        || crate::fence::registry::find_owner_id(data.as_ptr() as usize).is_some()
-    {
+    if core::mem::size_of_val(data) == 0 || crate::fence::registry::find(data.as_ptr() as usize).is_some() {
         Ok(())
     } else {
         Err(Error::InvalidArgument(

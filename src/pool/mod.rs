@@ -201,7 +201,8 @@ pub struct PoolConfig {
     /// source out of memory) waits for freed blocks whose recorded GPU uses are still
     /// running, before it fails (default 10 s; `None`: it fails at once). A staging loop
     /// that outruns the GPU then runs at the GPU's pace instead of failing, and a `Vec`
-    /// does not abort.
+    /// does not abort. A wait too long for the clock (`Duration::MAX`) waits for as long
+    /// as the GPU work takes.
     pub pending_wait: Option<Duration>,
 }
 
@@ -505,7 +506,7 @@ impl<S: MemorySource + 'static> Pool<S> {
     fn owns(&self, ptr: *const u8) -> bool {
         let addr = ptr as usize;
         self.shared.small.find_block(addr).is_some() || self.shared.large.find(addr).is_some() || {
-            registry::find_owner_id(addr) == Some(self.shared.uid)
+            registry::holds(self.shared.uid, addr)
         }
     }
 

@@ -143,8 +143,15 @@ impl<S: MemorySource> Shared<S> {
         self.acct.reserve(size)?;
         match self.source.allocate(size) {
             Ok(p) => {
+                if !registry::insert_range(p.as_ptr() as usize, size, self.uid) {
+                    // SAFETY: allocated just above with this size and never handed out.
+                    unsafe { self.source.deallocate(p, size) };
+                    self.acct.unreserve(size);
+                    return Err(Error::InvalidArgument(
+                        "the pool's source returned memory that overlaps memory the crate's allocators already hold",
+                    ));
+                }
                 self.acct.on_source_alloc(size);
-                registry::insert_range(p.as_ptr() as usize, size, self.uid);
                 Ok(BlockPtr::new(p))
             }
             Err(e) => {
@@ -157,7 +164,7 @@ impl<S: MemorySource> Shared<S> {
     /// # Safety
     /// 1. `p` came from `self.source_alloc(size)` and nothing uses it any more.
     unsafe fn source_free(&self, p: BlockPtr, size: usize) {
-        registry::remove_range(p.addr());
+        registry::remove_range(p.addr(), self.uid);
         // SAFETY: obligation 1; source_alloc returned this block of `size` bytes.
         unsafe { self.source.deallocate(p.as_non_null(), size) };
         self.acct.on_source_free(size);
@@ -175,7 +182,8 @@ impl<S: MemorySource> Shared<S> {
         let Some(wait) = self.settings.pending_wait else {
             return Err(err);
         };
-        let deadline = Instant::now() + wait;
+        // A wait too long to add to the clock (`Duration::MAX`) waits forever.
+        let deadline = Instant::now().checked_add(wait);
         while worth_waiting(&err) && self.wait_for_oldest_pending(deadline) {
             err = match attempt(self) {
                 Ok(t) => return Ok(t),
@@ -185,10 +193,10 @@ impl<S: MemorySource> Shared<S> {
         Err(err)
     }
 
-    /// Waits (until `deadline`) for the GPU uses of the oldest pending block, then returns
-    /// every completed pending block to the free lists. False when nothing was pending or
-    /// the deadline passed.
-    fn wait_for_oldest_pending(&self, deadline: Instant) -> bool {
+    /// Waits (until `deadline`; `None`: for as long as it takes) for the GPU uses of the
+    /// oldest pending block, then returns every completed pending block to the free lists.
+    /// False when nothing was pending or the deadline passed.
+    fn wait_for_oldest_pending(&self, deadline: Option<Instant>) -> bool {
         let Some(fences) = self.uses.lock().oldest_fences() else {
             return false;
         };
@@ -197,7 +205,7 @@ impl<S: MemorySource> Shared<S> {
         for f in fences {
             set.record(f);
         }
-        let done = set.wait(Some(deadline));
+        let done = set.wait(deadline);
         self.drain_pending();
         done
     }
@@ -650,7 +658,7 @@ impl<S: MemorySource> Drop for Shared<S> {
                 log::error!(
                     "cudalloc: a dropped pool leaks {size} bytes that the GPU may still use (a wait failed)"
                 );
-                registry::remove_range(p.addr());
+                registry::remove_range(p.addr(), self.uid);
                 continue;
             }
             // SAFETY: every chunk and segment came from source_alloc; the pool is being

@@ -23,6 +23,7 @@ mod cudarc;
 #[cfg(feature = "debug-checks")]
 mod debug_checks;
 mod defects;
+mod defects_21;
 mod device;
 mod device_conformance;
 mod device_pages;
