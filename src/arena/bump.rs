@@ -26,6 +26,9 @@ pub(crate) trait Hooks {
     /// the source (`freeing` true): blocks until the GPU no longer uses it. False: it
     /// could not make sure, and the memory must be given up.
     fn wait(&self, freeing: bool) -> bool;
+    /// Every chunk was given up after a failed wait: the recorded uses guard nothing
+    /// any more.
+    fn forget_uses(&self);
     /// A chunk was taken from the source. False: the range overlaps memory the crate's
     /// allocators already hold in a way that cannot nest (a broken source), and the chunk
     /// must go back.
@@ -76,6 +79,9 @@ pub(crate) struct Bump<S: HostVisible> {
     pub(crate) config: ArenaConfig,
     /// Bytes given up on (never reused, never freed) because a wait for the GPU failed.
     abandoned_bytes: Cell<usize>,
+    /// Moves whenever every block is freed at once (a reset, a give-up): a checkpoint
+    /// taken in an earlier epoch names no position of the current blocks.
+    epoch: Cell<u64>,
     pub(crate) source: S,
 }
 
@@ -92,6 +98,7 @@ impl<S: HostVisible> Bump<S> {
             next_chunk: Cell::new(config.first_chunk.max(PAGE_SIZE)),
             config,
             abandoned_bytes: Cell::new(0),
+            epoch: Cell::new(0),
             source,
         }
     }
@@ -399,6 +406,7 @@ impl<S: HostVisible> Bump<S> {
     /// to the source. `hooks.wait()` runs first when memory will be reused or freed; if
     /// it fails, every chunk is given up instead.
     pub(crate) fn reset(&mut self, hooks: &impl Hooks) {
+        self.epoch.set(self.epoch.get() + 1);
         if self.chunks.get_mut().is_empty() {
             return;
         }
@@ -438,12 +446,21 @@ impl<S: HostVisible> Bump<S> {
                 (base, ptr) = (c.base.as_ptr() as usize, c.left_at);
             }
         }
-        Checkpoint { in_use, base, ptr }
+        Checkpoint {
+            in_use,
+            base,
+            ptr,
+            arena: 0,
+            epoch: self.epoch.get(),
+        }
     }
 
     /// Whether `cp` names a position in the arena's current chunks (so that rewinding to
     /// it only frees blocks: the bump pointer never moves down).
     pub(crate) fn reaches(&mut self, cp: &Checkpoint) -> bool {
+        if cp.epoch != self.epoch.get() {
+            return false;
+        }
         let in_use = self.in_use.get();
         if cp.in_use > in_use {
             return false;
@@ -483,11 +500,16 @@ impl<S: HostVisible> Bump<S> {
 
     /// Gives up every chunk after a failed wait.
     fn give_up_all(&mut self, hooks: &impl Hooks) {
+        self.epoch.set(self.epoch.get() + 1);
         let chunks = core::mem::take(self.chunks.get_mut());
         let held: usize = chunks.iter().map(|c| c.size).sum();
         for c in chunks {
             self.give_up(c, hooks);
         }
+        // The uses whose wait failed guard memory that is given up now: they no longer
+        // hold anything back (kept, every later reset would fail and give up chunks
+        // nothing was recorded on).
+        hooks.forget_uses();
         self.leave_all();
         log::error!("cudalloc: arena abandons {held} bytes the GPU may still be using");
     }
@@ -605,6 +627,7 @@ mod tests {
         fn added(&self, _: usize, _: usize) -> bool {
             true
         }
+        fn forget_uses(&self) {}
         fn removed(&self, _: usize) {}
     }
 

@@ -177,6 +177,10 @@ pub struct Checkpoint {
     base: usize,
     /// The bump pointer's address then.
     ptr: usize,
+    /// The arena's process-unique id.
+    arena: u64,
+    /// The arena's reset epoch then.
+    epoch: u64,
 }
 
 /// What an arena holds and hands out.
@@ -279,6 +283,11 @@ impl Hooks for ArenaHooks<'_> {
     }
     fn removed(&self, base: usize) {
         registry::remove_range(base, self.id);
+    }
+    fn forget_uses(&self) {
+        let forgotten = core::mem::take(&mut *lock(&self.uses.set));
+        self.uses.recorded.store(false, Ordering::Relaxed);
+        drop(forgotten); // outside the lock
     }
 }
 
@@ -544,7 +553,10 @@ impl<S: HostVisible> Arena<S> {
     /// assert_eq!(unsafe { *keep }, 42); // allocated before the mark: untouched
     /// ```
     pub fn checkpoint(&self) -> Checkpoint {
-        self.bump.checkpoint()
+        Checkpoint {
+            arena: self.id,
+            ..self.bump.checkpoint()
+        }
     }
 
     /// Frees every block allocated after `checkpoint` was taken. Chunks emptied by it are
@@ -558,7 +570,9 @@ impl<S: HostVisible> Arena<S> {
     ///
     /// # Panics
     /// If `checkpoint` is not a position in this arena's current chunks: one of another
-    /// arena, or one in a chunk that an earlier rewind or a reset emptied.
+    /// arena (even an empty one), one taken before the last [`reset`](Arena::reset) (or
+    /// before a failed GPU wait gave every chunk up), or one in a chunk that an earlier
+    /// rewind emptied.
     ///
     /// ```should_panic
     /// use core::alloc::Layout;
@@ -570,7 +584,7 @@ impl<S: HostVisible> Arena<S> {
     /// ```
     pub fn rewind(&mut self, checkpoint: Checkpoint) {
         assert!(
-            self.bump.reaches(&checkpoint),
+            checkpoint.arena == self.id && self.bump.reaches(&checkpoint),
             "Arena::rewind: {checkpoint:?} is not a position of this arena's current blocks"
         );
         let hooks = ArenaHooks::new(&self.uses, self.id, self.skips_wait());

@@ -48,14 +48,26 @@ pub fn fallback_allocations() -> u64 {
 
 #[cold]
 #[inline(never)]
-fn fallback_allocate(kind: &str, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-    crate::source::host::note_fallback(kind);
+fn fallback_allocate<R: Route>(layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+    crate::source::host::note_fallback(R::KIND);
     check_physical_memory(layout.size())?;
+    // The fallback keeps the kind's cap (the pinned cap): code that stays under it without
+    // a GPU stays under it with one.
+    let budget = R::budget();
+    if let Some(b) = budget {
+        b.reserve(layout.size()).map_err(|_| AllocError)?;
+    }
     // SAFETY: the layout has nonzero size.
     let p = unsafe { System.alloc(layout) };
-    NonNull::new(p)
-        .map(|p| NonNull::slice_from_raw_parts(p, layout.size()))
-        .ok_or(AllocError)
+    match NonNull::new(p) {
+        Some(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
+        None => {
+            if let Some(b) = budget {
+                b.release(layout.size());
+            }
+            Err(AllocError)
+        }
+    }
 }
 
 /// Returns the cached memory of every process-wide pool (pinned and managed) to the
@@ -122,7 +134,7 @@ fn route_allocate_cold<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, 
     } else if h.is_strict() {
         Err(AllocError)
     } else {
-        fallback_allocate(R::KIND, layout)
+        fallback_allocate::<R>(layout)
     }
 }
 
@@ -139,7 +151,7 @@ unsafe fn route_deallocate<R: Route>(h: R, ptr: NonNull<u8>, layout: Layout) {
         Some(pool) => unsafe { pool.deallocate(ptr, layout) },
         // SAFETY: obligation 1; no pool was made, so there is no driver (with one, the
         // allocation would have made the pool) and the block came from the fallback.
-        None => unsafe { fallback_deallocate(ptr, layout) },
+        None => unsafe { fallback_deallocate::<R>(ptr, layout) },
     }
 }
 
@@ -191,11 +203,14 @@ fn with_fallbacks(mut s: PoolStats) -> PoolStats {
 }
 
 /// # Safety
-/// 1. `ptr` came from `fallback_allocate(_, layout)`.
-unsafe fn fallback_deallocate(ptr: NonNull<u8>, layout: Layout) {
+/// 1. `ptr` came from `fallback_allocate::<R>(layout)`.
+unsafe fn fallback_deallocate<R: Route>(ptr: NonNull<u8>, layout: Layout) {
     if layout.size() != 0 {
         // SAFETY: obligation 1: System allocated it with this layout.
         unsafe { System.dealloc(ptr.as_ptr(), layout) }
+        if let Some(b) = R::budget() {
+            b.release(layout.size());
+        }
     }
 }
 
@@ -317,7 +332,7 @@ impl PinnedAlloc {
 
     /// Sets the cap on pinned bytes the process-wide pinned pools hold together (`None`:
     /// no cap). It is process-wide, like the pools: every `PinnedAlloc` and `Pinned` handle
-    /// shares it. The default is `CUDALLOC_PINNED_LIMIT` (a byte count of at least `2M`,
+    /// shares it. The default is `CUDALLOC_PINNED_LIMIT` (a byte count,
     /// like `8G`, or `none`), else a quarter of physical memory. An allocation past it
     /// trims the caches, retries, waits for blocks still used by the GPU (up to 10 s), and
     /// then fails with `AllocError`.
@@ -498,6 +513,8 @@ trait Route: Copy {
     /// The pool if it was made.
     fn made_pool(self) -> Option<&'static Pool<Self::Source>>;
     fn is_strict(self) -> bool;
+    /// The cap the kind's memory counts against, which the no-driver fallback keeps too.
+    fn budget() -> Option<&'static crate::budget::Budget>;
 }
 
 impl Route for Pinned {
@@ -515,6 +532,9 @@ impl Route for Pinned {
     fn is_strict(self) -> bool {
         self.strict
     }
+    fn budget() -> Option<&'static crate::budget::Budget> {
+        Some(pools::pinned_budget())
+    }
 }
 
 impl Route for Managed {
@@ -531,6 +551,11 @@ impl Route for Managed {
     #[inline]
     fn is_strict(self) -> bool {
         self.strict
+    }
+    fn budget() -> Option<&'static crate::budget::Budget> {
+        // Managed memory is capped by what the device holds: without a driver there is
+        // no device, and the fallback is plain host memory.
+        None
     }
 }
 

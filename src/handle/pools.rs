@@ -10,16 +10,14 @@ use crate::sync::global::OnceLock;
 use crate::sync::Arc;
 use crate::util::{env_var, parse_bytes, physical_memory};
 
-/// The smallest pinned cap the environment may set: one chunk, without which no small
-/// block can be carved (a smaller cap would make every pinned allocation fail).
-const MIN_PINNED_LIMIT: usize = 2 << 20;
-
-/// Parses `CUDALLOC_PINNED_LIMIT`: a byte count of at least 2 MiB (`8G`, `512MiB`), or
-/// `none`/`unlimited` for no cap.
+/// Parses `CUDALLOC_PINNED_LIMIT`: a byte count (`8G`, `512MiB`, `0`: no pinned memory at
+/// all), or `none`/`unlimited` for no cap. Any cap works, as with
+/// [`PinnedAlloc::set_limit`](crate::PinnedAlloc::set_limit): under a cap smaller than a
+/// chunk the pools carve small blocks from chunks just large enough for them.
 fn parse_pinned_limit(s: &str) -> Option<Option<usize>> {
     match s.trim().to_ascii_lowercase().as_str() {
         "none" | "unlimited" => Some(None),
-        _ => parse_bytes(s).filter(|&n| n >= MIN_PINNED_LIMIT).map(Some),
+        _ => parse_bytes(s).map(Some),
     }
 }
 
@@ -29,13 +27,13 @@ fn parse_pinned_limit(s: &str) -> Option<Option<usize>> {
 fn pinned_default_limit() -> Option<usize> {
     env_var(
         "CUDALLOC_PINNED_LIMIT",
-        "a byte count of at least 2M (like 8G or 512MiB), or none",
+        "a byte count (like 8G or 512MiB), or none",
         parse_pinned_limit,
     )
     .unwrap_or_else(|| physical_memory().map(|m| m / 4))
 }
 
-fn pinned_budget() -> &'static Arc<Budget> {
+pub(crate) fn pinned_budget() -> &'static Arc<Budget> {
     static BUDGET: OnceLock<Arc<Budget>> = OnceLock::new();
     BUDGET.get_or_init(|| Arc::new(Budget::new(pinned_default_limit())))
 }
@@ -104,12 +102,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_pinned_limit_variable_takes_byte_counts_of_a_chunk_or_more_or_none() {
+    fn the_pinned_limit_variable_takes_byte_counts_or_none() {
         assert_eq!(parse_pinned_limit("8G"), Some(Some(8 << 30)));
         assert_eq!(parse_pinned_limit("2MiB"), Some(Some(2 << 20)));
+        // Caps below a chunk work, as `PinnedAlloc::set_limit` takes them (issue 21.6).
+        assert_eq!(parse_pinned_limit("1M"), Some(Some(1 << 20)));
+        assert_eq!(parse_pinned_limit("0"), Some(Some(0)));
         assert_eq!(parse_pinned_limit("none"), Some(None));
         assert_eq!(parse_pinned_limit("Unlimited"), Some(None));
-        for bad in ["8bbbb", "0", "1", "1M", "lots", ""] {
+        for bad in ["8bbbb", "lots", "", "-1"] {
             assert_eq!(parse_pinned_limit(bad), None, "{bad:?}");
         }
     }

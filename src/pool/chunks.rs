@@ -184,6 +184,11 @@ impl Chunks {
         false
     }
 
+    /// The bytes of one run of `class`.
+    pub(crate) fn run_len(&self, class: usize) -> usize {
+        self.run_bytes[class]
+    }
+
     /// The chunk holding `addr`, as its base.
     pub(crate) fn chunk_of(&self, addr: usize) -> Option<usize> {
         let (&base, chunk) = self.map.range(..=addr).next_back()?;

@@ -230,13 +230,14 @@ impl<S: MemorySource> Shared<S> {
     }
 
     fn carve(&self, class: usize, want: usize, out: &mut Batch) -> Result<()> {
-        let size = self.settings.chunk_size;
-        for attempt in 0..2 {
+        let mut size = self.settings.chunk_size;
+        let mut trimmed = false;
+        loop {
             if self.small.carve(class, want, out) > 0 {
                 return Ok(());
             }
             // No chunk has room: a new one, asked for with no lock held.
-            match self.source_alloc(size) {
+            let e = match self.source_alloc(size) {
                 Ok(p) => {
                     self.acct.count_miss();
                     let got = self.small.add_chunk_and_carve(p, size, class, want, out);
@@ -246,19 +247,35 @@ impl<S: MemorySource> Shared<S> {
                     );
                     return Ok(());
                 }
-                Err(e) if attempt == 0 && worth_trimming(&e, size, self.acct.budget.limit()) => {
-                    log::debug!("cudalloc: pool source failed ({e}); trimming and retrying once");
-                    self.trim();
-                    // Trimming may have completed pending blocks of this class.
-                    self.small.take_listed(class, want, out);
-                    if !out.is_empty() {
-                        return Ok(());
-                    }
-                }
-                Err(e) => return Err(e),
+                Err(e) => e,
+            };
+            // The smallest chunk that holds a run of this class: runs start on a page.
+            let pad = if self.source.align() < PAGE_SIZE {
+                PAGE_SIZE
+            } else {
+                0
+            };
+            let least = self.small.run_len(class).saturating_add(pad);
+            if matches!(e, Error::LimitExceeded { .. }) && size > least {
+                // The limit leaves no room for a whole chunk (it is below the chunk size,
+                // or the pool is near it): a chunk just large enough for this block. A
+                // limit smaller than a chunk then serves small blocks as it serves large
+                // ones, and an error names what the request needs.
+                size = least;
+                continue;
+            }
+            if trimmed || !worth_trimming(&e, size, self.acct.budget.limit()) {
+                return Err(e);
+            }
+            log::debug!("cudalloc: pool source failed ({e}); trimming and retrying once");
+            trimmed = true;
+            self.trim();
+            // Trimming may have completed pending blocks of this class.
+            self.small.take_listed(class, want, out);
+            if !out.is_empty() {
+                return Ok(());
             }
         }
-        unreachable!("the second attempt returns")
     }
 
     /// Returns blocks of `class` that were handed out (to a user or a thread cache) to

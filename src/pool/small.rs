@@ -65,6 +65,11 @@ impl SmallShared {
         list.len() - before
     }
 
+    /// The bytes of one run of `class` (what a chunk needs to carve any block of it).
+    pub(crate) fn run_len(&self, class: usize) -> usize {
+        lock(&self.chunks).run_len(class)
+    }
+
     /// The carved block holding `addr`: its address and size.
     pub(crate) fn find_block(&self, addr: usize) -> Option<(usize, usize)> {
         lock(&self.chunks).find_block(addr)

@@ -173,3 +173,180 @@ fn defect_21_02_nested_pools_keep_every_owner_registered() {
         unsafe { lower.deallocate(p.cast(), layout(1024 + 64 * (i % 8), 64)) };
     }
 }
+
+// ---- item 4 ---------------------------------------------------------------------------
+
+/// A fence that panics whenever it is asked.
+struct Panicking;
+
+// SAFETY: it never reports completion.
+unsafe impl cudalloc::fence::Fence for Panicking {
+    fn is_complete(&self) -> cudalloc::Result<bool> {
+        panic!("a broken fence")
+    }
+}
+
+/// One fence that panics, recorded once on arena memory: the first reset gives that
+/// memory up (documented), but the fence stayed in the arena's set, so every later reset
+/// failed its wait and gave up every chunk again (30 batches of 1 MiB abandoned 34 GB of
+/// address space with chunk growth). The arena gives the memory up once and works on.
+#[test]
+fn defect_21_04_an_arena_gives_up_once_after_a_bad_fence_and_works_on() {
+    use cudalloc::arena::{Arena, ArenaConfig};
+    let mut arena = Arena::with_config(HostSource, ArenaConfig::default());
+    let first = arena.try_alloc_layout(layout(1 << 20, 64)).unwrap();
+    assert!(cudalloc::record_fence(first.as_ptr(), Panicking).unwrap());
+    arena.reset();
+    let after_first = arena.stats();
+    assert!(
+        after_first.abandoned_bytes >= 1 << 20,
+        "the guarded memory is given up"
+    );
+    for batch in 0..30 {
+        let p = arena.try_alloc_layout(layout(1 << 20, 64)).unwrap();
+        // SAFETY: a fresh 1 MiB block of the arena.
+        unsafe { p.as_ptr().write_bytes(batch as u8, 1 << 20) };
+        arena.reset();
+    }
+    let s = arena.stats();
+    assert_eq!(
+        s.abandoned_bytes, after_first.abandoned_bytes,
+        "later resets abandon nothing: nothing was recorded on their chunks"
+    );
+    assert_eq!(s.gpu_wait_errors, after_first.gpu_wait_errors);
+    assert_eq!(s.pending_uses, 0);
+}
+
+// ---- item 5 ---------------------------------------------------------------------------
+
+/// `Arena::rewind` with the checkpoint of another (empty) arena, or one taken before a
+/// `reset`, freed every block of this arena instead of panicking as documented: a block
+/// kept through a raw pointer across the rewind (the `Arena::checkpoint` example's
+/// pattern) was overwritten by the next allocation.
+#[test]
+fn defect_21_05_rewind_refuses_foreign_and_stale_checkpoints() {
+    use cudalloc::arena::Arena;
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    let fill = |arena: &Arena<HostSource>, byte: u8| {
+        let p = arena.try_alloc_layout(layout(4096, 8)).unwrap();
+        // SAFETY: a fresh block of 4096 bytes.
+        unsafe { p.as_ptr().write_bytes(byte, 4096) };
+        p.as_ptr()
+    };
+    let kept_intact = |p: *mut u8, byte: u8| {
+        // SAFETY: the block is live: nothing freed it.
+        (0..4096).all(|i| unsafe { *p.add(i) } == byte)
+    };
+
+    let mut arena = Arena::new(HostSource);
+    let other: Arena<HostSource> = Arena::new(HostSource);
+    let keep = fill(&arena, 0xAB);
+    let foreign = other.checkpoint();
+    assert!(catch_unwind(AssertUnwindSafe(|| arena.rewind(foreign))).is_err());
+    fill(&arena, 0x11);
+    assert!(
+        kept_intact(keep, 0xAB),
+        "a block of another arena's checkpoint survived"
+    );
+
+    let mut arena = Arena::new(HostSource);
+    let before_reset = arena.checkpoint();
+    fill(&arena, 0x22);
+    arena.reset();
+    let keep = fill(&arena, 0xCD);
+    assert!(catch_unwind(AssertUnwindSafe(|| arena.rewind(before_reset))).is_err());
+    fill(&arena, 0x33);
+    assert!(
+        kept_intact(keep, 0xCD),
+        "a checkpoint from before the reset freed nothing"
+    );
+
+    // A checkpoint of this arena still works.
+    let mark = arena.checkpoint();
+    fill(&arena, 0x44);
+    arena.rewind(mark);
+    assert!(kept_intact(keep, 0xCD));
+}
+
+// ---- item 6 ---------------------------------------------------------------------------
+
+/// A `Pool` limit below the chunk size (2 MiB) failed every small request, even 1 byte in
+/// an empty pool, with an error naming the chunk size, while a 600 KB request succeeded.
+/// Small blocks now come from chunks that fit the limit, and an error at the limit names
+/// what the request needed.
+#[test]
+fn defect_21_06_a_limit_below_the_chunk_size_serves_small_blocks() {
+    use cudalloc::Error;
+    const LIMIT: usize = 1 << 20;
+    let pool = Pool::with_config(
+        HostSource,
+        PoolConfig::default().with_limit(LIMIT).with_pending_wait(None),
+    );
+    let one = pool
+        .try_allocate(layout(1, 1))
+        .expect("1 byte in an empty pool under 1 MiB");
+    let mut held = vec![(one, layout(1, 1))];
+    for size in [64, 256, 4096, 32 << 10, 100 << 10] {
+        let l = layout(size, 8);
+        held.push((pool.try_allocate(l).expect("small blocks under the limit"), l));
+    }
+    // Fill to the limit with 4 KiB blocks: the pool never holds more than the limit, and
+    // the failure names a request that the limit really refuses.
+    let l = layout(4096, 8);
+    let err = loop {
+        match pool.try_allocate(l) {
+            Ok(p) => held.push((p, l)),
+            Err(e) => break e,
+        }
+    };
+    assert!(pool.stats().source_bytes <= LIMIT);
+    match err {
+        Error::LimitExceeded {
+            requested,
+            held,
+            limit,
+        } => {
+            assert_eq!(limit, LIMIT);
+            assert!(requested + held > limit);
+            assert!(
+                requested < 2 << 20,
+                "names this request's need, not a 2 MiB chunk: {requested}"
+            );
+        }
+        e => panic!("expected LimitExceeded, got {e:?}"),
+    }
+    for (p, l) in held {
+        // SAFETY: allocated above with this layout.
+        unsafe { pool.deallocate(p.cast(), l) };
+    }
+}
+
+// ---- item 7 ---------------------------------------------------------------------------
+
+/// Without a driver the fallback ignored the pinned cap: after `PinnedAlloc::set_limit(
+/// Some(0))` a 64 MiB `Vec<u8, PinnedAlloc>` succeeded. The fallback keeps the cap (and
+/// with a driver the pools do), so the same assertions hold on every machine. Runs in a
+/// child process: the cap is process-wide.
+#[test]
+fn defect_21_07_the_pinned_cap_holds_with_and_without_a_driver() {
+    use cudalloc::PinnedAlloc;
+    if crate::support::in_a_child_process(
+        "defects_21::defect_21_07_the_pinned_cap_holds_with_and_without_a_driver",
+    ) {
+        return;
+    }
+    PinnedAlloc::set_limit(Some(0));
+    let mut v: Vec<u8, PinnedAlloc> = Vec::new_in(PinnedAlloc);
+    assert!(v.try_reserve_exact(64 << 20).is_err(), "a cap of 0 pins nothing");
+    PinnedAlloc::set_limit(Some(100 << 20));
+    v.try_reserve_exact(64 << 20).expect("64 MiB under a 100 MiB cap");
+    let mut w: Vec<u8, PinnedAlloc> = Vec::new_in(PinnedAlloc);
+    assert!(
+        w.try_reserve_exact(64 << 20).is_err(),
+        "128 MiB held would pass the cap"
+    );
+    drop(v);
+    PinnedAlloc::trim();
+    w.try_reserve_exact(64 << 20)
+        .expect("room again once the first is freed");
+}

@@ -106,6 +106,30 @@ pub fn in_a_child_process_with_a_driver(name: &str) -> bool {
     true
 }
 
+/// For tests that change process-wide settings (the pinned cap): runs the test `name`
+/// (its path in this binary, `module::test`) alone in a child process and returns true;
+/// in that child returns false, and the caller runs the test body.
+pub fn in_a_child_process(name: &str) -> bool {
+    const CHILD: &str = "CUDALLOC_TEST_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        return false;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args([name, "--exact", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .expect("run the test in a child process");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{name} in a child process: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    true
+}
+
 /// A pool's byte counters balance: live + cached + pending == what it holds from its source.
 #[track_caller]
 pub fn assert_balanced(s: &cudalloc::pool::PoolStats) {
