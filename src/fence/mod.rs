@@ -52,6 +52,12 @@ use crate::sync::Arc;
 ///    reports an error has stopped running the work, and keeping the memory forever would
 ///    leak it.)
 /// 2. Once it has reported completion it keeps doing so.
+///
+/// A fence that never completes holds its memory back for good, but never a thread: an
+/// allocation waits for it at most [`PoolConfig::pending_wait`](crate::pool::PoolConfig),
+/// and a pool dropped while it guards a freed block waits that long (10 s for a pool
+/// without a pending wait), then leaks the block's memory on purpose rather than free it
+/// under the GPU, logs it, and counts it in [`cuda::drop_errors`](crate::cuda::drop_errors).
 pub unsafe trait Fence: Send + Sync + 'static {
     /// Whether the use has completed. Must not block.
     fn is_complete(&self) -> Result<bool>;

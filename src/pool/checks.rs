@@ -21,6 +21,11 @@ impl LiveBlocks {
         }
     }
 
+    /// Whether the block at `addr` is live.
+    pub(crate) fn is_live(&self, addr: usize) -> bool {
+        lock(&self.live).contains(&addr)
+    }
+
     /// The block at `addr` is being freed; `owns` says whether the pool holds that memory.
     pub(crate) fn on_free(&self, addr: usize, owns: impl FnOnce() -> bool) {
         if lock(&self.live).remove(&addr) {

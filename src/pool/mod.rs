@@ -67,6 +67,7 @@ pub(crate) mod size_class;
 mod small;
 mod stats;
 mod thread_cache;
+mod transfers;
 mod uses;
 
 #[cfg(all(test, loom))]
@@ -202,7 +203,8 @@ pub struct PoolConfig {
     /// running, before it fails (default 10 s; `None`: it fails at once). A staging loop
     /// that outruns the GPU then runs at the GPU's pace instead of failing, and a `Vec`
     /// does not abort. A wait too long for the clock (`Duration::MAX`) waits for as long
-    /// as the GPU work takes.
+    /// as the GPU work takes. A dropped pool waits as long for the uses of its freed
+    /// blocks (10 s when `None`), then leaks what they guard (see [`Fence`]).
     pub pending_wait: Option<Duration>,
 }
 
@@ -637,9 +639,10 @@ impl<S: MemorySource + 'static> Pool<S> {
         } else {
             1
         };
-        if let Err(e) = sh.take_small(class, want, &mut batch) {
-            return Err(self.failed(e));
-        }
+        let _moving = match sh.take_small(class, want, &mut batch) {
+            Ok(moving) => moving,
+            Err(e) => return Err(self.failed(e)),
+        };
         let Some(first) = batch.pop() else {
             return Err(self.failed(Error::OutOfMemory { requested: size }));
         };
@@ -676,6 +679,7 @@ impl<S: MemorySource + 'static> Pool<S> {
             // A growing block looks at every free extent: this thread's cached large
             // blocks go back to the shared extents first (where they merge with their
             // neighbours), as they would on a flush.
+            let _moving = sh.transfers.begin();
             for (p, _) in self.with_cache(|c| c.take_large_blocks()).unwrap_or_default() {
                 sh.give_large(p.addr(), true);
             }
@@ -768,6 +772,7 @@ impl<S: MemorySource + 'static> Pool<S> {
         // A thread that only frees (a consumer) gets a cache too: its frees then reach the
         // shared list in batches rather than one lock each.
         self.ensure_cache();
+        let _moving = sh.transfers.begin();
         let cached = self.with_cache(|c| {
             // Bin full: half of it to the shared list. Still no room (the byte budget):
             // the whole cache.

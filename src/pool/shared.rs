@@ -21,6 +21,7 @@ use super::size_class::class_size;
 use super::small::SmallShared;
 use super::stats::PoolStats;
 use super::thread_cache::{CacheCore, ThreadStats};
+use super::transfers::{Transfer, Transfers};
 use super::uses::{BlockKind, PendingBlock, UseTracker};
 use super::{Batch, BlockPtr};
 use crate::budget::Budget;
@@ -66,6 +67,8 @@ pub(crate) struct Shared<S: MemorySource> {
     pub(crate) large: LargeShared,
     pub(crate) uses: UseTracker,
     threads: Mutex<ThreadRegistry>,
+    /// Moves of blocks between thread caches and the shared state, for `stats()`.
+    pub(crate) transfers: Transfers,
     /// Counts drains while some block has uses; every `PRUNE_EVERY`th forgets the
     /// completed ones.
     prune_tick: AtomicUsize,
@@ -120,6 +123,7 @@ impl<S: MemorySource> Shared<S> {
             large: LargeShared::new(min_split),
             uses: UseTracker::default(),
             threads: Mutex::new(ThreadRegistry::default()),
+            transfers: Transfers::default(),
             prune_tick: AtomicUsize::new(0),
             waits: AtomicUsize::new(0),
             #[cfg(feature = "test-hooks")]
@@ -215,8 +219,10 @@ impl<S: MemorySource> Shared<S> {
     /// Takes up to `want` (at least one, at most the batch's room) free blocks of `class`
     /// into `out`: from the shared list, else carved from a chunk, else from a new chunk
     /// (trimming and retrying once if the source fails, then waiting for pending blocks).
-    /// Touches no thread cache.
-    pub(crate) fn take_small(&self, class: usize, want: usize, out: &mut Batch) -> Result<()> {
+    /// Touches no thread cache. The blocks are counted as handed out from here on; the
+    /// returned transfer lasts until the caller has put those it keeps in its thread
+    /// cache (so that `stats()` never sees them in neither place).
+    pub(crate) fn take_small(&self, class: usize, want: usize, out: &mut Batch) -> Result<Transfer<'_>> {
         debug_assert!(out.is_empty() && want >= 1);
         self.with_backpressure(|this| {
             this.small.take_listed(class, want, out);
@@ -225,8 +231,9 @@ impl<S: MemorySource> Shared<S> {
             }
             Ok(())
         })?;
+        let moving = self.transfers.begin();
         self.acct.count_out(out.len(), out.len() * class_size(class));
-        Ok(())
+        Ok(moving)
     }
 
     fn carve(&self, class: usize, want: usize, out: &mut Batch) -> Result<()> {
@@ -249,6 +256,17 @@ impl<S: MemorySource> Shared<S> {
                 }
                 Err(e) => e,
             };
+            if !trimmed && worth_trimming(&e, size, self.acct.budget.limit()) {
+                log::debug!("cudalloc: pool source failed ({e}); trimming and retrying once");
+                trimmed = true;
+                self.trim();
+                // Trimming may have completed pending blocks of this class.
+                self.small.take_listed(class, want, out);
+                if !out.is_empty() {
+                    return Ok(());
+                }
+                continue;
+            }
             // The smallest chunk that holds a run of this class: runs start on a page.
             let pad = if self.source.align() < PAGE_SIZE {
                 PAGE_SIZE
@@ -258,23 +276,13 @@ impl<S: MemorySource> Shared<S> {
             let least = self.small.run_len(class).saturating_add(pad);
             if matches!(e, Error::LimitExceeded { .. }) && size > least {
                 // The limit leaves no room for a whole chunk (it is below the chunk size,
-                // or the pool is near it): a chunk just large enough for this block. A
-                // limit smaller than a chunk then serves small blocks as it serves large
-                // ones, and an error names what the request needs.
+                // or the pool is near it, even after a trim): a chunk just large enough
+                // for this block. A limit smaller than a chunk then serves small blocks as
+                // it serves large ones, and an error names what the request needs.
                 size = least;
                 continue;
             }
-            if trimmed || !worth_trimming(&e, size, self.acct.budget.limit()) {
-                return Err(e);
-            }
-            log::debug!("cudalloc: pool source failed ({e}); trimming and retrying once");
-            trimmed = true;
-            self.trim();
-            // Trimming may have completed pending blocks of this class.
-            self.small.take_listed(class, want, out);
-            if !out.is_empty() {
-                return Ok(());
-            }
+            return Err(e);
         }
     }
 
@@ -404,12 +412,39 @@ impl<S: MemorySource> Shared<S> {
         self.large.find(addr).map(|(base, _, _)| base)
     }
 
+    /// Whether the block at `key` (from `use_key`) is free: in the shared free lists or
+    /// extents, or in the calling thread's cache. A block freed into another thread's
+    /// cache is not seen (those caches are that thread's alone); `debug-checks` builds
+    /// see every freed block.
+    fn is_freed(&self, key: usize) -> bool {
+        let class = self.small.find_block(key).map(|(_, class)| class);
+        // Small blocks are remembered by the address handed out, which is their key.
+        #[cfg(feature = "debug-checks")]
+        if class.is_some() && !self.checks.is_live(key) {
+            return true;
+        }
+        let shared = match class {
+            Some(c) => self.small.is_listed(c, key),
+            None => self.large.find(key).is_some_and(|(_, _, free)| free),
+        };
+        shared
+            || self.slot.is_some_and(|slot| {
+                super::thread_cache::tls::with_entry(slot, self.uid, |core| core.holds(class, key))
+                    .unwrap_or(false)
+            })
+    }
+
     /// Attaches `fence` to the block holding `addr`: `Ok(false)` if `addr` is not in this
     /// pool's memory, an error if it is but in no block.
     pub(crate) fn record_fence(&self, addr: usize, fence: SharedFence) -> Result<bool> {
         let Some(key) = self.use_key(addr) else {
             return Ok(false);
         };
+        if self.is_freed(key) {
+            return Err(Error::InvalidArgument(
+                "the pointer is in a freed block of this pool (a use recorded after the free protects nothing)",
+            ));
+        }
         let superseded = self.uses.lock().record(key, fence);
         drop(superseded); // outside the lock: a pooled event goes back to its pool
         Ok(true)
@@ -514,6 +549,7 @@ impl<S: MemorySource> Shared<S> {
 
     /// Moves every block of a thread's cache back to the shared lists.
     pub(crate) fn flush_cache(&self, core: &mut CacheCore) {
+        let _moving = self.transfers.begin();
         let (small, large) = core.take_all();
         for (class, blocks) in small {
             self.give_small(class, blocks);
@@ -584,16 +620,19 @@ impl<S: MemorySource> Shared<S> {
     /// A snapshot of the counters. Reads only: pending blocks whose uses completed since
     /// the last drain still count as pending.
     pub(crate) fn stats(&self) -> PoolStats {
-        let (tc_bytes, tc_blocks, thread_allocs) = self.thread_cache_totals();
+        // The thread caches' counts and the handed-out counts in one consistent read
+        // (see `transfers`); after many tries during moves, a clamped estimate.
+        let (((tc_bytes, tc_blocks, thread_allocs), c), _) = self
+            .transfers
+            .read(64, || (self.thread_cache_totals(), self.acct.read()));
         let (list_bytes, list_blocks) = self.small.listed_totals();
         let slack = self.small.slack();
         let (large_bytes, large_blocks) = self.large.free_totals();
         let (pending_bytes, pending_blocks) = self.uses.lock().totals();
-        let c = self.acct.read();
         let allocs = thread_allocs + c.shared_allocs;
         PoolStats {
-            live_bytes: c.out_bytes.wrapping_sub(tc_bytes),
-            live_blocks: c.out_blocks.wrapping_sub(tc_blocks),
+            live_bytes: c.out_bytes.saturating_sub(tc_bytes),
+            live_blocks: c.out_blocks.saturating_sub(tc_blocks),
             peak_bytes: c.peak_out,
             cached_bytes: tc_bytes + list_bytes + slack + large_bytes,
             cached_blocks: tc_blocks + list_blocks + large_blocks,
@@ -654,17 +693,21 @@ impl<S: MemorySource> Drop for Shared<S> {
                 debug_assert!(false, "pool accounting broken at drop: {e}");
             }
         }
-        // Blocks still pending may still be read by the GPU: wait before freeing. The
-        // chunk or segment of a block whose wait fails (a fence that panics) is leaked
-        // rather than freed under the GPU.
+        // Blocks still pending may still be read by the GPU: wait before freeing, but not
+        // forever (a fence that never completes must not hang the drop): for the pool's
+        // pending wait, or `DROP_WAIT` if it has none, in all. The chunk or segment of a
+        // block whose wait fails or times out is leaked rather than freed under the GPU.
         let (pending, uses) = self.uses.lock().take_all();
+        let wait = self.settings.pending_wait.unwrap_or(DROP_WAIT);
+        let deadline = Instant::now().checked_add(wait);
         let mut unsafe_to_free: Vec<usize> = Vec::new();
         for mut b in pending {
-            if !b.fences.wait(None) {
+            if !b.fences.wait(deadline) {
                 unsafe_to_free.push(b.ptr.addr());
             }
         }
         drop(uses);
+        let mut leaked = 0;
         let large = self.large.drain();
         let chunks = self.small.drain();
         for (p, size) in large.into_iter().chain(chunks) {
@@ -672,9 +715,7 @@ impl<S: MemorySource> Drop for Shared<S> {
                 .iter()
                 .any(|a| (p.addr()..p.addr() + size).contains(a))
             {
-                log::error!(
-                    "cudalloc: a dropped pool leaks {size} bytes that the GPU may still use (a wait failed)"
-                );
+                leaked += size;
                 registry::remove_range(p.addr(), self.uid);
                 continue;
             }
@@ -683,8 +724,21 @@ impl<S: MemorySource> Drop for Shared<S> {
             // blocks) and pending blocks' uses have completed.
             unsafe { self.source_free(p, size) };
         }
+        if leaked > 0 {
+            crate::cuda::record_drop_error(
+                "dropping a pool",
+                format!(
+                    "{} freed blocks' recorded GPU uses did not complete within {wait:?}: {leaked} bytes are leaked on purpose (never freed under the GPU)",
+                    unsafe_to_free.len()
+                ),
+            );
+        }
     }
 }
+
+/// How long a dropped pool without a pending wait of its own waits for the recorded GPU
+/// uses of its freed blocks before it leaks their memory.
+const DROP_WAIT: Duration = Duration::from_secs(10);
 
 /// A pool's shared state as the thread-cache table and the range registry see it: an
 /// owned reference behind a trait object (a `Box` around the `Arc`, so no unsized `Arc`

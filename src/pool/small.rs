@@ -38,6 +38,13 @@ impl SmallShared {
         }
     }
 
+    /// Whether the block at `addr` (of `class`) is on the shared free list.
+    pub(crate) fn is_listed(&self, class: usize, addr: usize) -> bool {
+        self.lists
+            .get(class)
+            .is_some_and(|l| lock(l).iter().any(|p| p.addr() == addr))
+    }
+
     /// Carves up to `want` new blocks of `class` from chunks with room; returns how many.
     pub(crate) fn carve(&self, class: usize, want: usize, out: &mut Batch) -> usize {
         lock(&self.chunks).carve(class, want, out)

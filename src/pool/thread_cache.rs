@@ -102,6 +102,17 @@ impl CacheCore {
         self.stats.cached_blocks.store(self.blocks, Ordering::Relaxed);
     }
 
+    /// Whether the block at `addr` is in this cache (of `class`, or a large one).
+    pub(crate) fn holds(&self, class: Option<usize>, addr: usize) -> bool {
+        match class {
+            Some(c) => self
+                .bins
+                .get(c)
+                .is_some_and(|b| b.items.iter().any(|p| p.addr() == addr)),
+            None => self.large.iter().any(|(p, _)| p.addr() == addr),
+        }
+    }
+
     /// Pops a free block of `class`: the allocation fast path.
     #[inline(always)]
     pub(crate) fn pop(&mut self, class: usize) -> Option<BlockPtr> {

@@ -192,6 +192,12 @@ unsafe impl cudalloc::fence::Fence for Panicking {
 /// address space with chunk growth). The arena gives the memory up once and works on.
 #[test]
 fn defect_21_04_an_arena_gives_up_once_after_a_bad_fence_and_works_on() {
+    // The panicking fence makes `drop_errors` grow: alone in a child process with a driver.
+    if crate::support::in_a_child_process_with_a_driver(
+        "defects_21::defect_21_04_an_arena_gives_up_once_after_a_bad_fence_and_works_on",
+    ) {
+        return;
+    }
     use cudalloc::arena::{Arena, ArenaConfig};
     let mut arena = Arena::with_config(HostSource, ArenaConfig::default());
     let first = arena.try_alloc_layout(layout(1 << 20, 64)).unwrap();
@@ -349,4 +355,154 @@ fn defect_21_07_the_pinned_cap_holds_with_and_without_a_driver() {
     PinnedAlloc::trim();
     w.try_reserve_exact(64 << 20)
         .expect("room again once the first is freed");
+}
+
+// ---- item 8 (and issue 22 item 2) -----------------------------------------------------
+
+/// `Pool::stats()` read the thread caches' counts and the handed-out counts at different
+/// moments: read while another thread moved blocks between its cache and the shared lists,
+/// `live_blocks` wrapped to near 2^64 ("16384.0 PiB live"), and read right after scoped
+/// threads ended (their caches are flushed by thread-local destructors, which may run
+/// after `thread::scope` returns) it counted a flushing cache's blocks as live: the soak's
+/// "4 live and 0 pending blocks at the end".
+#[test]
+fn defect_21_08_stats_read_during_cache_moves_are_consistent() {
+    const WORKERS: usize = 3;
+    const HOLD: usize = 48;
+    let pool = Pool::with_config(
+        HostSource,
+        PoolConfig::default()
+            .with_thread_cache_capacity(8)
+            .with_pending_wait(None),
+    );
+    let l = layout(64, 8);
+    let mut wrong = std::vec::Vec::new();
+    let started = std::time::Instant::now();
+    let mut rounds = 0;
+    while rounds < 40 || (started.elapsed() < Duration::from_secs(2) && wrong.is_empty()) {
+        rounds += 1;
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            for _ in 0..WORKERS {
+                s.spawn(|| {
+                    let mut held = std::vec::Vec::with_capacity(HOLD);
+                    for _ in 0..50 {
+                        held.extend((0..HOLD).map(|_| pool.allocate(l).unwrap()));
+                        for p in held.drain(..) {
+                            // SAFETY: allocated just above with this layout.
+                            unsafe { pool.deallocate(p.cast(), l) };
+                        }
+                    }
+                    // Ends with blocks in its cache: flushed by its thread-local destructor.
+                });
+            }
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    let st = pool.stats();
+                    assert!(
+                        st.live_blocks <= WORKERS * HOLD,
+                        "live_blocks {} while at most {} are live",
+                        st.live_blocks,
+                        WORKERS * HOLD
+                    );
+                }
+            });
+            std::thread::sleep(Duration::from_millis(5));
+            stop.store(true, Ordering::Relaxed);
+        });
+        // Every block was freed: none is live, whether or not the workers' caches have
+        // been flushed yet.
+        let st = pool.stats();
+        if st.live_blocks != 0 {
+            wrong.push((rounds, st.live_blocks));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "live blocks after every block was freed (round, live): {wrong:?}"
+    );
+}
+
+// ---- item 10 --------------------------------------------------------------------------
+
+/// `Pool::record_fence` on memory that was freed returned `Ok(true)`, though the block
+/// was handed out again at once; a use recorded after the free protects nothing, and the
+/// docs say memory in no block gets `InvalidArgument`.
+#[test]
+fn defect_21_10_recording_on_a_freed_block_is_refused() {
+    let done = || Flag(Arc::new(AtomicBool::new(false)));
+    // Through this thread's cache, through the shared lists (no cache), and large blocks.
+    for cache in [64, 0] {
+        let pool = Pool::with_config(
+            HostSource,
+            PoolConfig::default()
+                .with_thread_cache_capacity(cache)
+                .with_pending_wait(None),
+        );
+        for size in [64, 4096, 1 << 20] {
+            let l = layout(size, 8);
+            let p = pool.allocate(l).unwrap();
+            let keep = pool.allocate(l).unwrap(); // so the memory stays the pool's
+                                                  // SAFETY: allocated above with this layout, not used after.
+            unsafe { pool.deallocate(p.cast(), l) };
+            let got = pool.record_fence(p.as_ptr() as *const u8, done());
+            assert!(
+                matches!(got, Err(cudalloc::Error::InvalidArgument(_))),
+                "size {size}, cache {cache}: {got:?}"
+            );
+            assert!(matches!(
+                cudalloc::record_fence(p.as_ptr() as *const u8, done()),
+                Err(cudalloc::Error::InvalidArgument(_))
+            ));
+            assert_eq!(pool.stats().pending_blocks, 0);
+            // A live block still takes the record.
+            assert!(pool
+                .record_fence(keep.as_ptr() as *const u8, Flag(Arc::new(AtomicBool::new(true))))
+                .unwrap());
+            // SAFETY: allocated above with this layout.
+            unsafe { pool.deallocate(keep.cast(), l) };
+        }
+    }
+}
+
+// ---- issue 22 item 4 ------------------------------------------------------------------
+
+/// A fence that never completes.
+struct Never;
+
+// SAFETY: it never reports completion.
+unsafe impl cudalloc::fence::Fence for Never {
+    fn is_complete(&self) -> cudalloc::Result<bool> {
+        Ok(false)
+    }
+}
+
+/// A `Pool` dropped while a freed block waits for a fence that never completes spun
+/// forever. The drop ends after the pool's pending wait, leaks that memory on purpose and
+/// counts it. (In a child process with a driver: it makes `drop_errors` grow.)
+#[test]
+fn defect_22_04_a_pool_dropped_with_a_fence_that_never_completes_ends() {
+    if crate::support::in_a_child_process_with_a_driver(
+        "defects_21::defect_22_04_a_pool_dropped_with_a_fence_that_never_completes_ends",
+    ) {
+        return;
+    }
+    let before = cudalloc::cuda::drop_errors();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let pool = Pool::with_config(
+            HostSource,
+            PoolConfig::default().with_pending_wait(Some(Duration::from_millis(50))),
+        );
+        let l = layout(4096, 8);
+        let p = pool.allocate(l).unwrap();
+        assert!(pool.record_fence(p.as_ptr() as *const u8, Never).unwrap());
+        // SAFETY: allocated above with this layout, not used after.
+        unsafe { pool.deallocate(p.cast(), l) };
+        drop(pool);
+        tx.send(()).unwrap();
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+        .expect("the drop ends (it waited forever before)");
+    assert!(cudalloc::cuda::drop_errors() > before, "the leak is counted");
 }
