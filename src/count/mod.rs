@@ -109,7 +109,13 @@ pub struct Counting<A> {
     counters: Counters,
     /// Open [`ProcessWindow`]s on this allocator (they turn on site capture).
     process_windows: AtomicUsize,
+    /// This allocator's identity in the site table, assigned on first use (0: none yet).
+    /// Not its address: a collection may own its `Counting` by value and move it.
+    id: AtomicUsize,
 }
+
+/// Source of [`Counting`] ids (never reused).
+static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
 
 impl<A> Counting<A> {
     /// Wraps `inner`.
@@ -125,6 +131,7 @@ impl<A> Counting<A> {
             inner,
             counters: Counters::new(),
             process_windows: AtomicUsize::new(0),
+            id: AtomicUsize::new(0),
         }
     }
 
@@ -135,6 +142,7 @@ impl<A> Counting<A> {
             inner,
             counters: Counters::new(),
             process_windows: AtomicUsize::new(0),
+            id: AtomicUsize::new(0),
         }
     }
 
@@ -163,9 +171,32 @@ impl<A> Counting<A> {
         self.counters.snapshot()
     }
 
-    /// This allocator's identity in the site table (stable while a window borrows it).
+    /// This allocator's identity in the site table, assigned on first use; it moves
+    /// with the allocator, so a block keeps its key when its owner moves.
     pub(crate) fn id(&self) -> usize {
-        self as *const Self as *const () as usize
+        match self.id.load(Ordering::Relaxed) {
+            0 => self.assign_id(),
+            id => id,
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn assign_id(&self) -> usize {
+        let fresh = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        match self
+            .id
+            .compare_exchange(0, fresh, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            Ok(_) => fresh,
+            Err(other) => other,
+        }
+    }
+
+    /// The id if one was assigned: an allocator without one has no block in the table.
+    #[inline(always)]
+    fn assigned_id(&self) -> usize {
+        self.id.load(Ordering::Relaxed)
     }
 
     #[inline(always)]
@@ -204,7 +235,7 @@ impl<A> Counting<A> {
         if counted.is_none() {
             self.counters.record_free(usize::MAX, size64);
         }
-        sites::forget(self.id(), ptr as usize);
+        sites::forget(|| self.assigned_id(), ptr as usize);
     }
 
     #[inline(always)]
@@ -229,7 +260,7 @@ impl<A> Counting<A> {
     #[inline(always)]
     fn detach_site(&self, ptr: *mut u8) -> sites::Detached {
         if sites::ENABLED && !sites::is_internal() {
-            sites::detach(self.id(), ptr as usize)
+            sites::detach(|| self.assigned_id(), ptr as usize)
         } else {
             sites::Detached::none()
         }

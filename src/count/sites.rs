@@ -37,7 +37,7 @@ pub struct LeakSite {
 pub(crate) struct SiteKey {
     /// Serial of the thread that allocated the block.
     pub(crate) thread: u64,
-    /// The `Counting` allocator it came from.
+    /// The id of the `Counting` allocator it came from.
     pub(crate) instance: usize,
     /// Its place in allocation order (see [`now`]).
     pub(crate) seq: u64,
@@ -72,12 +72,12 @@ mod off {
     pub(crate) fn record(_thread: u64, _instance: usize, _addr: usize, _size: usize) {}
 
     #[inline(always)]
-    pub(crate) fn forget(_instance: usize, _addr: usize) {}
+    pub(crate) fn forget(_instance: impl FnOnce() -> usize, _addr: usize) {}
 
     pub(crate) struct Detached;
 
     #[inline(always)]
-    pub(crate) fn detach(_instance: usize, _addr: usize) -> Detached {
+    pub(crate) fn detach(_instance: impl FnOnce() -> usize, _addr: usize) -> Detached {
         Detached
     }
 

@@ -593,3 +593,19 @@ fn report_lists_allocation_sites() {
     assert!(report.to_string().contains("33 bytes at"), "{report}");
     drop(leaked);
 }
+
+/// Issue 21 item 9: a collection that owns its `Counting` by value moves it after the
+/// first allocation (into the `Box`, then into the holder below), so the allocator's
+/// address is no identity: the block freed through the moved allocator must be
+/// forgotten by the site table, and no stale site may be left to later windows.
+#[test]
+fn defect_21_09_a_counting_owned_by_value_that_moves_leaks_nothing() {
+    let w = Window::open();
+    let mut holder = std::vec::Vec::new();
+    holder.push(Box::new_in([7u8; 24], Counting::new(System)));
+    holder.push(Box::new_in([8u8; 24], Counting::new(System)));
+    drop(holder);
+    w.check().expect("both blocks were freed");
+    // Nothing stale is left for the next window of this thread either.
+    Window::open().check().expect("no stale site");
+}

@@ -41,7 +41,7 @@ struct Entry {
     depth: usize,
 }
 
-/// Live sites by (allocator, address): two `Counting`s may hand out the same address
+/// Live sites by (allocator id, address): two `Counting`s may hand out the same address
 /// (one may count blocks carved from memory the other handed out).
 type Table = HashMap<(usize, usize), Entry, AddressHasher, System>;
 
@@ -169,11 +169,15 @@ fn remove(instance: usize, addr: usize) -> Option<Entry> {
     entry
 }
 
-/// Forgets the block at `addr` of `instance`, which is being freed.
+/// Forgets the block at `addr` of the allocator whose id `instance` gives (0: an
+/// allocator that never recorded), which is being freed.
 #[inline(always)]
-pub(crate) fn forget(instance: usize, addr: usize) {
+pub(crate) fn forget(instance: impl FnOnce() -> usize, addr: usize) {
     if RECORDED.load(Ordering::Relaxed) != 0 {
-        remove(instance, addr);
+        let instance = instance();
+        if instance != 0 {
+            remove(instance, addr);
+        }
     }
 }
 
@@ -182,10 +186,15 @@ pub(crate) fn forget(instance: usize, addr: usize) {
 /// record it) at once.
 pub(crate) struct Detached(Option<(usize, Entry)>);
 
-/// Takes the site of the block at `addr` of `instance` out of the table, if it has one.
+/// Takes the site of the block at `addr` of the allocator whose id `instance` gives
+/// out of the table, if it has one (see [`forget`]).
 #[inline(always)]
-pub(crate) fn detach(instance: usize, addr: usize) -> Detached {
+pub(crate) fn detach(instance: impl FnOnce() -> usize, addr: usize) -> Detached {
     if RECORDED.load(Ordering::Relaxed) == 0 {
+        return Detached::none();
+    }
+    let instance = instance();
+    if instance == 0 {
         return Detached::none();
     }
     Detached(remove(instance, addr).map(|entry| (instance, entry)))
