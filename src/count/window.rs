@@ -28,7 +28,10 @@ use crate::sync::global::Ordering;
 /// table, where each block allocated in the window and still live was allocated, which
 /// no such freeing can hide.
 ///
-/// Windows nest. A window is tied to its thread (it is `!Send`).
+/// Windows nest, and may close in any order. A window is tied to its thread (it is
+/// `!Send`). Each of the 16 outermost windows open at once on a thread keeps its own
+/// [`peak_bytes`](Window::peak_bytes); windows nested deeper report the peak since the
+/// 16th opened.
 ///
 /// ```
 /// use allocator_api2::vec::Vec;
@@ -51,7 +54,8 @@ use crate::sync::global::Ordering;
 pub struct Window {
     start: Snapshot,
     start_live: i64,
-    saved_peak: i64,
+    /// This window's id on its thread (see `ThreadState::open_window`).
+    id: u64,
     serial: u64,
     since: u64,
     _not_send: PhantomData<*const ()>,
@@ -60,12 +64,12 @@ pub struct Window {
 impl Window {
     /// Opens a window on the calling thread. Allocates nothing.
     pub fn open() -> Window {
-        let (start, (start_live, saved_peak), serial) =
+        let (start, (start_live, id), serial) =
             current(|t| (t.totals(), t.open_window(), t.serial())).unwrap_or_default();
         Window {
             start,
             start_live,
-            saved_peak,
+            id,
             serial,
             since: sites::now(),
             _not_send: PhantomData,
@@ -101,7 +105,7 @@ impl Window {
     /// # w.assert_no_leaks();
     /// ```
     pub fn peak_bytes(&self) -> u64 {
-        current(|t| t.peak().saturating_sub(self.start_live).max(0) as u64).unwrap_or(0)
+        current(|t| t.peak(self.id).saturating_sub(self.start_live).max(0) as u64).unwrap_or(0)
     }
 
     /// Closes the window: `Ok` with what happened if nothing leaked, else the report.
@@ -138,8 +142,8 @@ impl Window {
 
 impl Drop for Window {
     fn drop(&mut self) {
-        let saved_peak = self.saved_peak;
-        let _ = current(|t: &ThreadState| t.close_window(saved_peak));
+        let id = self.id;
+        let _ = current(|t: &ThreadState| t.close_window(id));
     }
 }
 

@@ -609,3 +609,25 @@ fn defect_21_09_a_counting_owned_by_value_that_moves_leaks_nothing() {
     // Nothing stale is left for the next window of this thread either.
     Window::open().check().expect("no stale site");
 }
+
+/// Issue 21 item 11a: windows may close in any order; an inner window whose outer
+/// window closed first reports the peak since its own opening, not the thread's earlier
+/// high-water mark, and a window still open around both keeps its own.
+#[test]
+fn defect_21_11a_inner_window_keeps_its_peak_when_the_outer_closes_first() {
+    let c = Counting::new(System);
+    drop(Vec::<u8, _>::with_capacity_in(1 << 20, &c)); // the thread's high-water mark
+    let outermost = Window::open();
+    drop(Vec::<u8, _>::with_capacity_in(1000, &c));
+    let outer = Window::open();
+    drop(Vec::<u8, _>::with_capacity_in(500, &c));
+    let inner = Window::open();
+    drop(outer);
+    drop(Vec::<u8, _>::with_capacity_in(200, &c));
+    assert_eq!(inner.peak_bytes(), 200);
+    assert_eq!(outermost.peak_bytes(), 1000);
+    drop(Vec::<u8, _>::with_capacity_in(2000, &c));
+    assert_eq!((inner.peak_bytes(), outermost.peak_bytes()), (2000, 2000));
+    inner.assert_no_leaks();
+    outermost.assert_no_leaks();
+}
