@@ -366,8 +366,11 @@ impl fmt::Display for Snapshot {
 /// A block allocated *in* the window, grown and kept is still a leak (one block more),
 /// reported with its full size. What counts cannot tell apart: a window that frees an
 /// older block and keeps a new one of the same count is balanced in blocks, and is
-/// reported only for bytes that growth does not explain (with the `backtrace` feature
-/// the table of allocation sites catches it exactly).
+/// reported only for bytes that growth does not explain. (A window's [`LeakReport`]
+/// does not rest on this verdict alone: the table of blocks allocated in the window
+/// catches such a swap exactly.)
+///
+/// [`LeakReport`]: super::LeakReport
 ///
 /// ```
 /// use allocator_api2::vec::Vec;

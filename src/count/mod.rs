@@ -8,8 +8,8 @@
 //! | [`ProcessWindow`], [`Counting::assert_no_leaks_across_threads`], [`Counting::check_leaks_across_threads`] | every thread, through one `Counting` |
 //!
 //! Files, each depending only on those after it: `window.rs` (windows, leak checks and
-//! reports) -> this file (`Counting` and its hot path) -> `sites.rs` (allocation sites,
-//! feature `backtrace`) -> `thread.rs` (per-thread state) -> `counters.rs` (per-allocator
+//! reports) -> this file (`Counting` and its hot path) -> `sites.rs` (the blocks
+//! allocated in windows, with their stacks under feature `backtrace`) -> `thread.rs` (per-thread state) -> `counters.rs` (per-allocator
 //! counters, snapshots, the leak verdict).
 //!
 //! ```
@@ -30,7 +30,9 @@
 //!
 //! The hot path takes no lock and executes no locked instruction in the common case:
 //! each thread writes a shard of counters of its own in every `Counting` and its own
-//! thread-local totals, which the windows of that thread read.
+//! thread-local totals, which the windows of that thread read. While a window is open,
+//! each block allocated is also entered in a table (under a lock) until it is freed,
+//! which is what lets a report list the blocks a window kept.
 
 mod counters;
 mod sites;
@@ -78,8 +80,8 @@ use thread::{current, ThreadState};
 /// ```
 ///
 /// Blocks of size zero are passed through uncounted: they hold no memory, and
-/// collections need not free them. With the `backtrace` feature, what the crate
-/// allocates to print allocation sites is not counted either.
+/// collections need not free them. What the crate allocates to build a leak report
+/// is not counted either.
 ///
 /// Leak checks come in two scopes, and their names say which:
 /// [`assert_no_leaks_on_this_thread`] (a [`Window`]: this thread, every `Counting`) and

@@ -1,8 +1,8 @@
-//! The table of allocation sites (feature `backtrace`): a raw stack per live block
-//! recorded in a window, resolved to names only when a report asks.
+//! The table of allocation sites: an entry per live block recorded in a window, with
+//! (feature `backtrace`) its raw stack, resolved to names only when a report asks.
 //!
 //! This code runs inside the allocator, perhaps the global one, so:
-//! - capture unwinds into a fixed array with the `backtrace` crate's unsynchronized
+//! - capture (feature `backtrace`) unwinds into a fixed array with the `backtrace` crate's unsynchronized
 //!   walker: it takes no lock of std's and allocates nothing. (std's `Backtrace` takes a
 //!   process-wide lock and allocates under it: a thread capturing one re-enters the
 //!   allocator holding that lock, and deadlocked when site capture took it again.)
@@ -15,7 +15,9 @@
 //!   cache) is neither counted nor recorded, nor counted when freed under the flag.
 
 use core::cell::Cell;
+#[cfg(feature = "backtrace")]
 use core::ffi::c_void;
+#[cfg(feature = "backtrace")]
 use core::fmt::Write as _;
 use core::hash::{BuildHasher, Hasher};
 use std::alloc::System;
@@ -30,8 +32,8 @@ use crate::sync::{lock, Mutex};
 pub(crate) const ENABLED: bool = true;
 
 /// Return addresses kept per block: the allocator's own frames (about ten) and enough
-/// of the caller's to find the leak.
-const FRAMES: usize = 64;
+/// of the caller's to find the leak; none without the `backtrace` feature.
+const FRAMES: usize = if cfg!(feature = "backtrace") { 64 } else { 0 };
 
 struct Entry {
     size: usize,
@@ -125,8 +127,15 @@ pub(crate) fn record(thread: u64, instance: usize, addr: usize, size: usize) {
     );
 }
 
+/// Without the `backtrace` feature no stack is kept.
+#[cfg(not(feature = "backtrace"))]
+fn capture(_frames: &mut [usize; FRAMES]) -> usize {
+    0
+}
+
 /// Fills `frames` with the return addresses of the calling stack, innermost first;
 /// returns how many it wrote. Takes no lock of std's and allocates nothing.
+#[cfg(feature = "backtrace")]
 fn capture(frames: &mut [usize; FRAMES]) -> usize {
     let mut depth = 0;
     let mut push = |frame: &backtrace::Frame| {
@@ -220,6 +229,7 @@ impl Detached {
 }
 
 /// A recorded site copied out of the table, to resolve outside its lock.
+#[cfg_attr(not(feature = "backtrace"), allow(dead_code))]
 struct Found {
     seq: u64,
     address: usize,
@@ -253,7 +263,9 @@ pub(crate) fn collect(keep: impl Fn(&SiteKey) -> bool) -> Vec<LeakSite> {
     let mut texts: SysVec<(usize, usize, SysText), System> = SysVec::new_in(System);
     if texts.try_reserve_exact(found.len()).is_ok() {
         for f in &found {
+            #[cfg_attr(not(feature = "backtrace"), allow(unused_mut))]
             let mut text = SysText(SysVec::new_in(System));
+            #[cfg(feature = "backtrace")]
             resolve(&f.frames[..f.depth], &mut text);
             texts.push((f.address, f.size, text));
         }
@@ -273,6 +285,7 @@ pub(crate) fn collect(keep: impl Fn(&SiteKey) -> bool) -> Vec<LeakSite> {
 
 /// Writes the frames at `ips` as std prints a backtrace: a numbered line per function
 /// (inlined ones included) and its source location.
+#[cfg(feature = "backtrace")]
 fn resolve(ips: &[usize], out: &mut SysText) {
     let mut i = 0;
     for &ip in ips {
