@@ -30,10 +30,11 @@ pub(crate) struct ThreadState {
     serial: Cell<u64>,
     /// Open windows on this thread.
     depth: Cell<u32>,
-    /// What every `Counting` allocator did on this thread (wrapping).
+    /// What every `Counting` allocator did on this thread while a window was open on it
+    /// (wrapping): a window's delta is what changed here while it was open.
     totals: Cell<Snapshot>,
-    /// Net bytes this thread allocated minus freed, and the highest it reached since
-    /// the latest window kept in `windows` opened.
+    /// Net bytes this thread allocated minus freed while windows were open, and the
+    /// highest it reached since the latest window kept in `windows` opened.
     live: Cell<i64>,
     peak: Cell<i64>,
     /// The open windows with a peak of their own, in opening order: `windows[..kept]`
