@@ -270,7 +270,7 @@ fn pair_group(c: &mut Criterion, threads: usize) {
             }),
         ];
         for (row, run) in rows {
-            group.bench_function(BenchmarkId::new(row, size), |b| b.iter_custom(|n| run(n)));
+            group.bench_function(BenchmarkId::new(row, size), |b| b.iter_custom(run));
         }
     }
     group.finish();

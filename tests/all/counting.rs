@@ -642,9 +642,10 @@ fn report_lists_allocation_sites() {
 #[test]
 fn defect_21_09_a_counting_owned_by_value_that_moves_leaks_nothing() {
     let w = Window::open();
-    let mut holder = std::vec::Vec::new();
-    holder.push(Box::new_in([7u8; 24], Counting::new(System)));
-    holder.push(Box::new_in([8u8; 24], Counting::new(System)));
+    let holder = std::vec![
+        Box::new_in([7u8; 24], Counting::new(System)),
+        Box::new_in([8u8; 24], Counting::new(System)),
+    ];
     drop(holder);
     w.check().expect("both blocks were freed");
     // Nothing stale is left for the next window of this thread either.
