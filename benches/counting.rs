@@ -12,15 +12,27 @@
 //! one mode (criterion's own bookkeeping) may be freed under another, which only skews
 //! counters nobody reads here. Each iteration allocates and frees everything it uses.
 //!
+//! A second question, in groups `pair_1_thread` and `pair_8_threads`: what counting adds
+//! to one allocation pair (allocate, touch the first and last byte, free; as `ab`'s
+//! latency table), at 256 B, 64 KiB, 1 MiB and 16 MiB, on one thread and on 8 at once,
+//! against `Global` and stats_alloc, and (row `Counting<Global>, window open`) what it
+//! costs while a leak-check `Window` is open on the thread. Rows on 8 threads time one
+//! pair on each thread.
+//!
 //! Run: `cargo bench --bench counting -- --warm-up-time 1 --measurement-time 3`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
 use std::hint::black_box;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
+use std::sync::Barrier;
+use std::time::{Duration, Instant};
 
+use allocator_api2::alloc::{AllocError, Allocator, Global};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use cudalloc::count::Counting;
+use cudalloc::count::{Counting, Window};
+use cudalloc::testing::workload::alloc_free;
 use stats_alloc::StatsAlloc;
 
 const SYSTEM: u8 = 0;
@@ -172,5 +184,102 @@ fn overhead(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, overhead, overhead_threads);
+/// `Counting<Global>` for the pair groups; `Global` is the `Switch` above in mode System.
+static COUNTED_GLOBAL: Counting<Global> = Counting::new(Global);
+
+/// stats_alloc's `StatsAlloc<System>` (a `GlobalAlloc` only) as an allocator-api2
+/// `Allocator`, for the pair groups.
+struct ViaGlobalAlloc(&'static StatsAlloc<System>);
+
+// SAFETY: blocks come from `StatsAlloc<System>` (System's) and go back to it with their
+// layout; a null result becomes an error.
+unsafe impl Allocator for ViaGlobalAlloc {
+    #[inline]
+    fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+        // SAFETY: `alloc_free` asks for nonzero sizes.
+        let p = unsafe { self.0.alloc(layout) };
+        NonNull::new(p)
+            .map(|p| NonNull::slice_from_raw_parts(p, layout.size()))
+            .ok_or(AllocError)
+    }
+
+    #[inline]
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        // SAFETY: the caller passes a block `allocate` returned, with its layout.
+        unsafe { self.0.dealloc(ptr.as_ptr(), layout) }
+    }
+}
+
+const PAIR_SIZES: [usize; 4] = [256, 64 << 10, 1 << 20, 16 << 20];
+
+/// `iters` pairs of `size` on each of `threads` threads at once (with a window open on
+/// each if `window`); the time of the slowest thread.
+fn pairs_on_threads<A: Allocator + Sync>(
+    a: &A,
+    size: usize,
+    iters: u64,
+    threads: usize,
+    window: bool,
+) -> Duration {
+    let start = Barrier::new(threads);
+    let run = || {
+        let w = window.then(Window::open);
+        start.wait();
+        let t = Instant::now();
+        for _ in 0..iters {
+            black_box(alloc_free(a, black_box(size)));
+        }
+        let elapsed = t.elapsed();
+        if let Some(w) = w {
+            w.assert_no_leaks();
+        }
+        elapsed
+    };
+    if threads == 1 {
+        return run();
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads).map(|_| s.spawn(run)).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .max()
+            .unwrap_or_default()
+    })
+}
+
+fn pair_group(c: &mut Criterion, threads: usize) {
+    let name = if threads == 1 {
+        "pair_1_thread".to_owned()
+    } else {
+        format!("pair_{threads}_threads")
+    };
+    let mut group = c.benchmark_group(name);
+    let stats = ViaGlobalAlloc(&STATS_ALLOC);
+    for size in PAIR_SIZES {
+        let rows: [(&str, &dyn Fn(u64) -> Duration); 4] = [
+            ("Global", &|n| pairs_on_threads(&Global, size, n, threads, false)),
+            ("Counting<Global>", &|n| {
+                pairs_on_threads(&COUNTED_GLOBAL, size, n, threads, false)
+            }),
+            ("stats_alloc::StatsAlloc<System>", &|n| {
+                pairs_on_threads(&stats, size, n, threads, false)
+            }),
+            ("Counting<Global>, window open", &|n| {
+                pairs_on_threads(&COUNTED_GLOBAL, size, n, threads, true)
+            }),
+        ];
+        for (row, run) in rows {
+            group.bench_function(BenchmarkId::new(row, size), |b| b.iter_custom(run));
+        }
+    }
+    group.finish();
+}
+
+fn pair(c: &mut Criterion) {
+    pair_group(c, 1);
+    pair_group(c, 8);
+}
+
+criterion_group!(benches, overhead, overhead_threads, pair);
 criterion_main!(benches);

@@ -47,7 +47,7 @@ fn leak_helper_panics_with_the_numbers() {
     std::panic::set_hook(hook);
     let err = err.expect_err("must panic");
     let msg = err.downcast_ref::<String>().expect("formatted message");
-    assert!(msg.contains("1 blocks, 100 bytes not freed"), "{msg}");
+    assert!(msg.contains("1 block, 100 bytes not freed"), "{msg}");
     drop(kept);
 }
 

@@ -13,8 +13,13 @@ use crate::sync::{AtomicU64, Ordering::Relaxed};
 pub(crate) const SHARDS: usize = if cfg!(loom) { 2 } else { 16 };
 
 /// The most net bytes a shard keeps to itself before adding them to the shared live
-/// total that `peak_bytes` is taken from; see [`Counters`] for what this bounds.
+/// total that `peak_bytes` is taken from, at first; see [`Counters`] for what this bounds.
 pub(crate) const PEAK_SLACK: u64 = if cfg!(loom) { 8 } else { 4096 };
+
+/// The most a shard's slack grows to: a block larger than the slack would otherwise
+/// add to the shared total (a locked instruction on a line every thread writes) at each
+/// of its allocations and frees.
+pub(crate) const MAX_SLACK: u64 = if cfg!(loom) { 16 } else { 1 << 30 };
 
 /// Counters of one thread (or, for [`Counters::shared`], of every thread without a
 /// shard of its own).
@@ -34,8 +39,11 @@ struct Shard {
     /// Sum of `new - old` over reallocations that grew a block.
     bytes_grown: AtomicU64,
     /// Net bytes (an `i64` in two's complement) not yet added to `Counters::committed`:
-    /// `|pending| <= PEAK_SLACK` between operations; always 0 in the shared shard.
+    /// `|pending| <= slack` between operations; always 0 in the shared shard.
     pending: AtomicU64,
+    /// How far `pending` may stray from 0: `PEAK_SLACK`, raised (up to `MAX_SLACK`) to
+    /// the size of any larger single change this shard committed.
+    slack: AtomicU64,
 }
 
 macro_rules! shard_new {
@@ -49,6 +57,7 @@ macro_rules! shard_new {
                 bytes_freed: AtomicU64::new(0),
                 bytes_grown: AtomicU64::new(0),
                 pending: AtomicU64::new(0),
+                slack: AtomicU64::new(PEAK_SLACK),
             }
         }
     };
@@ -165,7 +174,7 @@ impl Counters {
             Some(shard) => {
                 add_owned(&shard.frees, 1);
                 add_owned(&shard.bytes_freed, size);
-                self.settle(shard, (size as i64).wrapping_neg());
+                self.settle_down(shard, (size as i64).wrapping_neg());
             }
             None => self.record_free_shared(size),
         }
@@ -198,20 +207,39 @@ impl Counters {
     }
 
     /// Adds `delta` to the shard's pending bytes, pushing them to `committed` once they
-    /// leave `[-PEAK_SLACK, PEAK_SLACK]`; returns this thread's estimate of live bytes.
+    /// leave `[-slack, slack]`; returns this thread's estimate of live bytes.
     #[inline(always)]
     fn settle(&self, shard: &Shard, delta: i64) -> i64 {
         let pending = (shard.pending.load(Relaxed) as i64).wrapping_add(delta);
-        if pending.unsigned_abs() <= PEAK_SLACK {
+        if pending.unsigned_abs() <= shard.slack.load(Relaxed) {
             shard.pending.store(pending as u64, Relaxed);
             (self.committed.load(Relaxed) as i64).wrapping_add(pending)
         } else {
-            self.commit(shard, pending)
+            self.commit(shard, pending, delta)
         }
     }
 
+    /// [`Counters::settle`] for a change that cannot raise the peak (a free): no estimate
+    /// of live bytes, so no load of the shared total.
+    #[inline(always)]
+    fn settle_down(&self, shard: &Shard, delta: i64) {
+        let pending = (shard.pending.load(Relaxed) as i64).wrapping_add(delta);
+        if pending.unsigned_abs() <= shard.slack.load(Relaxed) {
+            shard.pending.store(pending as u64, Relaxed);
+        } else {
+            self.commit(shard, pending, delta);
+        }
+    }
+
+    #[cold]
     #[inline(never)]
-    fn commit(&self, shard: &Shard, pending: i64) -> i64 {
+    fn commit(&self, shard: &Shard, pending: i64, delta: i64) -> i64 {
+        // A change larger than the slack by itself (a large block) would commit again at
+        // its free and at every later allocation of its size: raise the slack to it.
+        let size = delta.unsigned_abs().min(MAX_SLACK);
+        if size > shard.slack.load(Relaxed) {
+            shard.slack.store(size, Relaxed);
+        }
         shard.pending.store(0, Relaxed);
         (self.committed.fetch_add(pending as u64, Relaxed) as i64).wrapping_add(pending)
     }
@@ -366,8 +394,11 @@ impl fmt::Display for Snapshot {
 /// A block allocated *in* the window, grown and kept is still a leak (one block more),
 /// reported with its full size. What counts cannot tell apart: a window that frees an
 /// older block and keeps a new one of the same count is balanced in blocks, and is
-/// reported only for bytes that growth does not explain (with the `backtrace` feature
-/// the table of allocation sites catches it exactly).
+/// reported only for bytes that growth does not explain. (A window's [`LeakReport`]
+/// does not rest on this verdict alone: the table of blocks allocated in the window
+/// catches such a swap exactly.)
+///
+/// [`LeakReport`]: super::LeakReport
 ///
 /// ```
 /// use allocator_api2::vec::Vec;

@@ -1,12 +1,13 @@
-//! Allocation sites: where each block allocated while a window was open came from, kept
-//! until the block is freed, so a leak report can say where each leaked block was
-//! allocated. This module owns [`LeakSite`], the table of live sites and the thread's
-//! flag that keeps the crate's own allocations (building a report) out of the counts.
-//! It knows nothing of windows or of `Counting`: they call it (window -> sites ->
-//! thread). Without the `backtrace` feature, and under loom, every call compiles to
-//! nothing.
+//! Allocation sites: each block allocated while a window was open, kept until the block
+//! is freed, so a leak report can list the blocks a window kept (their number, sizes
+//! and, with the `backtrace` feature, where each was allocated). This module owns
+//! [`LeakSite`], the table of live sites and the thread's flag that keeps the crate's
+//! own allocations (building a report) out of the counts. It knows nothing of windows
+//! or of `Counting`: they call it (window -> sites -> thread). Under loom every call
+//! compiles to nothing.
 
-/// Where a block that is still live was allocated (feature `backtrace`).
+/// A block allocated in a window and still live: its address, size and, with the
+/// `backtrace` feature, where it was allocated.
 ///
 /// ```
 /// use allocator_api2::boxed::Box;
@@ -18,7 +19,7 @@
 /// for site in &report.sites {
 ///     println!("{} bytes at {:#x}:\n{}", site.size, site.address, site.backtrace);
 /// }
-/// assert_eq!(report.sites.len(), if cfg!(feature = "backtrace") { 1 } else { 0 });
+/// assert_eq!((report.sites.len(), report.sites[0].size), (1, 8));
 /// # drop(kept);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,8 +28,9 @@ pub struct LeakSite {
     pub address: usize,
     /// Its size in bytes (after any reallocation).
     pub size: usize,
-    /// The stack where the block was allocated, the allocator's own frames trimmed. A
-    /// block keeps the site of its first allocation when it is reallocated.
+    /// The stack where the block was allocated, the allocator's own frames trimmed
+    /// (empty without the `backtrace` feature). A block keeps the site of its first
+    /// allocation when it is reallocated.
     pub backtrace: String,
 }
 
@@ -37,23 +39,26 @@ pub struct LeakSite {
 pub(crate) struct SiteKey {
     /// Serial of the thread that allocated the block.
     pub(crate) thread: u64,
-    /// The `Counting` allocator it came from.
+    /// The id of the `Counting` allocator it came from.
     pub(crate) instance: usize,
     /// Its place in allocation order (see [`now`]).
     pub(crate) seq: u64,
 }
 
-#[cfg(all(feature = "backtrace", not(loom)))]
+/// Whether sites carry the stack they were allocated from.
+pub(crate) const BACKTRACES: bool = cfg!(all(feature = "backtrace", not(loom)));
+
+#[cfg(not(loom))]
 mod table;
 
-#[cfg(all(feature = "backtrace", not(loom)))]
+#[cfg(not(loom))]
 pub(crate) use table::{collect, detach, forget, is_internal, now, record, Detached, ENABLED};
 
-#[cfg(not(all(feature = "backtrace", not(loom))))]
+#[cfg(loom)]
 pub(crate) use off::{collect, detach, forget, is_internal, now, record, Detached, ENABLED};
 
-/// Stand-ins for the table when the `backtrace` feature is off.
-#[cfg(not(all(feature = "backtrace", not(loom))))]
+/// Stand-ins for the table under loom (its lock and thread-locals are std's).
+#[cfg(loom)]
 mod off {
     use super::{LeakSite, SiteKey};
 
@@ -72,12 +77,12 @@ mod off {
     pub(crate) fn record(_thread: u64, _instance: usize, _addr: usize, _size: usize) {}
 
     #[inline(always)]
-    pub(crate) fn forget(_instance: usize, _addr: usize) {}
+    pub(crate) fn forget(_instance: impl FnOnce() -> usize, _addr: usize) {}
 
     pub(crate) struct Detached;
 
     #[inline(always)]
-    pub(crate) fn detach(_instance: usize, _addr: usize) -> Detached {
+    pub(crate) fn detach(_instance: impl FnOnce() -> usize, _addr: usize) -> Detached {
         Detached
     }
 

@@ -14,6 +14,9 @@ const UNASSIGNED: u32 = u32::MAX;
 /// `slot` of a thread without a private shard (any value `>= SHARDS` works).
 const SHARED: u32 = SHARDS as u32;
 const _: () = assert!(SHARDS <= 64, "slots are the bits of one u64");
+/// Open windows per thread whose peaks are kept apart; windows nested deeper share the
+/// peak of the innermost one kept.
+pub(crate) const PEAK_LEVELS: usize = 16;
 
 /// Bit `i` is set while some thread holds slot `i`.
 static SLOTS_IN_USE: AtomicU64 = AtomicU64::new(0);
@@ -27,12 +30,21 @@ pub(crate) struct ThreadState {
     serial: Cell<u64>,
     /// Open windows on this thread.
     depth: Cell<u32>,
-    /// What every `Counting` allocator did on this thread (wrapping).
+    /// What every `Counting` allocator did on this thread while a window was open on it
+    /// (wrapping): a window's delta is what changed here while it was open.
     totals: Cell<Snapshot>,
-    /// Net bytes this thread allocated minus freed, and the highest it reached since
-    /// the innermost window opened.
+    /// Net bytes this thread allocated minus freed while windows were open, and the
+    /// highest it reached since the latest window kept in `windows` opened.
     live: Cell<i64>,
     peak: Cell<i64>,
+    /// The open windows with a peak of their own, in opening order: `windows[..kept]`
+    /// hold each one's id and the peak of the time between the previous one's opening
+    /// and its own (`peak` holds the time since the last one's). A window's peak is the
+    /// most of its own entry's successors and `peak`; windows may close in any order.
+    windows: [Cell<(u64, i64)>; PEAK_LEVELS],
+    kept: Cell<usize>,
+    /// Source of window ids on this thread (0: a window with no peak of its own).
+    next_window: Cell<u64>,
 }
 
 thread_local! {
@@ -65,6 +77,9 @@ impl ThreadState {
             }),
             live: Cell::new(0),
             peak: Cell::new(0),
+            windows: [const { Cell::new((0, 0)) }; PEAK_LEVELS],
+            kept: Cell::new(0),
+            next_window: Cell::new(1),
         }
     }
 
@@ -159,25 +174,65 @@ impl ThreadState {
         self.totals.get()
     }
 
-    /// Opens a window: returns the live level at opening and the peak to restore.
-    pub(crate) fn open_window(&self) -> (i64, i64) {
+    /// Opens a window: returns the live level at opening and the window's id.
+    pub(crate) fn open_window(&self) -> (i64, u64) {
         self.serial();
         self.depth.set(self.depth.get() + 1);
         let live = self.live.get();
-        (live, self.peak.replace(live))
+        let kept = self.kept.get();
+        let Some(entry) = self.windows.get(kept) else {
+            return (live, 0);
+        };
+        let id = self.next_window.get();
+        self.next_window.set(id + 1);
+        entry.set((id, self.peak.replace(live)));
+        self.kept.set(kept + 1);
+        (live, id)
     }
 
-    /// The highest net bytes since the innermost open window opened.
-    pub(crate) fn peak(&self) -> i64 {
-        self.peak.get()
+    /// Where window `id` is in `windows`, if it has a peak of its own.
+    fn find_window(&self, id: u64) -> Option<usize> {
+        if id == 0 {
+            return None;
+        }
+        self.windows[..self.kept.get()]
+            .iter()
+            .position(|w| w.get().0 == id)
     }
 
-    /// Closes a window opened with [`ThreadState::open_window`].
-    pub(crate) fn close_window(&self, saved_peak: i64) {
+    /// The highest net bytes since window `id` opened (for a window nested too deep for
+    /// a peak of its own: since the innermost window that has one opened).
+    pub(crate) fn peak(&self, id: u64) -> i64 {
+        let later = match self.find_window(id) {
+            Some(i) => &self.windows[i + 1..self.kept.get()],
+            None => &[],
+        };
+        later.iter().fold(self.peak.get(), |peak, w| peak.max(w.get().1))
+    }
+
+    /// Closes window `id`, opened with [`ThreadState::open_window`].
+    pub(crate) fn close_window(&self, id: u64) {
         debug_assert!(self.depth.get() > 0, "closing a window that is not open");
         self.depth.set(self.depth.get().saturating_sub(1));
-        // The enclosing window's peak covers what happened inside this one.
-        self.peak.set(self.peak.get().max(saved_peak));
+        let Some(i) = self.find_window(id) else {
+            return;
+        };
+        let kept = self.kept.get();
+        let before = self.windows[i].get().1;
+        // The time before this window opened, until the next one opened, belongs to the
+        // windows opened earlier (and not to those opened later): merge it into the next
+        // entry, or into `peak` when this window is the latest.
+        match self.windows.get(i + 1).filter(|_| i + 1 < kept) {
+            Some(next) => {
+                let (next_id, next_peak) = next.get();
+                next.set((next_id, next_peak.max(before)));
+            }
+            None => self.peak.set(self.peak.get().max(before)),
+        }
+        for j in i..kept - 1 {
+            self.windows[j].set(self.windows[j + 1].get());
+        }
+        self.kept.set(kept - 1);
     }
 }
 

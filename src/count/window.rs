@@ -23,12 +23,16 @@ use crate::sync::global::Ordering;
 /// (its owner frees the growth with it); the bytes it holds show in
 /// [`Delta::bytes_grown`] and [`Delta::net_bytes`]. A block allocated here and freed on
 /// another thread counts as leaked here (use a [`ProcessWindow`] for work spread over
-/// threads), and freeing blocks allocated before the window opened can hide a leak of
-/// as many blocks. With the `backtrace` feature the report also lists, from a per-block
-/// table, where each block allocated in the window and still live was allocated, which
-/// no such freeing can hide.
+/// threads). While a window is open, a table keeps each block allocated in it until the
+/// block is freed, so freeing or growing older blocks hides no leak: the report lists
+/// the blocks kept, with their sizes (and, with the `backtrace` feature, where each
+/// was allocated). The table takes a lock per allocation and free while windows are
+/// open, and none otherwise.
 ///
-/// Windows nest. A window is tied to its thread (it is `!Send`).
+/// Windows nest, and may close in any order. A window is tied to its thread (it is
+/// `!Send`). Each of the 16 outermost windows open at once on a thread keeps its own
+/// [`peak_bytes`](Window::peak_bytes); windows nested deeper report the peak since the
+/// 16th opened.
 ///
 /// ```
 /// use allocator_api2::vec::Vec;
@@ -51,7 +55,8 @@ use crate::sync::global::Ordering;
 pub struct Window {
     start: Snapshot,
     start_live: i64,
-    saved_peak: i64,
+    /// This window's id on its thread (see `ThreadState::open_window`).
+    id: u64,
     serial: u64,
     since: u64,
     _not_send: PhantomData<*const ()>,
@@ -60,12 +65,12 @@ pub struct Window {
 impl Window {
     /// Opens a window on the calling thread. Allocates nothing.
     pub fn open() -> Window {
-        let (start, (start_live, saved_peak), serial) =
+        let (start, (start_live, id), serial) =
             current(|t| (t.totals(), t.open_window(), t.serial())).unwrap_or_default();
         Window {
             start,
             start_live,
-            saved_peak,
+            id,
             serial,
             since: sites::now(),
             _not_send: PhantomData,
@@ -101,7 +106,7 @@ impl Window {
     /// # w.assert_no_leaks();
     /// ```
     pub fn peak_bytes(&self) -> u64 {
-        current(|t| t.peak().saturating_sub(self.start_live).max(0) as u64).unwrap_or(0)
+        current(|t| t.peak(self.id).saturating_sub(self.start_live).max(0) as u64).unwrap_or(0)
     }
 
     /// Closes the window: `Ok` with what happened if nothing leaked, else the report.
@@ -138,8 +143,8 @@ impl Window {
 
 impl Drop for Window {
     fn drop(&mut self) {
-        let saved_peak = self.saved_peak;
-        let _ = current(|t: &ThreadState| t.close_window(saved_peak));
+        let id = self.id;
+        let _ = current(|t: &ThreadState| t.close_window(id));
     }
 }
 
@@ -387,14 +392,15 @@ pub enum LeakScope {
     Process,
 }
 
-/// Why a leak check failed: what leaked, and with the `backtrace` feature where.
+/// Why a leak check failed: which blocks leaked, and with the `backtrace` feature where.
 ///
-/// Its first line says what failed the verdict ([`Delta::is_balanced`]): blocks not
-/// freed; or bytes not freed while no more blocks are live than at opening (blocks
-/// allocated in the window live on in place of older ones it freed); or, with the
-/// `backtrace` feature when the counts balance, blocks allocated in the window that are
-/// still live. Growth of blocks by reallocation is shown apart ("reallocations grew
-/// blocks by N B"): it fails no check by itself.
+/// A window keeps a table of the blocks allocated while it is open, until each is
+/// freed ([`LeakReport::sites`]); its first line counts the blocks it kept and their
+/// bytes ("2 blocks, 20 bytes not freed"), whatever older blocks it freed or grew
+/// meanwhile. Where the table has nothing and the counts still fail the verdict
+/// ([`Delta::is_balanced`]: a block allocated in a thread window and freed on another
+/// thread, say), it says what the counts say. Growth of blocks by reallocation is shown
+/// apart ("reallocations grew blocks by N B"): it fails no check by itself.
 ///
 /// ```
 /// use allocator_api2::boxed::Box;
@@ -404,7 +410,7 @@ pub enum LeakScope {
 /// let b = Box::new_in([0u8; 100], &counting);
 /// let report = w.check().unwrap_err();
 /// assert_eq!(report.scope, LeakScope::Thread);
-/// assert!(report.to_string().contains("1 blocks, 100 bytes"));
+/// assert!(report.to_string().contains("1 block, 100 bytes not freed"));
 /// # drop(b);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -413,8 +419,8 @@ pub struct LeakReport {
     pub scope: LeakScope,
     /// What happened in the window.
     pub delta: Delta,
-    /// Blocks allocated in the window and still live, oldest first: empty without the
-    /// `backtrace` feature.
+    /// Blocks allocated in the window and still live, oldest first (with the
+    /// `backtrace` feature, each with the stack it was allocated from).
     pub sites: Vec<LeakSite>,
 }
 
@@ -427,19 +433,34 @@ impl LeakReport {
         }
     }
 
-    /// Blocks allocated in the window and not freed (net); see [`Delta::leaked_count`].
+    /// Blocks allocated in the window and not freed: those of [`LeakReport::sites`];
+    /// where the table has none, the net count ([`Delta::leaked_count`]).
     pub fn leaked_count(&self) -> u64 {
-        self.delta.leaked_count()
+        if self.sites.is_empty() {
+            self.delta.leaked_count()
+        } else {
+            self.sites.len() as u64
+        }
     }
 
-    /// Bytes allocated in the window and not freed (net); see [`Delta::leaked_bytes`].
+    /// Their bytes: the sizes of [`LeakReport::sites`]; where the table has none, the
+    /// net bytes ([`Delta::leaked_bytes`]).
     pub fn leaked_bytes(&self) -> u64 {
-        self.delta.leaked_bytes()
+        if self.sites.is_empty() {
+            self.delta.leaked_bytes()
+        } else {
+            self.sites.iter().map(|s| s.size as u64).sum()
+        }
     }
 }
 
 /// At most this many allocation sites are printed.
 const SITES_SHOWN: usize = 16;
+
+/// "1 block", "2 blocks".
+fn blocks(n: u64) -> String {
+    format!("{n} block{}", if n == 1 { "" } else { "s" })
+}
 
 impl fmt::Display for LeakReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -451,49 +472,42 @@ impl fmt::Display for LeakReport {
         if count > 0 {
             writeln!(
                 f,
-                "memory leaked in a {scope}: {count} blocks, {bytes} bytes not freed"
+                "memory leaked in a {scope}: {}, {bytes} bytes not freed",
+                blocks(count)
             )?;
-        } else if bytes > 0 {
+        } else {
             writeln!(
                 f,
                 "memory leaked in a {scope}: {bytes} bytes not freed, in no more blocks than \
                  at opening (blocks allocated in the window outlive it in place of older ones \
                  it freed)"
             )?;
-        } else {
-            writeln!(
-                f,
-                "memory leaked in a {scope}: {} blocks allocated in it are still live (the \
-                 counts balance because it freed as many older blocks)",
-                self.sites.len()
-            )?;
         }
         write!(f, "  window: {}", self.delta)?;
-        if !sites::ENABLED {
-            return write!(
-                f,
-                "\n  (enable cudalloc's `backtrace` feature to see allocation sites)"
-            );
-        }
         if !self.sites.is_empty() {
             write!(
                 f,
-                "\n  allocated in the window and still live: {} blocks",
-                self.sites.len()
+                "\n  allocated in the window and still live: {}",
+                blocks(self.sites.len() as u64)
             )?;
         }
         for (i, site) in self.sites.iter().take(SITES_SHOWN).enumerate() {
-            write!(
-                f,
-                "\n  #{i}: {} bytes at {:#x}, allocated at:",
-                site.size, site.address
-            )?;
+            write!(f, "\n  #{i}: {} bytes at {:#x}", site.size, site.address)?;
+            if !site.backtrace.is_empty() {
+                write!(f, ", allocated at:")?;
+            }
             for line in site.backtrace.lines() {
                 write!(f, "\n    {line}")?;
             }
         }
         if self.sites.len() > SITES_SHOWN {
             write!(f, "\n  ... and {} more", self.sites.len() - SITES_SHOWN)?;
+        }
+        if !sites::BACKTRACES {
+            write!(
+                f,
+                "\n  (enable cudalloc's `backtrace` feature to see allocation sites)"
+            )?;
         }
         Ok(())
     }

@@ -1,8 +1,8 @@
-//! The table of allocation sites (feature `backtrace`): a raw stack per live block
-//! recorded in a window, resolved to names only when a report asks.
+//! The table of allocation sites: an entry per live block recorded in a window, with
+//! (feature `backtrace`) its raw stack, resolved to names only when a report asks.
 //!
 //! This code runs inside the allocator, perhaps the global one, so:
-//! - capture unwinds into a fixed array with the `backtrace` crate's unsynchronized
+//! - capture (feature `backtrace`) unwinds into a fixed array with the `backtrace` crate's unsynchronized
 //!   walker: it takes no lock of std's and allocates nothing. (std's `Backtrace` takes a
 //!   process-wide lock and allocates under it: a thread capturing one re-enters the
 //!   allocator holding that lock, and deadlocked when site capture took it again.)
@@ -15,7 +15,9 @@
 //!   cache) is neither counted nor recorded, nor counted when freed under the flag.
 
 use core::cell::Cell;
+#[cfg(feature = "backtrace")]
 use core::ffi::c_void;
+#[cfg(feature = "backtrace")]
 use core::fmt::Write as _;
 use core::hash::{BuildHasher, Hasher};
 use std::alloc::System;
@@ -30,8 +32,8 @@ use crate::sync::{lock, Mutex};
 pub(crate) const ENABLED: bool = true;
 
 /// Return addresses kept per block: the allocator's own frames (about ten) and enough
-/// of the caller's to find the leak.
-const FRAMES: usize = 64;
+/// of the caller's to find the leak; none without the `backtrace` feature.
+const FRAMES: usize = if cfg!(feature = "backtrace") { 64 } else { 0 };
 
 struct Entry {
     size: usize,
@@ -41,7 +43,7 @@ struct Entry {
     depth: usize,
 }
 
-/// Live sites by (allocator, address): two `Counting`s may hand out the same address
+/// Live sites by (allocator id, address): two `Counting`s may hand out the same address
 /// (one may count blocks carved from memory the other handed out).
 type Table = HashMap<(usize, usize), Entry, AddressHasher, System>;
 
@@ -125,8 +127,15 @@ pub(crate) fn record(thread: u64, instance: usize, addr: usize, size: usize) {
     );
 }
 
+/// Without the `backtrace` feature no stack is kept.
+#[cfg(not(feature = "backtrace"))]
+fn capture(_frames: &mut [usize; FRAMES]) -> usize {
+    0
+}
+
 /// Fills `frames` with the return addresses of the calling stack, innermost first;
 /// returns how many it wrote. Takes no lock of std's and allocates nothing.
+#[cfg(feature = "backtrace")]
 fn capture(frames: &mut [usize; FRAMES]) -> usize {
     let mut depth = 0;
     let mut push = |frame: &backtrace::Frame| {
@@ -169,11 +178,15 @@ fn remove(instance: usize, addr: usize) -> Option<Entry> {
     entry
 }
 
-/// Forgets the block at `addr` of `instance`, which is being freed.
+/// Forgets the block at `addr` of the allocator whose id `instance` gives (0: an
+/// allocator that never recorded), which is being freed.
 #[inline(always)]
-pub(crate) fn forget(instance: usize, addr: usize) {
+pub(crate) fn forget(instance: impl FnOnce() -> usize, addr: usize) {
     if RECORDED.load(Ordering::Relaxed) != 0 {
-        remove(instance, addr);
+        let instance = instance();
+        if instance != 0 {
+            remove(instance, addr);
+        }
     }
 }
 
@@ -182,10 +195,15 @@ pub(crate) fn forget(instance: usize, addr: usize) {
 /// record it) at once.
 pub(crate) struct Detached(Option<(usize, Entry)>);
 
-/// Takes the site of the block at `addr` of `instance` out of the table, if it has one.
+/// Takes the site of the block at `addr` of the allocator whose id `instance` gives
+/// out of the table, if it has one (see [`forget`]).
 #[inline(always)]
-pub(crate) fn detach(instance: usize, addr: usize) -> Detached {
+pub(crate) fn detach(instance: impl FnOnce() -> usize, addr: usize) -> Detached {
     if RECORDED.load(Ordering::Relaxed) == 0 {
+        return Detached::none();
+    }
+    let instance = instance();
+    if instance == 0 {
         return Detached::none();
     }
     Detached(remove(instance, addr).map(|entry| (instance, entry)))
@@ -211,6 +229,7 @@ impl Detached {
 }
 
 /// A recorded site copied out of the table, to resolve outside its lock.
+#[cfg_attr(not(feature = "backtrace"), allow(dead_code))]
 struct Found {
     seq: u64,
     address: usize,
@@ -244,7 +263,9 @@ pub(crate) fn collect(keep: impl Fn(&SiteKey) -> bool) -> Vec<LeakSite> {
     let mut texts: SysVec<(usize, usize, SysText), System> = SysVec::new_in(System);
     if texts.try_reserve_exact(found.len()).is_ok() {
         for f in &found {
+            #[cfg_attr(not(feature = "backtrace"), allow(unused_mut))]
             let mut text = SysText(SysVec::new_in(System));
+            #[cfg(feature = "backtrace")]
             resolve(&f.frames[..f.depth], &mut text);
             texts.push((f.address, f.size, text));
         }
@@ -264,6 +285,7 @@ pub(crate) fn collect(keep: impl Fn(&SiteKey) -> bool) -> Vec<LeakSite> {
 
 /// Writes the frames at `ips` as std prints a backtrace: a numbered line per function
 /// (inlined ones included) and its source location.
+#[cfg(feature = "backtrace")]
 fn resolve(ips: &[usize], out: &mut SysText) {
     let mut i = 0;
     for &ip in ips {
