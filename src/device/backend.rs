@@ -6,10 +6,12 @@
 
 use super::pages::PageHeap;
 use super::pool::PageTuning;
+use super::reserve::{PoolSide, Reservations};
 use crate::cuda::mem_pool::MemPool;
 use crate::cuda::vmm::Vmm;
 use crate::cuda::{mem_info, PooledEvent, Stream, StreamId};
 use crate::error::{Error, Result};
+use crate::sync::Arc;
 
 /// Stream-ordered memory and stream order, as the cache uses them.
 pub(crate) trait Backend: Send + Sync + 'static {
@@ -67,6 +69,37 @@ pub(crate) struct CudaBackend {
     pub(crate) device_bytes: usize,
     /// Large blocks on physical pages (`None`: all on the driver pool).
     pub(crate) pages: Option<PageHeap<Vmm, CudaBackend>>,
+    /// The driver pool's and the page heap's reservations, under the pool's limit.
+    pub(crate) reservations: Arc<Reservations>,
+}
+
+/// The driver pool as [`Reservations::pool_alloc`] uses it, for one allocation on `stream`.
+struct DriverPool<'a> {
+    pool: &'a MemPool,
+    stream: &'a Stream,
+}
+
+impl PoolSide for DriverPool<'_> {
+    fn usage(&self) -> Result<(usize, usize)> {
+        let u = self.pool.usage()?;
+        let bytes = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+        Ok((bytes(u.reserved), bytes(u.used)))
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<u64> {
+        self.pool.alloc_async(bytes, self.stream)
+    }
+
+    fn undo(&self, ptr: u64, keep: usize) {
+        // SAFETY: `ptr` was just allocated on `stream` from this pool and never handed out.
+        unsafe { self.pool.free_async(ptr, self.stream) };
+        if let Err(e) = self.stream.synchronize() {
+            crate::cuda::record_drop_error("cuStreamSynchronize", e);
+        }
+        if let Err(e) = self.pool.trim_to(keep) {
+            crate::cuda::record_drop_error("cuMemPoolTrimTo", e);
+        }
+    }
 }
 
 impl CudaBackend {
@@ -77,14 +110,16 @@ impl CudaBackend {
         tuning: PageTuning,
         limit: Option<usize>,
     ) -> Self {
+        let reservations = Arc::new(Reservations::new(limit));
         Self {
             pool,
             device_bytes,
             pages: pages.map(|p| {
                 PageHeap::new(p, tuning)
                     .with_region_bytes(device_bytes)
-                    .with_limit(limit)
+                    .with_reservations(reservations.clone())
             }),
+            reservations,
         }
     }
 
@@ -142,7 +177,13 @@ impl Backend for CudaBackend {
         self.check_fits(bytes)?;
         match PageHeap::serving(&self.pages, bytes) {
             Some(h) => h.alloc(self, bytes, stream),
-            None => self.pool.alloc_async(bytes, stream),
+            None => self.reservations.pool_alloc(
+                bytes,
+                &DriverPool {
+                    pool: &self.pool,
+                    stream,
+                },
+            ),
         }
     }
 
@@ -163,6 +204,8 @@ impl Backend for CudaBackend {
         if let Err(e) = self.pool.trim_to(keep_pool) {
             crate::cuda::record_drop_error("cuMemPoolTrimTo", e);
         }
+        self.reservations
+            .pool_trimmed(|| usize::try_from(self.pool.reserved().ok()?).ok());
     }
 
     fn reserved(&self) -> Option<usize> {
@@ -190,6 +233,7 @@ pub(crate) mod fake {
 
     use super::super::pages::{PageHeap, Phys};
     use super::super::pool::PageTuning;
+    use super::super::reserve::{PoolSide, Reservations};
     use super::Backend;
     use crate::cuda::StreamId;
     use crate::error::{Error, Result};
@@ -325,6 +369,8 @@ pub(crate) mod fake {
         blocks: BTreeMap<u64, (u64, u64, u64)>,
         reserved: u64,
         peak_reserved: u64,
+        /// Bytes of live blocks.
+        used: u64,
     }
 
     /// The smallest chunk the model reserves, and the granule of larger ones.
@@ -332,6 +378,23 @@ pub(crate) mod fake {
     const GRANULE: u64 = 2 << 20;
 
     impl PoolModel {
+        /// The free extent that a block of `len` bytes would take: (length, chunk, offset).
+        fn fit(&self, len: u64) -> Option<(u64, u64, u64)> {
+            self.chunks
+                .iter()
+                .flat_map(|(&id, (_, free))| free.iter().map(move |(&off, &l)| (l, id, off)))
+                .filter(|&(l, _, _)| l >= len)
+                .min()
+        }
+
+        /// Bytes a block of `len` would add to the reservation.
+        fn growth(&self, len: u64) -> u64 {
+            match self.fit(len) {
+                Some(_) => 0,
+                None => (len.div_ceil(GRANULE).max(1) * GRANULE).max(CHUNK),
+            }
+        }
+
         fn alloc(&mut self, ptr: u64, len: u64) {
             let fit = self
                 .chunks
@@ -358,12 +421,14 @@ pub(crate) mod fake {
                 free.insert(off + len, l - len);
             }
             self.blocks.insert(ptr, (id, off, len));
+            self.used += len;
         }
 
         fn free(&mut self, ptr: u64) {
             let Some((id, mut off, mut len)) = self.blocks.remove(&ptr) else {
                 return;
             };
+            self.used -= len;
             let free = &mut self.chunks.get_mut(&id).expect("the block's chunk").1;
             if let Some((&o, &l)) = free.range(..off).next_back() {
                 if o + l == off {
@@ -402,6 +467,9 @@ pub(crate) mod fake {
     pub(crate) struct FakeBackend {
         /// Large blocks on simulated physical pages.
         pub(crate) pages: Option<PageHeap<FakePhys, FakeBackend>>,
+        /// The driver-pool model's and the page heap's reservations, under the pool's
+        /// limit ([`FakeBackend::with_pool_limit`]).
+        pub(crate) reservations: Arc<Reservations>,
         /// The most the driver-pool model and the page heap reserved together.
         peak_total: AtomicU64,
         next: AtomicU64,
@@ -422,6 +490,7 @@ pub(crate) mod fake {
         pub(crate) fn new(limit: u64) -> Self {
             Self {
                 pages: None,
+                reservations: Arc::new(Reservations::new(None)),
                 peak_total: AtomicU64::new(0),
                 next: AtomicU64::new(1 << 20),
                 held: AtomicU64::new(0),
@@ -443,6 +512,18 @@ pub(crate) mod fake {
             let mut b = Self::new(limit);
             b.pages = Some(PageHeap::new(phys, tuning).with_min_block(page_min));
             b
+        }
+
+        /// This device holding its driver-pool model and its page heap together to at most
+        /// `limit` bytes of reservations, as a `DevicePool`'s limit does.
+        pub(crate) fn with_pool_limit(mut self, limit: Option<usize>) -> Self {
+            let reservations = Arc::new(Reservations::new(limit));
+            self.pages = self
+                .pages
+                .take()
+                .map(|h| h.with_reservations(reservations.clone()));
+            self.reservations = reservations;
+            self
         }
 
         fn heap_reserved(&self) -> u64 {
@@ -563,11 +644,13 @@ pub(crate) mod fake {
                         return Err(e);
                     }
                 },
-                None => {
-                    let ptr = self.next.fetch_add(b, Ordering::SeqCst);
-                    lock(&self.pool).alloc(ptr, b);
-                    ptr
-                }
+                None => match self.reservations.pool_alloc(bytes, &ModelPool(self)) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        self.held.fetch_sub(b, Ordering::SeqCst);
+                        return Err(e);
+                    }
+                },
             };
             assert!(
                 lock(&self.live).insert(ptr, bytes).is_none(),
@@ -602,10 +685,44 @@ pub(crate) mod fake {
                 h.trim_beside_pool(self, keep, pool)
             });
             lock(&self.pool).trim_to(keep_pool as u64);
+            self.reservations
+                .pool_trimmed(|| Some(lock(&self.pool).reserved as usize));
         }
 
         fn reserved(&self) -> Option<usize> {
             Some((lock(&self.pool).reserved + self.heap_reserved()) as usize)
+        }
+    }
+
+    /// The driver-pool model as the reservations use it.
+    struct ModelPool<'a>(&'a FakeBackend);
+
+    impl PoolSide for ModelPool<'_> {
+        fn usage(&self) -> Result<(usize, usize)> {
+            let m = lock(&self.0.pool);
+            Ok((m.reserved as usize, m.used as usize))
+        }
+
+        fn alloc(&self, bytes: usize) -> Result<u64> {
+            let b = bytes as u64;
+            let mut m = lock(&self.0.pool);
+            // The driver pool's maximum size is the pool's limit.
+            let limit = self.0.reservations.limit() as u64;
+            if m.reserved.saturating_add(m.growth(b)) > limit {
+                return Err(Error::OutOfMemory { requested: bytes });
+            }
+            let ptr = self.0.next.fetch_add(b, Ordering::SeqCst);
+            m.alloc(ptr, b);
+            // The peak of the two together, at the moment the model grew.
+            let total = m.reserved + self.0.heap_reserved();
+            self.0.peak_total.fetch_max(total, Ordering::SeqCst);
+            Ok(ptr)
+        }
+
+        fn undo(&self, ptr: u64, keep: usize) {
+            let mut m = lock(&self.0.pool);
+            m.free(ptr);
+            m.trim_to(keep as u64);
         }
     }
 

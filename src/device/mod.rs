@@ -69,6 +69,7 @@ mod local;
 pub(crate) mod pages;
 mod pool;
 mod report;
+mod reserve;
 #[doc(hidden)]
 pub mod sim;
 mod size_class;

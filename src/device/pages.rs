@@ -71,6 +71,7 @@ use std::marker::PhantomData;
 
 use super::backend::{is_out_of_memory, Backend};
 use super::pool::PageTuning;
+use super::reserve::Reservations;
 use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
@@ -355,8 +356,9 @@ pub(crate) struct PageHeap<P: Phys, B: Backend> {
     region_bytes: usize,
     /// The smallest block the heap serves; smaller ones stay on the driver pool.
     min_block: usize,
-    /// The most bytes of handles the heap holds (the pool's limit).
-    limit: Option<usize>,
+    /// The pool's reservations: every handle is charged there before it is made, so that
+    /// the pool's limit holds for the heap and the driver pool together.
+    reservations: Arc<Reservations>,
     state: Mutex<State<B::Mark>>,
     _backend: PhantomData<fn() -> B>,
 }
@@ -384,7 +386,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             idle_divisor: tuning.idle_divisor.max(1) as usize,
             region_bytes: REGION_BYTES,
             min_block: granule * PAGE_MIN_GRANULES,
-            limit: None,
+            reservations: Arc::new(Reservations::new(None)),
             state: Mutex::new(State {
                 regions: Vec::new(),
                 next_index: 0,
@@ -412,9 +414,16 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         }
     }
 
-    /// This heap holding at most `limit` bytes of handles (`None`: no cap).
+    /// This heap charging its handles to `reservations` (shared with the driver pool
+    /// beside it, under the pool's limit).
+    pub(crate) fn with_reservations(self, reservations: Arc<Reservations>) -> Self {
+        Self { reservations, ..self }
+    }
+
+    /// This heap holding at most `limit` bytes of handles, alone (`None`: no cap).
+    #[cfg(test)]
     pub(crate) fn with_limit(self, limit: Option<usize>) -> Self {
-        Self { limit, ..self }
+        self.with_reservations(Arc::new(Reservations::new(limit)))
     }
 
     /// This heap reserving virtual regions of at least `bytes` (the device's memory).
@@ -713,25 +722,26 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             }
         }
         let chunk = self.chunk_bytes();
-        if self.limit.is_some_and(|l| st.stats.reserved + chunk > l) {
-            // At the cap: only an idle chunk can serve (the cache's recovery runs next).
-            return self
-                .reclaim(st, b, usize::MAX, Reclaim::Retire)
-                .ok_or(Error::LimitExceeded {
-                    requested: chunk,
-                    held: st.stats.reserved,
-                    limit: self.limit.unwrap_or(0),
-                });
+        if let Err(e) = self.reservations.take(chunk) {
+            // At the pool's limit: only an idle chunk can serve (the cache's recovery runs
+            // next).
+            return self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e);
         }
         match timed(&mut st.stats.driver_ns[0], || self.phys.create(chunk)) {
+            Err(e) => {
+                self.reservations.give(chunk);
+                if is_out_of_memory(&e) {
+                    self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e)
+                } else {
+                    Err(e)
+                }
+            }
             Ok(h) => {
                 st.stats.creates += 1;
                 st.stats.reserved += self.chunk_bytes();
                 st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
                 Ok((h, Vec::new()))
             }
-            Err(e) if is_out_of_memory(&e) => self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e),
-            Err(e) => Err(e),
         }
     }
 
@@ -977,6 +987,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             match timed(&mut st.stats.driver_ns[4], || unsafe { self.phys.release(h) }) {
                 Ok(()) => {
                     st.stats.reserved -= self.chunk_bytes();
+                    self.reservations.give(self.chunk_bytes());
                     st.stats.releases += 1;
                 }
                 Err(e) => record_drop_error("cuMemRelease", e),

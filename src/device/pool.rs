@@ -49,8 +49,15 @@ pub struct DevicePoolConfig {
     /// pages are kept until [`DevicePool::trim`] or an allocation's need.
     pub release_threshold: u64,
     /// The most bytes the pool holds from the device (`None`, the default: no limit
-    /// beyond the device's memory). The cache counts blocks at their class size; the
-    /// driver pool is capped at the same value.
+    /// beyond the device's memory), for the pool as a whole: what the driver pool and the
+    /// page heap reserve together stays at most the limit
+    /// ([`peak_reserved_bytes`](super::DevicePoolStats::peak_reserved_bytes) is then the
+    /// peak of the two together), and so do the blocks held (counted at their class size).
+    /// An allocation that would pass it frees cached memory and retries, then fails with
+    /// [`Error::DeviceOutOfMemory`](crate::Error::DeviceOutOfMemory). Under a limit, an
+    /// allocation from the driver pool that may make it grow first takes head room for
+    /// the growth (the driver reserves in steps of 32 MiB and more), so that the limit
+    /// holds; such allocations also take a lock of their own (misses only, not hits).
     pub limit: Option<usize>,
     /// Whether freed blocks are cached by (stream, size class) in front of the backing
     /// (default true). `false` with [`Backing::DriverPool`] gives the plain stream-ordered
@@ -112,7 +119,7 @@ pub enum Backing {
     /// workload on the H200: 1.144x the peak request in 1.4-1.7 s with the default tuning,
     /// 1.163x in 0.42 s with [`PageTuning::FAST`]). Smaller blocks stay on the driver
     /// pool. Needs a device with VMM support: [`DevicePool::new`] fails without it. A
-    /// [`limit`](DevicePoolConfig::limit) also caps the physical memory the pages reserve
+    /// [`limit`](DevicePoolConfig::limit) holds for the pages and the driver pool together
     /// (idle chunks move rather than grow past it).
     PhysicalPages,
 }
@@ -631,7 +638,13 @@ impl DevicePool {
             held_bytes: snap.held_bytes,
             peak_held_bytes: snap.peak_held_bytes,
             reserved_bytes: usage.reserved,
-            peak_reserved_bytes: usage.reserved_high,
+            // Under a limit the pool reads the sum at every change (`reserve.rs`): the
+            // peak of the sum. Without one, the two peaks added.
+            peak_reserved_bytes: if backend.reservations.limited() {
+                backend.reservations.peak() as u64
+            } else {
+                usage.reserved_high
+            },
             used_bytes: usage.used,
             peak_used_bytes: usage.used_high,
             limit: self.inner.config.limit,
@@ -710,6 +723,7 @@ impl DevicePool {
         if let Some(h) = &self.cache().backend.pages {
             h.reset_peak();
         }
+        self.cache().backend.reservations.reset_peak();
         if let Err(e) = self.cache().backend.pool.reset_highs() {
             log::warn!("cudalloc: could not reset the driver pool's highs: {e}");
         }
