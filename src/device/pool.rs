@@ -398,6 +398,8 @@ impl DevicePool {
             },
             ..config
         };
+        // Under compute-sanitizer, the process-wide pools' cached memory goes back at exit.
+        crate::cuda::exit::release_at_exit(release_process_pools);
         let settings = if config.cache {
             Settings::new(config.max_cached_block, config.thread_cache_bytes, config.limit)
         } else {
@@ -799,6 +801,13 @@ impl DevicePool {
 fn process_pools() -> &'static [OnceLock<DevicePool>] {
     static POOLS: OnceLock<Box<[OnceLock<DevicePool>]>> = OnceLock::new();
     POOLS.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect())
+}
+
+/// Trims every process-wide pool (at exit under compute-sanitizer: `cuda/exit.rs`).
+fn release_process_pools() {
+    for pool in existing_process_pools().into_iter().flatten() {
+        pool.trim();
+    }
 }
 
 /// The process-wide pools created so far, by device (for [`report`](super::report)).

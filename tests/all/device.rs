@@ -278,3 +278,23 @@ fn a_pool_limit_holds_for_both_backings_together() {
     assert_eq!(st.abandoned_bytes, 0, "{st:?}");
     assert_eq!((st.live_buffers, st.live_bytes), (0, 0), "{st:?}");
 }
+
+/// Issue 21, item 12: leaves cached memory in the process-wide pinned and device pools
+/// (no release call) for the library's own release at exit. The proof is a run under the
+/// sanitizer with the test harness's exit hook off, which must report no leak:
+/// `CUDALLOC_TEST_KEEP_CACHE=1 REQUIRE_GPU=1 compute-sanitizer --leak-check full
+/// .gpu/test-all --exact device::cached_memory_left_for_the_release_at_exit`, and with
+/// `CUDALLOC_RELEASE_AT_EXIT=0` added, the negative control, must report the cached blocks.
+#[test]
+fn cached_memory_left_for_the_release_at_exit() {
+    gpu!();
+    let s = stream();
+    let pool = DevicePool::get(0).unwrap();
+    let v: allocator_api2::vec::Vec<u8, _> =
+        allocator_api2::vec::Vec::with_capacity_in(4 * MIB, cudalloc::PinnedAlloc);
+    drop(v);
+    drop(pool.alloc_zeroed::<u8>(8 * MIB, &s).unwrap());
+    s.synchronize().unwrap();
+    let st = pool.stats();
+    assert!(st.cached_bytes + st.pending_bytes > 0, "{st:?}");
+}
