@@ -4,8 +4,9 @@
 //! fake in [`fake`] simulates streams as counters so that the cache's algorithm runs in
 //! CPU tests and loom models, and checks every cross-stream hand-over it makes.
 
+use super::config::PageTuning;
+use super::order::StreamOrder;
 use super::pages::PageHeap;
-use super::pool::PageTuning;
 use super::reserve::{PoolSide, Reservations};
 use crate::cuda::mem_pool::MemPool;
 use crate::cuda::vmm::Vmm;
@@ -13,26 +14,9 @@ use crate::cuda::{mem_info, PooledEvent, Stream, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::Arc;
 
-/// Stream-ordered memory and stream order, as the cache uses them.
-pub(crate) trait Backend: Send + Sync + 'static {
-    /// A live handle of a stream (the cache keeps one for every stream whose blocks it
-    /// holds, to record marks on it later).
-    type Stream: Clone + Send + Sync + 'static;
-    /// A point recorded on a stream (a CUDA event).
-    type Mark: Send + 'static;
-
-    /// The stream's process-unique id (never the raw handle, which the driver reuses).
-    fn stream_id(stream: &Self::Stream) -> StreamId;
-    /// Records a mark at the current end of `stream`.
-    fn mark(&self, stream: &Self::Stream) -> Result<Self::Mark>;
-    /// Makes work queued on `stream` from now on wait for `mark` (no host wait).
-    fn wait(&self, stream: &Self::Stream, mark: &Self::Mark) -> Result<()>;
-    /// Whether the work before `mark` has completed (never blocks).
-    fn is_complete(&self, mark: &Self::Mark) -> Result<bool>;
-    /// Blocks the host until the work before `mark` has completed.
-    fn wait_host(&self, mark: &Self::Mark) -> Result<()>;
-    /// Blocks the host until all work queued on `stream` has completed.
-    fn synchronize(&self, stream: &Self::Stream) -> Result<()>;
+/// Stream-ordered memory, as the cache uses it (stream order itself is its
+/// [`StreamOrder`] part).
+pub(crate) trait Backend: StreamOrder {
     /// Allocates `bytes` (nonzero, a multiple of 256) usable by work queued on `stream`
     /// from now on.
     fn alloc(&self, bytes: usize, stream: &Self::Stream) -> Result<u64>;
@@ -48,15 +32,6 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn trim_to(&self, keep: usize);
     /// Bytes the backend has reserved from the device (`None` if it cannot say).
     fn reserved(&self) -> Option<usize>;
-}
-
-/// Whether `e` says that memory ran out (rather than that something is broken).
-pub(crate) fn is_out_of_memory(e: &Error) -> bool {
-    match e {
-        Error::OutOfMemory { .. } | Error::DeviceOutOfMemory { .. } | Error::LimitExceeded { .. } => true,
-        Error::Cuda(c) => c.is_out_of_memory(),
-        _ => false,
-    }
 }
 
 /// The backend of a [`DevicePool`](super::DevicePool): its own `cuMemPool` and the
@@ -144,7 +119,7 @@ impl CudaBackend {
     }
 }
 
-impl Backend for CudaBackend {
+impl StreamOrder for CudaBackend {
     type Stream = Stream;
     type Mark = PooledEvent;
 
@@ -172,7 +147,9 @@ impl Backend for CudaBackend {
     fn synchronize(&self, stream: &Stream) -> Result<()> {
         stream.synchronize()
     }
+}
 
+impl Backend for CudaBackend {
     fn alloc(&self, bytes: usize, stream: &Stream) -> Result<u64> {
         self.check_fits(bytes)?;
         match PageHeap::serving(&self.pages, bytes) {
@@ -231,8 +208,10 @@ impl Drop for CudaBackend {
 pub(crate) mod fake {
     use std::collections::BTreeMap;
 
-    use super::super::pages::{PageHeap, Phys};
-    use super::super::pool::PageTuning;
+    use super::super::config::PageTuning;
+    use super::super::order::StreamOrder;
+    use super::super::pages::PageHeap;
+    use super::super::phys::Phys;
     use super::super::reserve::{PoolSide, Reservations};
     use super::Backend;
     use crate::cuda::StreamId;
@@ -559,7 +538,7 @@ pub(crate) mod fake {
         }
     }
 
-    impl Backend for FakeBackend {
+    impl StreamOrder for FakeBackend {
         type Stream = FakeStream;
         type Mark = FakeMark;
 
@@ -619,7 +598,9 @@ pub(crate) mod fake {
             stream.complete_all();
             Ok(())
         }
+    }
 
+    impl Backend for FakeBackend {
         fn alloc(&self, bytes: usize, stream: &FakeStream) -> Result<u64> {
             assert!(bytes > 0 && bytes % 256 == 0, "fake: bad request {bytes}");
             let b = bytes as u64;

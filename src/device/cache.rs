@@ -61,7 +61,7 @@
 
 use std::collections::VecDeque;
 
-use super::backend::{is_out_of_memory, Backend};
+use super::backend::Backend;
 use super::reserve::Tally;
 use super::size_class::{class_of, class_size, round_to_granule, MAX_CLASS_SIZE};
 use super::thread_cache::{Evicted, ThreadCache, ThreadStats};
@@ -639,7 +639,7 @@ impl<B: Backend> Cache<B> {
         self.make_room(tc.as_deref_mut(), bytes);
         let first = match self.reserve_and_alloc(bytes, stream) {
             Ok(p) => return Ok(p),
-            Err(e) if is_out_of_memory(&e) => e,
+            Err(e) if e.is_out_of_memory() => e,
             Err(e) => return Err(self.failed(e)),
         };
         log::debug!("cudalloc: device pool out of memory for {bytes} bytes ({first}); releasing the cache");
@@ -647,7 +647,7 @@ impl<B: Backend> Cache<B> {
         let touched = self.release_all(tc);
         match self.reserve_and_alloc(bytes, stream) {
             Ok(p) => return Ok(p),
-            Err(e) if is_out_of_memory(&e) => {}
+            Err(e) if e.is_out_of_memory() => {}
             Err(e) => return Err(self.failed(e)),
         }
         // The released blocks' frees may not have completed; wait for them and give the

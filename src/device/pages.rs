@@ -63,14 +63,15 @@
 //!   blocks come here, and in a steady state most of them map nothing.
 //!
 //! The algorithm is generic over [`Phys`] (the physical operations) and the cache's
-//! [`Backend`] (its marks), so CPU tests drive it with `backend::fake`, whose fake
+//! [`StreamOrder`] (its marks), so CPU tests drive it with `backend::fake`, whose fake
 //! physical memory checks every mapping, unmapping and use against the simulated streams.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::marker::PhantomData;
 
-use super::backend::{is_out_of_memory, Backend};
-use super::pool::PageTuning;
+use super::config::PageTuning;
+use super::order::StreamOrder;
+use super::phys::Phys;
 use super::reserve::Reservations;
 use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
@@ -101,45 +102,6 @@ enum Reclaim {
     Retire,
 }
 
-/// The physical operations of the virtual memory management API, on one device.
-pub(crate) trait Phys: Send + Sync + 'static {
-    /// The allocation granule in bytes (a power of two).
-    fn granule(&self) -> usize;
-    /// Creates a handle of `bytes` (a multiple of the granule) of physical memory.
-    fn create(&self, bytes: usize) -> Result<u64>;
-    /// Releases a handle that no range maps.
-    ///
-    /// # Safety
-    /// 1. `handle` came from [`Phys::create`], is released once, and is not mapped.
-    unsafe fn release(&self, handle: u64) -> Result<()>;
-    /// Reserves a virtual range of `bytes` (a multiple of the granule).
-    fn reserve(&self, bytes: usize) -> Result<u64>;
-    /// Frees a virtual range.
-    ///
-    /// # Safety
-    /// 1. `va`, `bytes` came from [`Phys::reserve`], are freed once, and nothing in the
-    ///    range is mapped.
-    unsafe fn free_range(&self, va: u64, bytes: usize) -> Result<()>;
-    /// Maps the whole of `handle` (of `bytes`) at `va`.
-    ///
-    /// # Safety
-    /// 1. `[va, va + bytes)` lies in a reserved range and nothing is mapped in it; `handle`
-    ///    is live and of `bytes`.
-    unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()>;
-    /// Unmaps the mapping at `va` of `bytes` (one handle's).
-    ///
-    /// # Safety
-    /// 1. One [`Phys::map`] made exactly this mapping, and no work queued on the device
-    ///    that has not completed uses it.
-    unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()>;
-    /// Lets the device, and the devices `peers`, read and write `[va, va + bytes)`
-    /// (access of devices not named is left as it is).
-    ///
-    /// # Safety
-    /// 1. The range is wholly mapped.
-    unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()>;
-}
-
 /// A mark recorded at a free, shared by the free runs that hold the freed units.
 struct Stamp<M> {
     stream: StreamId,
@@ -153,7 +115,7 @@ struct Stamp<M> {
 
 impl<M> Stamp<M> {
     /// Whether the work before the mark has completed (queried once it has, never again).
-    fn complete<B: Backend<Mark = M>>(&self, b: &B) -> bool {
+    fn complete<B: StreamOrder<Mark = M>>(&self, b: &B) -> bool {
         if self.done.load(Ordering::Relaxed) {
             return true;
         }
@@ -168,7 +130,7 @@ impl<M> Stamp<M> {
     }
 
     /// Waits on the host; whether it completed.
-    fn wait_host<B: Backend<Mark = M>>(&self, b: &B) -> bool {
+    fn wait_host<B: StreamOrder<Mark = M>>(&self, b: &B) -> bool {
         if self.complete(b) {
             return true;
         }
@@ -343,7 +305,7 @@ struct State<M> {
 pub(crate) const PAGE_MIN_GRANULES: usize = 2;
 
 /// Large blocks on physical pages. See the [module docs](self).
-pub(crate) struct PageHeap<P: Phys, B: Backend> {
+pub(crate) struct PageHeap<P: Phys, B: StreamOrder> {
     phys: P,
     granule: usize,
     /// The bytes of one step of the address index: blocks are runs of units.
@@ -363,7 +325,7 @@ pub(crate) struct PageHeap<P: Phys, B: Backend> {
     _backend: PhantomData<fn() -> B>,
 }
 
-impl<P: Phys, B: Backend> core::fmt::Debug for PageHeap<P, B> {
+impl<P: Phys, B: StreamOrder> core::fmt::Debug for PageHeap<P, B> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("PageHeap")
             .field("granule", &self.granule)
@@ -372,7 +334,7 @@ impl<P: Phys, B: Backend> core::fmt::Debug for PageHeap<P, B> {
     }
 }
 
-impl<P: Phys, B: Backend> PageHeap<P, B> {
+impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// A heap over `phys`, tuned by `tuning` (checked: [`PageTuning::check`]).
     pub(crate) fn new(phys: P, tuning: PageTuning) -> Self {
         let granule = phys.granule();
@@ -730,7 +692,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         match timed(&mut st.stats.driver_ns[0], || self.phys.create(chunk)) {
             Err(e) => {
                 self.reservations.give(chunk);
-                if is_out_of_memory(&e) {
+                if e.is_out_of_memory() {
                     self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e)
                 } else {
                     Err(e)

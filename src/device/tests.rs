@@ -835,8 +835,8 @@ fn dropping_the_cache_frees_every_block() {
 // The page heap (`pages.rs`) on the simulated physical memory of `backend::fake`.
 
 use super::backend::fake::FakePhys;
+use super::config::PageTuning;
 use super::pages::PageHeap;
-use super::pool::PageTuning;
 
 const GRANULE: usize = 2 * MIB;
 
@@ -986,7 +986,7 @@ fn a_page_heap_moves_a_pending_chunks_handle_and_orders_its_next_user() {
 #[test]
 fn the_fake_physical_memory_catches_an_unordered_reuse_and_an_early_unmap() {
     // Negative control of the checker the other tests rely on.
-    use super::pages::Phys;
+    use super::phys::Phys;
     let phys = FakePhys::new(GRANULE, usize::MAX);
     let (s1, s2) = (FakeStream::new(), FakeStream::new());
     let hd = phys.create(GRANULE).unwrap();
@@ -1038,7 +1038,7 @@ fn out_of_memory_scenario(h: Heap, b: FakeBackend, phys: FakePhys) -> Error {
     unsafe { h.free(&b, a, &s) };
     // 40 MiB: a's 32 MiB can be moved, 8 MiB more cannot be made.
     let e = h.alloc(&b, 40 * MIB, &s2).unwrap_err();
-    assert!(super::backend::is_out_of_memory(&e), "{e}");
+    assert!(e.is_out_of_memory(), "{e}");
     let st = h.stats();
     assert_eq!((st.reserved, st.block_bytes), (64 * MIB, 32 * MIB), "{st:?}");
     // 32 MiB fits in what was freed, ordered after s's work.
