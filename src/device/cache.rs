@@ -39,7 +39,7 @@
 //! it for later requests, so its reservations drift above what the cache holds. A
 //! reservation policy that trims the driver pool's idle reservations after a release
 //! (`Settings::trim_backend`) brings RMM's random workload from 1.21 to 1.13 reserved /
-//! requested on the simulated driver pool of `backend::fake`, but not on the H200
+//! requested on the simulated driver pool of `device/fake.rs`, but not on the H200
 //! (2026-11-30: 1.33 with it, 1.26 for `cuMemAllocAsync`, 47852 trims making the run 4x
 //! slower), whose pool keeps chunks that hold any live block: it is off by default.
 //!

@@ -66,6 +66,9 @@ mod backend;
 mod buffer;
 mod cache;
 mod config;
+#[cfg(any(test, feature = "sim"))]
+#[cfg_attr(not(test), allow(dead_code))]
+mod fake;
 mod local;
 mod order;
 pub(crate) mod pages;
@@ -73,7 +76,7 @@ mod phys;
 mod pool;
 mod report;
 mod reserve;
-#[doc(hidden)]
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
 mod size_class;
 mod thread_cache;

@@ -63,7 +63,7 @@
 //!   blocks come here, and in a steady state most of them map nothing.
 //!
 //! The algorithm is generic over [`Phys`] (the physical operations) and the cache's
-//! [`StreamOrder`] (its marks), so CPU tests drive it with `backend::fake`, whose fake
+//! [`StreamOrder`] (its marks), so CPU tests drive it with `device/fake.rs`, whose fake
 //! physical memory checks every mapping, unmapping and use against the simulated streams.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -368,7 +368,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// This heap serving blocks of `bytes` and more (simulated devices test thresholds).
-    #[cfg_attr(not(test), allow(dead_code))]
+    #[cfg(any(test, feature = "sim"))]
     pub(crate) fn with_min_block(self, bytes: usize) -> Self {
         Self {
             min_block: bytes,
@@ -410,7 +410,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         keep.saturating_sub(self.reserved())
     }
 
-    #[cfg_attr(not(test), allow(dead_code))]
+    #[cfg(test)]
     pub(crate) fn phys(&self) -> &P {
         &self.phys
     }

@@ -1,11 +1,11 @@
 //! CPU tests of the cache's algorithm (`cache.rs`, `thread_cache.rs`) on the simulated
-//! GPU of `backend::fake`: every hand-over of a block to a stream is checked against the
+//! GPU of `device/fake.rs`: every hand-over of a block to a stream is checked against the
 //! block's earlier uses on other streams.
 
 use std::collections::HashMap;
 
-use super::backend::fake::{FakeBackend, FakeStream};
 use super::cache::{Cache, Settings};
+use super::fake::{FakeBackend, FakeStream};
 use super::size_class::{class_of, class_size};
 use super::thread_cache::ThreadCache;
 use crate::error::Error;
@@ -832,10 +832,10 @@ fn dropping_the_cache_frees_every_block() {
     );
 }
 
-// The page heap (`pages.rs`) on the simulated physical memory of `backend::fake`.
+// The page heap (`pages.rs`) on the simulated physical memory of `device/fake.rs`.
 
-use super::backend::fake::FakePhys;
 use super::config::PageTuning;
+use super::fake::FakePhys;
 use super::pages::PageHeap;
 
 const GRANULE: usize = 2 * MIB;
