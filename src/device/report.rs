@@ -51,7 +51,7 @@ pub struct DevicePoolStats {
     /// [`Backing::PhysicalPages`](super::Backing::PhysicalPages), the bytes of the page
     /// heap's physical handles.
     pub reserved_bytes: u64,
-    /// The most it reserved. With a [limit](DevicePoolConfig::limit), the peak of the
+    /// The most it reserved. With a [limit](super::DevicePoolConfig::limit), the peak of the
     /// driver pool's and the page heap's reservations together (which the limit holds to);
     /// without one, `..._RESERVED_MEM_HIGH` plus the page heap's peak (the sum of the two
     /// peaks, an upper bound of the peak of the sum).
