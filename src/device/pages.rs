@@ -258,9 +258,21 @@ pub(crate) struct PageStats {
     pub(crate) waits: u64,
     /// `cuMemSetAccess` calls.
     pub(crate) accesses: u64,
-    /// Nanoseconds in the driver's create, map, set-access, unmap and release calls.
+    /// Nanoseconds in the driver's create, map, set-access, unmap and release calls (by
+    /// the slots [`CREATE`], [`MAP`], [`ACCESS`], [`UNMAP`], [`RELEASE`]).
     pub(crate) driver_ns: [u64; 5],
 }
+
+/// The slots of [`PageStats::driver_ns`]: `cuMemCreate`.
+const CREATE: usize = 0;
+/// `cuMemMap`.
+const MAP: usize = 1;
+/// `cuMemSetAccess`.
+const ACCESS: usize = 2;
+/// `cuMemUnmap`.
+const UNMAP: usize = 3;
+/// `cuMemRelease`.
+const RELEASE: usize = 4;
 
 /// Runs a driver call, adding its time to `ns`.
 fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
@@ -446,7 +458,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             st.stats.accesses += 1;
             // SAFETY: every chunk with a handle is mapped (in blocks, idle, retired or
             // stuck), and chunks from..c are consecutive in one region.
-            timed(&mut st.stats.driver_ns[2], || unsafe {
+            timed(&mut st.stats.driver_ns[ACCESS], || unsafe {
                 self.phys.set_access(va, (c - from) * cb, &[peer])
             })?;
         }
@@ -606,7 +618,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 // (no handle is recorded for it); h is live, of a chunk's bytes, and mapped
                 // nowhere (spare, unmapped from an idle chunk, or new) or only at a retired
                 // chunk whose work the allocation is ordered after.
-                if let Err(e) = timed(&mut st.stats.driver_ns[1], || unsafe { self.phys.map(va, cb, h) }) {
+                if let Err(e) = timed(&mut st.stats.driver_ns[MAP], || unsafe {
+                    self.phys.map(va, cb, h)
+                }) {
                     st.spare.push(h);
                     failed = Some(e);
                     break;
@@ -619,7 +633,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 let va = self.va_of(st, from * self.chunk_units);
                 st.stats.accesses += 1;
                 // SAFETY: chunks from..i are consecutive and were all mapped above.
-                let access = timed(&mut st.stats.driver_ns[2], || unsafe {
+                let access = timed(&mut st.stats.driver_ns[ACCESS], || unsafe {
                     self.phys.set_access(va, (i - from) * cb, &st.peers)
                 });
                 if let Err(e) = access {
@@ -689,7 +703,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             // next).
             return self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e);
         }
-        match timed(&mut st.stats.driver_ns[0], || self.phys.create(chunk)) {
+        match timed(&mut st.stats.driver_ns[CREATE], || self.phys.create(chunk)) {
             Err(e) => {
                 self.reservations.give(chunk);
                 if e.is_out_of_memory() {
@@ -746,7 +760,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             // SAFETY: the chunk was mapped by `map_chunks` with a chunk's bytes; no block
             // holds a unit of it, and the marks of every free of its units
             // completed (a run keeps the latest mark of each stream until it completes).
-            match timed(&mut st.stats.driver_ns[3], || unsafe { self.phys.unmap(va, cb) }) {
+            match timed(&mut st.stats.driver_ns[UNMAP], || unsafe {
+                self.phys.unmap(va, cb)
+            }) {
                 Ok(()) => {
                     st.stats.unmaps += 1;
                     return st.chunks[c].handle.take().map(|h| (h, Vec::new()));
@@ -802,7 +818,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             let cb = self.chunk_bytes();
             // SAFETY: the chunk's old mapping (a chunk's bytes, by `map_chunks`); no block
             // holds its units, and the marks of their last frees completed.
-            match timed(&mut st.stats.driver_ns[3], || unsafe { self.phys.unmap(va, cb) }) {
+            match timed(&mut st.stats.driver_ns[UNMAP], || unsafe {
+                self.phys.unmap(va, cb)
+            }) {
                 Ok(()) => {
                     st.stats.unmaps += 1;
                     // The handle lives on in its new mapping.
@@ -946,7 +964,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }
             // SAFETY: the handle is mapped nowhere (spare, or just unmapped) and
             // forgotten here.
-            match timed(&mut st.stats.driver_ns[4], || unsafe { self.phys.release(h) }) {
+            match timed(&mut st.stats.driver_ns[RELEASE], || unsafe {
+                self.phys.release(h)
+            }) {
                 Ok(()) => {
                     st.stats.reserved -= self.chunk_bytes();
                     self.reservations.give(self.chunk_bytes());
