@@ -88,7 +88,7 @@ pub(crate) fn release_at_exit(release: fn()) {
 
 /// Release functions that panicked at exit (each counted, also in
 /// [`drop_errors`](super::drop_errors); none unwound).
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 fn exit_release_failures() -> u64 {
     FAILURES.load(Ordering::Relaxed)
 }

@@ -147,7 +147,7 @@ impl Reservations {
     }
 
     /// Bytes charged now: the page heap's, and the driver pool's as last read.
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn held(&self) -> usize {
         self.tally.held()
     }
