@@ -52,6 +52,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "device/buffer.rs",
     "device/cache.rs",
     "device/config.rs",
+    "device/fake.rs",
     "device/local.rs",
     "device/loom_models.rs",
     "device/mod.rs",
