@@ -65,6 +65,12 @@ impl Budget {
         }
     }
 
+    /// Counts `n` more bytes as held even past the limit (memory that was taken anyway,
+    /// such as a driver pool's growth that the driver decided on).
+    pub(crate) fn charge(&self, n: usize) {
+        self.held.fetch_add(n, Ordering::Relaxed);
+    }
+
     pub(crate) fn release(&self, n: usize) {
         let before = self.held.fetch_sub(n, Ordering::Relaxed);
         debug_assert!(before >= n, "budget released {n} bytes with {before} held");

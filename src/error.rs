@@ -65,6 +65,19 @@ pub enum Error {
     KernelNotFound,
 }
 
+impl Error {
+    /// Whether the error says that memory ran out (a source, a driver, or a limit), rather
+    /// than that something is broken: what a pool's recovery (release, trim, retry) can
+    /// help with.
+    pub(crate) fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::OutOfMemory { .. } | Error::DeviceOutOfMemory { .. } | Error::LimitExceeded { .. } => true,
+            Error::Cuda(c) => c.is_out_of_memory(),
+            _ => false,
+        }
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -12,6 +12,7 @@
 pub(crate) mod async_memory;
 mod driver;
 mod event_pool;
+pub(crate) mod exit;
 pub(crate) mod mem_pool;
 pub(crate) mod memory;
 mod module;

@@ -2,13 +2,13 @@
 //! (`cuMemCreate`, `cuMemRelease`, granule from `cuMemGetAllocationGranularity`), virtual
 //! ranges (`cuMemAddressReserve`, `cuMemAddressFree`), mappings (`cuMemMap`,
 //! `cuMemUnmap`) and access (`cuMemSetAccess`). Crate-internal: the page heap of a device
-//! pool (`device::pages`) is built on it; every call binds the device's primary context
-//! first.
+//! pool (`device::pages`) is built on it (through `device::phys`, which implements its
+//! `Phys` trait with these methods: this layer never names the device layer); every call
+//! binds the device's primary context first.
 
 use cudarc::driver::sys;
 
 use super::driver::{bind, check, driver, ordinal_i32};
-use crate::device::pages::Phys;
 use crate::error::{Error, Result};
 
 /// Physical memory of device `device`, pinned (not pageable), accessible from the device.
@@ -78,12 +78,15 @@ impl Vmm {
     }
 }
 
-impl Phys for Vmm {
-    fn granule(&self) -> usize {
+/// The physical operations in the driver's terms.
+impl Vmm {
+    /// The allocation granule in bytes (a power of two).
+    pub(crate) fn granule(&self) -> usize {
         self.granule
     }
 
-    fn create(&self, bytes: usize) -> Result<u64> {
+    /// Creates a handle of `bytes` (a multiple of the granule) of physical memory.
+    pub(crate) fn create(&self, bytes: usize) -> Result<u64> {
         bind(self.device)?;
         let prop = self.prop();
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -93,14 +96,19 @@ impl Phys for Vmm {
         Ok(handle)
     }
 
-    unsafe fn release(&self, handle: u64) -> Result<()> {
+    /// Releases a handle that no range maps.
+    ///
+    /// # Safety
+    /// 1. `handle` came from [`Vmm::create`], is released once, and is not mapped.
+    pub(crate) unsafe fn release(&self, handle: u64) -> Result<()> {
         bind(self.device)?;
         // SAFETY: obligation 1: a live handle, released once.
         check(unsafe { sys::cuMemRelease(handle) })?;
         Ok(())
     }
 
-    fn reserve(&self, bytes: usize) -> Result<u64> {
+    /// Reserves a virtual range of `bytes` (a multiple of the granule).
+    pub(crate) fn reserve(&self, bytes: usize) -> Result<u64> {
         bind(self.device)?;
         let mut va: sys::CUdeviceptr = 0;
         // SAFETY: the driver writes the range's start; aligned to the granule, no fixed
@@ -112,14 +120,24 @@ impl Phys for Vmm {
         Ok(va)
     }
 
-    unsafe fn free_range(&self, va: u64, bytes: usize) -> Result<()> {
+    /// Frees a virtual range.
+    ///
+    /// # Safety
+    /// 1. `va`, `bytes` came from [`Vmm::reserve`], are freed once, and nothing in the
+    ///    range is mapped.
+    pub(crate) unsafe fn free_range(&self, va: u64, bytes: usize) -> Result<()> {
         bind(self.device)?;
         // SAFETY: obligation 1: a reserved range with nothing mapped, freed once.
         check(unsafe { sys::cuMemAddressFree(va, bytes) })?;
         Ok(())
     }
 
-    unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()> {
+    /// Maps the whole of `handle` (of `bytes`) at `va`.
+    ///
+    /// # Safety
+    /// 1. `[va, va + bytes)` lies in a reserved range and nothing is mapped in it; `handle`
+    ///    is live and of `bytes`.
+    pub(crate) unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()> {
         bind(self.device)?;
         // SAFETY: obligation 1: an unmapped part of a reserved range, a live handle of
         // `bytes`, mapped whole (offset 0, the only offset the driver accepts).
@@ -127,14 +145,24 @@ impl Phys for Vmm {
         Ok(())
     }
 
-    unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()> {
+    /// Unmaps the mapping at `va` of `bytes` (one handle's).
+    ///
+    /// # Safety
+    /// 1. One [`Vmm::map`] made exactly this mapping, and no work queued on the device
+    ///    that has not completed uses it.
+    pub(crate) unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()> {
         bind(self.device)?;
         // SAFETY: obligation 1: exactly one earlier mapping, which no pending work uses.
         check(unsafe { sys::cuMemUnmap(va, bytes) })?;
         Ok(())
     }
 
-    unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()> {
+    /// Lets the device, and the devices `peers`, read and write `[va, va + bytes)`
+    /// (access of devices not named is left as it is).
+    ///
+    /// # Safety
+    /// 1. The range is wholly mapped.
+    pub(crate) unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()> {
         bind(self.device)?;
         let read_write = |id| sys::CUmemAccessDesc {
             location: sys::CUmemLocation {

@@ -7,10 +7,10 @@ use core::marker::PhantomData;
 
 use zerocopy::IntoBytes;
 
-use super::local::Owned;
+use super::local::{self, Owned};
 use super::pool::DevicePool;
 use super::DeviceCopy;
-use crate::cuda::{copy_async, raw, Stream};
+use crate::cuda::{copy_async, memset_d8_async, raw, Stream};
 use crate::error::{Error, Result};
 
 /// `len` elements of `T` in device memory from a [`DevicePool`], bound to the stream it
@@ -232,6 +232,115 @@ impl<T: DeviceCopy> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: called once, here; the block is not used afterwards.
         unsafe { self.block.release(self.len * size_of::<T>()) }
+    }
+}
+
+/// The typed constructors of buffers (here rather than in `pool.rs`, so that the pool
+/// does not depend on its buffers).
+impl DevicePool {
+    /// A buffer of `len` elements on `stream` (which must belong to the pool's device),
+    /// usable by work queued on `stream` from now on. Its contents are unspecified: fill
+    /// it before reading (or use [`alloc_zeroed`](Self::alloc_zeroed)). A buffer of zero
+    /// bytes takes no memory (its [`device_ptr`](DeviceBuffer::device_ptr) is 0).
+    ///
+    /// Errors: `InvalidArgument` for a stream of another device; `TooLarge` for more than
+    /// the device holds; [`Error::DeviceOutOfMemory`] (naming the device, the size and the
+    /// pool's state) when the memory is not there even after the cache was released.
+    // Always inlined: the hit is a few dozen instructions, and a call with its register
+    // saves costs a tenth of it.
+    #[inline(always)]
+    pub fn alloc<T: DeviceCopy>(&self, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        match len.checked_mul(size_of::<T>()) {
+            // No device check on the hit: a bin of this pool's thread cache only holds
+            // blocks freed on streams of its device (stream ids are never reused), so a
+            // stream of another device misses and the slow path refuses it.
+            Some(bytes) if bytes != 0 => match self.try_alloc_fast(len, bytes, stream) {
+                Some(buf) => Ok(buf),
+                None => self.alloc_slow(len, bytes, stream),
+            },
+            bytes => self.alloc_unusual(len, bytes, stream),
+        }
+    }
+
+    /// The hit: a block of the request's class freed on `stream`, from this thread's bin.
+    #[inline(always)]
+    fn try_alloc_fast<T: DeviceCopy>(
+        &self,
+        len: usize,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Option<DeviceBuffer<T>> {
+        let block = local::try_alloc_fast(self, bytes, stream)?;
+        Some(DeviceBuffer::from_parts(block, len))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn alloc_slow<T: DeviceCopy>(
+        &self,
+        len: usize,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer<T>> {
+        if stream.device() != self.device() {
+            return Err(Error::InvalidArgument("the stream belongs to another device"));
+        }
+        let device_bytes = self.device_bytes();
+        if bytes > device_bytes {
+            self.cache().count_failure();
+            return Err(Error::TooLarge {
+                requested: bytes,
+                limit: device_bytes,
+            });
+        }
+        let block = local::alloc_slow(self, bytes, stream).map_err(|e| self.out_of_memory(e, bytes))?;
+        Ok(DeviceBuffer::from_parts(block, len))
+    }
+
+    /// Zero bytes, a size that overflows, or a stream of another device.
+    #[cold]
+    #[inline(never)]
+    fn alloc_unusual<T: DeviceCopy>(
+        &self,
+        len: usize,
+        bytes: Option<usize>,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer<T>> {
+        if stream.device() != self.device() {
+            return Err(Error::InvalidArgument("the stream belongs to another device"));
+        }
+        match bytes {
+            Some(0) => Ok(DeviceBuffer::from_parts(
+                Owned::empty(stream.clone(), self.clone()),
+                len,
+            )),
+            Some(bytes) => self.alloc_slow(len, bytes, stream),
+            None => {
+                self.cache().count_failure();
+                Err(Error::TooLarge {
+                    requested: usize::MAX,
+                    limit: self.device_bytes(),
+                })
+            }
+        }
+    }
+
+    /// A buffer of `len` zeroed elements on `stream` (zeroed in stream order).
+    pub fn alloc_zeroed<T: DeviceCopy>(&self, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        let buf = self.alloc::<T>(len, stream)?;
+        if buf.device_ptr() != 0 {
+            // SAFETY: the range is the buffer's own block, queued on its stream after the
+            // allocation.
+            unsafe { memset_d8_async(buf.device_ptr(), 0, buf.byte_len(), stream) }?;
+        }
+        Ok(buf)
+    }
+
+    /// A buffer holding a copy of `src`, on `stream`; returns when the copy is done.
+    pub fn from_host<T: DeviceCopy>(&self, src: &[T], stream: &Stream) -> Result<DeviceBuffer<T>> {
+        let mut buf = self.alloc::<T>(src.len(), stream)?;
+        buf.copy_from_host(src)?;
+        Ok(buf)
     }
 }
 

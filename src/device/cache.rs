@@ -39,7 +39,7 @@
 //! it for later requests, so its reservations drift above what the cache holds. A
 //! reservation policy that trims the driver pool's idle reservations after a release
 //! (`Settings::trim_backend`) brings RMM's random workload from 1.21 to 1.13 reserved /
-//! requested on the simulated driver pool of `backend::fake`, but not on the H200
+//! requested on the simulated driver pool of `device/fake.rs`, but not on the H200
 //! (2026-11-30: 1.33 with it, 1.26 for `cuMemAllocAsync`, 47852 trims making the run 4x
 //! slower), whose pool keeps chunks that hold any live block: it is off by default.
 //!
@@ -61,7 +61,8 @@
 
 use std::collections::VecDeque;
 
-use super::backend::{is_out_of_memory, Backend};
+use super::backend::Backend;
+use super::reserve::Tally;
 use super::size_class::{class_of, class_size, round_to_granule, MAX_CLASS_SIZE};
 use super::thread_cache::{Evicted, ThreadCache, ThreadStats};
 use crate::cuda::StreamId;
@@ -352,10 +353,9 @@ pub(crate) struct Cache<B: Backend> {
     /// without locking when it is 0.
     gated: AtomicUsize,
     // held == bytes of blocks from the backend not yet given back: live + cached (shared
-    // and thread caches) + pending + in transit between them
-    held: AtomicUsize,
+    // and thread caches) + pending + in transit between them; held <= settings.limit
+    held: Tally,
     held_blocks: AtomicUsize,
-    peak_held: AtomicUsize,
     pub(crate) counters: Counters,
     /// Every thread cache's published counters.
     threads: Mutex<Vec<Arc<ThreadStats>>>,
@@ -380,9 +380,8 @@ impl<B: Backend> Cache<B> {
             }),
             shared_bytes: AtomicUsize::new(0),
             gated: AtomicUsize::new(0),
-            held: AtomicUsize::new(0),
+            held: Tally::new(Some(settings.limit).filter(|&l| l != usize::MAX)),
             held_blocks: AtomicUsize::new(0),
-            peak_held: AtomicUsize::new(0),
             counters: Counters::default(),
             threads: Mutex::new(Vec::new()),
             retired_hits: AtomicU64::new(0),
@@ -640,7 +639,7 @@ impl<B: Backend> Cache<B> {
         self.make_room(tc.as_deref_mut(), bytes);
         let first = match self.reserve_and_alloc(bytes, stream) {
             Ok(p) => return Ok(p),
-            Err(e) if is_out_of_memory(&e) => e,
+            Err(e) if e.is_out_of_memory() => e,
             Err(e) => return Err(self.failed(e)),
         };
         log::debug!("cudalloc: device pool out of memory for {bytes} bytes ({first}); releasing the cache");
@@ -648,7 +647,7 @@ impl<B: Backend> Cache<B> {
         let touched = self.release_all(tc);
         match self.reserve_and_alloc(bytes, stream) {
             Ok(p) => return Ok(p),
-            Err(e) if is_out_of_memory(&e) => {}
+            Err(e) if e.is_out_of_memory() => {}
             Err(e) => return Err(self.failed(e)),
         }
         // The released blocks' frees may not have completed; wait for them and give the
@@ -671,26 +670,15 @@ impl<B: Backend> Cache<B> {
 
     /// Reserves `bytes` against the limit, then allocates them from the backend.
     fn reserve_and_alloc(&self, bytes: usize, stream: &B::Stream) -> Result<u64> {
-        let limit = self.settings.limit;
-        let reserved = self.held.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |h| {
-            h.checked_add(bytes).filter(|&n| n <= limit)
-        });
-        let Ok(before) = reserved else {
-            return Err(Error::LimitExceeded {
-                requested: bytes,
-                held: self.held.load(Ordering::Relaxed),
-                limit,
-            });
-        };
+        self.held.reserve(bytes)?;
         match self.backend.alloc(bytes, stream) {
             Ok(p) => {
-                self.peak_held.fetch_max(before + bytes, Ordering::Relaxed);
                 self.held_blocks.fetch_add(1, Ordering::Relaxed);
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 Ok(p)
             }
             Err(e) => {
-                self.held.fetch_sub(bytes, Ordering::AcqRel);
+                self.held.release(bytes);
                 Err(e)
             }
         }
@@ -705,7 +693,7 @@ impl<B: Backend> Cache<B> {
         if idle == 0 {
             return;
         }
-        let held = self.held.load(Ordering::Relaxed);
+        let held = self.held.held();
         let live = held.saturating_sub(idle);
         let bound = (live.saturating_add(need) >> IDLE_SHIFT).max(self.settings.idle_floor);
         let over_limit = held.saturating_add(need).saturating_sub(self.settings.limit);
@@ -729,7 +717,7 @@ impl<B: Backend> Cache<B> {
         if released == 0 || !self.settings.trim_backend {
             return;
         }
-        let held = self.held.load(Ordering::Relaxed);
+        let held = self.held.held();
         let bound = held.saturating_add(held >> TRIM_SHIFT);
         if self.backend.reserved().is_none_or(|r| r <= bound) {
             return;
@@ -766,7 +754,7 @@ impl<B: Backend> Cache<B> {
         // list, and every use of it is ordered before the current end of `stream`, its
         // home stream (the protocol in the module docs).
         unsafe { self.backend.free(ptr, bytes, stream) };
-        self.held.fetch_sub(bytes, Ordering::AcqRel);
+        self.held.release(bytes);
         self.held_blocks.fetch_sub(1, Ordering::Relaxed);
         self.counters.released.fetch_add(1, Ordering::Relaxed);
     }
@@ -1083,9 +1071,9 @@ impl<B: Backend> Cache<B> {
         let c = &self.counters;
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Snapshot {
-            held_bytes: self.held.load(Ordering::Relaxed) as u64,
+            held_bytes: self.held.held() as u64,
             held_blocks: self.held_blocks.load(Ordering::Relaxed) as u64,
-            peak_held_bytes: self.peak_held.load(Ordering::Relaxed) as u64,
+            peak_held_bytes: self.held.peak() as u64,
             cached_bytes,
             cached_blocks,
             pending_bytes,
@@ -1106,8 +1094,7 @@ impl<B: Backend> Cache<B> {
 
     /// Resets the peak of held bytes to the current value.
     pub(crate) fn reset_peak(&self) {
-        self.peak_held
-            .store(self.held.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.held.reset_peak();
     }
 
     /// Counts a failure that happened before the cache was reached (a request that can

@@ -5,7 +5,7 @@
 //!
 //! Generic over the pool handle type ([`PoolHandle`]) so that the simulated pool of
 //! `sim.rs` (CPU tests and the `device_hit_sim` benchmark) runs this very code on the
-//! simulated GPU of `backend::fake`: [`DevicePool`](super::DevicePool) and the simulation
+//! simulated GPU of `device/fake.rs`: [`DevicePool`](super::DevicePool) and the simulation
 //! differ only in their backend and in the thread-local table each declares.
 
 use core::mem::ManuallyDrop;
@@ -13,12 +13,13 @@ use core::ptr::NonNull;
 
 use super::backend::Backend;
 use super::cache::Cache;
+use super::order::StreamOrder;
 use super::thread_cache::ThreadCache;
 use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
 use crate::sync::global::{AtomicU64 as GlobalU64, Ordering as GlobalOrdering};
 
 /// The stream handle type of a pool handle's backend.
-pub(crate) type StreamOf<P> = <<P as PoolHandle>::B as Backend>::Stream;
+pub(crate) type StreamOf<P> = <<P as PoolHandle>::B as StreamOrder>::Stream;
 
 /// A cheap, cloneable handle of a pool (an `Arc` inside), as buffers own one.
 pub(crate) trait PoolHandle: Clone + Send + Sync + 'static {

@@ -1,5 +1,5 @@
 //! Loom models of the device cache's concurrent parts, running the real code of
-//! `cache.rs` and `thread_cache.rs` against the simulated GPU of `backend::fake`. Run with
+//! `cache.rs` and `thread_cache.rs` against the simulated GPU of `device/fake.rs`. Run with
 //! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib loom`.
 //!
 //! Each model keeps to two or three threads and a handful of operations. Whenever a block
@@ -7,8 +7,8 @@
 //! use on another stream (a mark it waits for, or completion): the property a missing or
 //! late event (CUB's record-after-publish) would break in some interleaving.
 
-use super::backend::fake::{FakeBackend, FakeStream};
 use super::cache::{Cache, Settings};
+use super::fake::{FakeBackend, FakeStream};
 use super::thread_cache::ThreadCache;
 use crate::sync::{thread, Arc};
 

@@ -65,11 +65,18 @@ mod arena;
 mod backend;
 mod buffer;
 mod cache;
+mod config;
+#[cfg(any(test, feature = "sim"))]
+#[cfg_attr(not(test), allow(dead_code))]
+mod fake;
 mod local;
+mod order;
 pub(crate) mod pages;
+mod phys;
 mod pool;
 mod report;
-#[doc(hidden)]
+mod reserve;
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
 mod size_class;
 mod thread_cache;
@@ -83,8 +90,9 @@ mod loom_models;
 pub use arena::{ArenaSlice, DeviceArena, DeviceArenaStats, DeviceCheckpoint};
 pub use buffer::DeviceBuffer;
 pub(crate) use buffer::{copy_from_host_async, copy_to_host_async};
-pub use pool::{Backing, DevicePool, DevicePoolConfig, PageTuning};
-pub use report::{report, DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
+pub use config::{Backing, DevicePoolConfig, PageTuning};
+pub use pool::{report, DevicePool};
+pub use report::{DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
 
 /// Element types of a [`DeviceBuffer`]: plain data that may be copied to and from the
 /// device as bytes (no padding, every bit pattern valid). Implemented for every type

@@ -63,14 +63,16 @@
 //!   blocks come here, and in a steady state most of them map nothing.
 //!
 //! The algorithm is generic over [`Phys`] (the physical operations) and the cache's
-//! [`Backend`] (its marks), so CPU tests drive it with `backend::fake`, whose fake
+//! [`StreamOrder`] (its marks), so CPU tests drive it with `device/fake.rs`, whose fake
 //! physical memory checks every mapping, unmapping and use against the simulated streams.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::marker::PhantomData;
 
-use super::backend::{is_out_of_memory, Backend};
-use super::pool::PageTuning;
+use super::config::PageTuning;
+use super::order::StreamOrder;
+use super::phys::Phys;
+use super::reserve::Reservations;
 use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
@@ -100,45 +102,6 @@ enum Reclaim {
     Retire,
 }
 
-/// The physical operations of the virtual memory management API, on one device.
-pub(crate) trait Phys: Send + Sync + 'static {
-    /// The allocation granule in bytes (a power of two).
-    fn granule(&self) -> usize;
-    /// Creates a handle of `bytes` (a multiple of the granule) of physical memory.
-    fn create(&self, bytes: usize) -> Result<u64>;
-    /// Releases a handle that no range maps.
-    ///
-    /// # Safety
-    /// 1. `handle` came from [`Phys::create`], is released once, and is not mapped.
-    unsafe fn release(&self, handle: u64) -> Result<()>;
-    /// Reserves a virtual range of `bytes` (a multiple of the granule).
-    fn reserve(&self, bytes: usize) -> Result<u64>;
-    /// Frees a virtual range.
-    ///
-    /// # Safety
-    /// 1. `va`, `bytes` came from [`Phys::reserve`], are freed once, and nothing in the
-    ///    range is mapped.
-    unsafe fn free_range(&self, va: u64, bytes: usize) -> Result<()>;
-    /// Maps the whole of `handle` (of `bytes`) at `va`.
-    ///
-    /// # Safety
-    /// 1. `[va, va + bytes)` lies in a reserved range and nothing is mapped in it; `handle`
-    ///    is live and of `bytes`.
-    unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()>;
-    /// Unmaps the mapping at `va` of `bytes` (one handle's).
-    ///
-    /// # Safety
-    /// 1. One [`Phys::map`] made exactly this mapping, and no work queued on the device
-    ///    that has not completed uses it.
-    unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()>;
-    /// Lets the device, and the devices `peers`, read and write `[va, va + bytes)`
-    /// (access of devices not named is left as it is).
-    ///
-    /// # Safety
-    /// 1. The range is wholly mapped.
-    unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()>;
-}
-
 /// A mark recorded at a free, shared by the free runs that hold the freed units.
 struct Stamp<M> {
     stream: StreamId,
@@ -152,7 +115,7 @@ struct Stamp<M> {
 
 impl<M> Stamp<M> {
     /// Whether the work before the mark has completed (queried once it has, never again).
-    fn complete<B: Backend<Mark = M>>(&self, b: &B) -> bool {
+    fn complete<B: StreamOrder<Mark = M>>(&self, b: &B) -> bool {
         if self.done.load(Ordering::Relaxed) {
             return true;
         }
@@ -167,7 +130,7 @@ impl<M> Stamp<M> {
     }
 
     /// Waits on the host; whether it completed.
-    fn wait_host<B: Backend<Mark = M>>(&self, b: &B) -> bool {
+    fn wait_host<B: StreamOrder<Mark = M>>(&self, b: &B) -> bool {
         if self.complete(b) {
             return true;
         }
@@ -295,9 +258,21 @@ pub(crate) struct PageStats {
     pub(crate) waits: u64,
     /// `cuMemSetAccess` calls.
     pub(crate) accesses: u64,
-    /// Nanoseconds in the driver's create, map, set-access, unmap and release calls.
+    /// Nanoseconds in the driver's create, map, set-access, unmap and release calls (by
+    /// the slots [`CREATE`], [`MAP`], [`ACCESS`], [`UNMAP`], [`RELEASE`]).
     pub(crate) driver_ns: [u64; 5],
 }
+
+/// The slots of [`PageStats::driver_ns`]: `cuMemCreate`.
+const CREATE: usize = 0;
+/// `cuMemMap`.
+const MAP: usize = 1;
+/// `cuMemSetAccess`.
+const ACCESS: usize = 2;
+/// `cuMemUnmap`.
+const UNMAP: usize = 3;
+/// `cuMemRelease`.
+const RELEASE: usize = 4;
 
 /// Runs a driver call, adding its time to `ns`.
 fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
@@ -342,7 +317,7 @@ struct State<M> {
 pub(crate) const PAGE_MIN_GRANULES: usize = 2;
 
 /// Large blocks on physical pages. See the [module docs](self).
-pub(crate) struct PageHeap<P: Phys, B: Backend> {
+pub(crate) struct PageHeap<P: Phys, B: StreamOrder> {
     phys: P,
     granule: usize,
     /// The bytes of one step of the address index: blocks are runs of units.
@@ -355,13 +330,14 @@ pub(crate) struct PageHeap<P: Phys, B: Backend> {
     region_bytes: usize,
     /// The smallest block the heap serves; smaller ones stay on the driver pool.
     min_block: usize,
-    /// The most bytes of handles the heap holds (the pool's limit).
-    limit: Option<usize>,
+    /// The pool's reservations: every handle is charged there before it is made, so that
+    /// the pool's limit holds for the heap and the driver pool together.
+    reservations: Arc<Reservations>,
     state: Mutex<State<B::Mark>>,
     _backend: PhantomData<fn() -> B>,
 }
 
-impl<P: Phys, B: Backend> core::fmt::Debug for PageHeap<P, B> {
+impl<P: Phys, B: StreamOrder> core::fmt::Debug for PageHeap<P, B> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("PageHeap")
             .field("granule", &self.granule)
@@ -370,7 +346,7 @@ impl<P: Phys, B: Backend> core::fmt::Debug for PageHeap<P, B> {
     }
 }
 
-impl<P: Phys, B: Backend> PageHeap<P, B> {
+impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// A heap over `phys`, tuned by `tuning` (checked: [`PageTuning::check`]).
     pub(crate) fn new(phys: P, tuning: PageTuning) -> Self {
         let granule = phys.granule();
@@ -384,7 +360,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             idle_divisor: tuning.idle_divisor.max(1) as usize,
             region_bytes: REGION_BYTES,
             min_block: granule * PAGE_MIN_GRANULES,
-            limit: None,
+            reservations: Arc::new(Reservations::new(None)),
             state: Mutex::new(State {
                 regions: Vec::new(),
                 next_index: 0,
@@ -404,7 +380,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
     }
 
     /// This heap serving blocks of `bytes` and more (simulated devices test thresholds).
-    #[cfg_attr(not(test), allow(dead_code))]
+    #[cfg(any(test, feature = "sim"))]
     pub(crate) fn with_min_block(self, bytes: usize) -> Self {
         Self {
             min_block: bytes,
@@ -412,9 +388,16 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         }
     }
 
-    /// This heap holding at most `limit` bytes of handles (`None`: no cap).
+    /// This heap charging its handles to `reservations` (shared with the driver pool
+    /// beside it, under the pool's limit).
+    pub(crate) fn with_reservations(self, reservations: Arc<Reservations>) -> Self {
+        Self { reservations, ..self }
+    }
+
+    /// This heap holding at most `limit` bytes of handles, alone (`None`: no cap).
+    #[cfg(test)]
     pub(crate) fn with_limit(self, limit: Option<usize>) -> Self {
-        Self { limit, ..self }
+        self.with_reservations(Arc::new(Reservations::new(limit)))
     }
 
     /// This heap reserving virtual regions of at least `bytes` (the device's memory).
@@ -439,7 +422,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
         keep.saturating_sub(self.reserved())
     }
 
-    #[cfg_attr(not(test), allow(dead_code))]
+    #[cfg(test)]
     pub(crate) fn phys(&self) -> &P {
         &self.phys
     }
@@ -475,7 +458,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             st.stats.accesses += 1;
             // SAFETY: every chunk with a handle is mapped (in blocks, idle, retired or
             // stuck), and chunks from..c are consecutive in one region.
-            timed(&mut st.stats.driver_ns[2], || unsafe {
+            timed(&mut st.stats.driver_ns[ACCESS], || unsafe {
                 self.phys.set_access(va, (c - from) * cb, &[peer])
             })?;
         }
@@ -635,7 +618,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 // (no handle is recorded for it); h is live, of a chunk's bytes, and mapped
                 // nowhere (spare, unmapped from an idle chunk, or new) or only at a retired
                 // chunk whose work the allocation is ordered after.
-                if let Err(e) = timed(&mut st.stats.driver_ns[1], || unsafe { self.phys.map(va, cb, h) }) {
+                if let Err(e) = timed(&mut st.stats.driver_ns[MAP], || unsafe {
+                    self.phys.map(va, cb, h)
+                }) {
                     st.spare.push(h);
                     failed = Some(e);
                     break;
@@ -648,7 +633,7 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
                 let va = self.va_of(st, from * self.chunk_units);
                 st.stats.accesses += 1;
                 // SAFETY: chunks from..i are consecutive and were all mapped above.
-                let access = timed(&mut st.stats.driver_ns[2], || unsafe {
+                let access = timed(&mut st.stats.driver_ns[ACCESS], || unsafe {
                     self.phys.set_access(va, (i - from) * cb, &st.peers)
                 });
                 if let Err(e) = access {
@@ -713,25 +698,26 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             }
         }
         let chunk = self.chunk_bytes();
-        if self.limit.is_some_and(|l| st.stats.reserved + chunk > l) {
-            // At the cap: only an idle chunk can serve (the cache's recovery runs next).
-            return self
-                .reclaim(st, b, usize::MAX, Reclaim::Retire)
-                .ok_or(Error::LimitExceeded {
-                    requested: chunk,
-                    held: st.stats.reserved,
-                    limit: self.limit.unwrap_or(0),
-                });
+        if let Err(e) = self.reservations.take(chunk) {
+            // At the pool's limit: only an idle chunk can serve (the cache's recovery runs
+            // next).
+            return self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e);
         }
-        match timed(&mut st.stats.driver_ns[0], || self.phys.create(chunk)) {
+        match timed(&mut st.stats.driver_ns[CREATE], || self.phys.create(chunk)) {
+            Err(e) => {
+                self.reservations.give(chunk);
+                if e.is_out_of_memory() {
+                    self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e)
+                } else {
+                    Err(e)
+                }
+            }
             Ok(h) => {
                 st.stats.creates += 1;
                 st.stats.reserved += self.chunk_bytes();
                 st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
                 Ok((h, Vec::new()))
             }
-            Err(e) if is_out_of_memory(&e) => self.reclaim(st, b, usize::MAX, Reclaim::Retire).ok_or(e),
-            Err(e) => Err(e),
         }
     }
 
@@ -774,7 +760,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             // SAFETY: the chunk was mapped by `map_chunks` with a chunk's bytes; no block
             // holds a unit of it, and the marks of every free of its units
             // completed (a run keeps the latest mark of each stream until it completes).
-            match timed(&mut st.stats.driver_ns[3], || unsafe { self.phys.unmap(va, cb) }) {
+            match timed(&mut st.stats.driver_ns[UNMAP], || unsafe {
+                self.phys.unmap(va, cb)
+            }) {
                 Ok(()) => {
                     st.stats.unmaps += 1;
                     return st.chunks[c].handle.take().map(|h| (h, Vec::new()));
@@ -830,7 +818,9 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             let cb = self.chunk_bytes();
             // SAFETY: the chunk's old mapping (a chunk's bytes, by `map_chunks`); no block
             // holds its units, and the marks of their last frees completed.
-            match timed(&mut st.stats.driver_ns[3], || unsafe { self.phys.unmap(va, cb) }) {
+            match timed(&mut st.stats.driver_ns[UNMAP], || unsafe {
+                self.phys.unmap(va, cb)
+            }) {
                 Ok(()) => {
                     st.stats.unmaps += 1;
                     // The handle lives on in its new mapping.
@@ -974,9 +964,12 @@ impl<P: Phys, B: Backend> PageHeap<P, B> {
             }
             // SAFETY: the handle is mapped nowhere (spare, or just unmapped) and
             // forgotten here.
-            match timed(&mut st.stats.driver_ns[4], || unsafe { self.phys.release(h) }) {
+            match timed(&mut st.stats.driver_ns[RELEASE], || unsafe {
+                self.phys.release(h)
+            }) {
                 Ok(()) => {
                     st.stats.reserved -= self.chunk_bytes();
+                    self.reservations.give(self.chunk_bytes());
                     st.stats.releases += 1;
                 }
                 Err(e) => record_drop_error("cuMemRelease", e),

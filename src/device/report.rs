@@ -4,9 +4,6 @@
 
 use core::fmt;
 
-use super::pool::existing_process_pools;
-use crate::cuda::{device_count, device_name, mem_info};
-
 /// Free blocks one stream has in a pool's cache (thread caches and shared lists).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -54,8 +51,10 @@ pub struct DevicePoolStats {
     /// [`Backing::PhysicalPages`](super::Backing::PhysicalPages), the bytes of the page
     /// heap's physical handles.
     pub reserved_bytes: u64,
-    /// The most it reserved (`..._RESERVED_MEM_HIGH`, plus the page heap's peak: the sum
-    /// of the two peaks, an upper bound of the peak of the sum).
+    /// The most it reserved. With a [limit](super::DevicePoolConfig::limit), the peak of the
+    /// driver pool's and the page heap's reservations together (which the limit holds to);
+    /// without one, `..._RESERVED_MEM_HIGH` plus the page heap's peak (the sum of the two
+    /// peaks, an upper bound of the peak of the sum).
     pub peak_reserved_bytes: u64,
     /// Bytes of the driver pool's allocations not yet freed (`..._USED_MEM_CURRENT`):
     /// held bytes, plus frees still queued; plus the page heap's bytes in blocks.
@@ -257,36 +256,6 @@ pub struct DeviceEntry {
     pub total_bytes: u64,
     /// The process-wide pool's state, if it exists.
     pub pool: Option<DevicePoolStats>,
-}
-
-/// A report on every device: memory, and the process-wide pools' state. Empty without a
-/// driver. No side effect (it creates no pool).
-///
-/// ```
-/// let report = cudalloc::device::report();
-/// assert_eq!(report.devices.len(), cudalloc::cuda::device_count());
-/// println!("{report}");
-/// ```
-pub fn report() -> DeviceReport {
-    let pools = if device_count() == 0 {
-        Vec::new()
-    } else {
-        existing_process_pools()
-    };
-    DeviceReport {
-        devices: (0..device_count())
-            .map(|d| {
-                let (free, total) = mem_info(d).unwrap_or((0, 0));
-                DeviceEntry {
-                    device: d,
-                    name: device_name(d).unwrap_or_default(),
-                    free_bytes: free as u64,
-                    total_bytes: total as u64,
-                    pool: pools.get(d).and_then(|p| p.as_ref()).map(|p| p.stats()),
-                }
-            })
-            .collect(),
-    }
 }
 
 impl fmt::Display for DeviceReport {

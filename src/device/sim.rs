@@ -1,14 +1,14 @@
 //! A device pool on a simulated GPU, for benchmarks and tests on machines without one:
 //! the same cache, thread caches and hot path (`device::local`) as
 //! [`DevicePool`](super::DevicePool), over the simulated streams and memory of
-//! `backend::fake` instead of the driver. The `device_hit_sim` benchmark measures the hit
+//! `device/fake.rs` instead of the driver. The `device_hit_sim` benchmark measures the hit
 //! path with it.
 //!
 //! Hidden and outside the API's stability promise: scaffolding for measurements, not for
 //! applications.
 
-use super::backend::fake::{FakeBackend, FakeStream};
 use super::cache::{Cache, Settings};
+use super::fake::{FakeBackend, FakeStream};
 use super::local::{self, Core, LocalCache, Owned, PoolHandle};
 use crate::error::Result;
 use crate::slot_table::{SlotBits, SlotTable};

@@ -1,11 +1,11 @@
 //! CPU tests of the cache's algorithm (`cache.rs`, `thread_cache.rs`) on the simulated
-//! GPU of `backend::fake`: every hand-over of a block to a stream is checked against the
+//! GPU of `device/fake.rs`: every hand-over of a block to a stream is checked against the
 //! block's earlier uses on other streams.
 
 use std::collections::HashMap;
 
-use super::backend::fake::{FakeBackend, FakeStream};
 use super::cache::{Cache, Settings};
+use super::fake::{FakeBackend, FakeStream};
 use super::size_class::{class_of, class_size};
 use super::thread_cache::ThreadCache;
 use crate::error::Error;
@@ -832,11 +832,11 @@ fn dropping_the_cache_frees_every_block() {
     );
 }
 
-// The page heap (`pages.rs`) on the simulated physical memory of `backend::fake`.
+// The page heap (`pages.rs`) on the simulated physical memory of `device/fake.rs`.
 
-use super::backend::fake::FakePhys;
+use super::config::PageTuning;
+use super::fake::FakePhys;
 use super::pages::PageHeap;
-use super::pool::PageTuning;
 
 const GRANULE: usize = 2 * MIB;
 
@@ -986,7 +986,7 @@ fn a_page_heap_moves_a_pending_chunks_handle_and_orders_its_next_user() {
 #[test]
 fn the_fake_physical_memory_catches_an_unordered_reuse_and_an_early_unmap() {
     // Negative control of the checker the other tests rely on.
-    use super::pages::Phys;
+    use super::phys::Phys;
     let phys = FakePhys::new(GRANULE, usize::MAX);
     let (s1, s2) = (FakeStream::new(), FakeStream::new());
     let hd = phys.create(GRANULE).unwrap();
@@ -1038,7 +1038,7 @@ fn out_of_memory_scenario(h: Heap, b: FakeBackend, phys: FakePhys) -> Error {
     unsafe { h.free(&b, a, &s) };
     // 40 MiB: a's 32 MiB can be moved, 8 MiB more cannot be made.
     let e = h.alloc(&b, 40 * MIB, &s2).unwrap_err();
-    assert!(super::backend::is_out_of_memory(&e), "{e}");
+    assert!(e.is_out_of_memory(), "{e}");
     let st = h.stats();
     assert_eq!((st.reserved, st.block_bytes), (64 * MIB, 32 * MIB), "{st:?}");
     // 32 MiB fits in what was freed, ordered after s's work.
@@ -1325,4 +1325,91 @@ fn a_page_block_waits_only_for_the_streams_whose_frees_touched_its_memory() {
         h.free(&b, d, &s2);
     }
     trim_clean(&h, &b, &phys);
+}
+
+/// Issue 21, item 3: a pool's limit holds for the driver pool and the page heap together.
+/// 8 threads, each on its own stream, allocate blocks of 256 B to 16 MiB (those of 4 MiB
+/// and more on pages, the rest on the driver-pool model, whose chunks are 32 MiB at least)
+/// and hold at most 3 each, under a limit of 64 MiB. The fake's own measure of the two
+/// reservations together (taken at every growth of either) never passes the limit, and
+/// every failure is the limit's. Before the fix (each backing capped alone) the sum
+/// reached about 96 MiB.
+#[test]
+fn a_pool_limit_holds_for_the_driver_pool_and_the_page_heap_together() {
+    const LIMIT: usize = 64 * MIB;
+    let phys = FakePhys::new(GRANULE, usize::MAX);
+    let backend =
+        FakeBackend::paged(u64::MAX, phys.clone(), 2 * GRANULE, HEAP_TUNING).with_pool_limit(Some(LIMIT));
+    let c = Arc::new(Cache::new(backend, Settings::new(1 << 30, 4 * MIB, Some(LIMIT))));
+    let failures: Vec<(usize, usize)> = (0..8u64)
+        .map(|ti| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let s = FakeStream::new();
+                let mut tc: Tc = c.new_thread_cache().unwrap();
+                let mut rng = Rng(0x9e37_79b9 + ti);
+                let mut mine: Vec<(u64, usize)> = Vec::new();
+                let (mut limited, mut other) = (0, 0);
+                for _ in 0..2000 {
+                    if mine.len() == 3 || (!mine.is_empty() && rng.below(2) == 0) {
+                        let (p, size) = mine.remove(rng.below(mine.len() as u64) as usize);
+                        free(&c, Some(&mut tc), p, size, &s, Vec::new());
+                    } else {
+                        let size = match rng.below(4) {
+                            0 => 256 + rng.below(MIB as u64) as usize,
+                            _ => MIB + rng.below(15 * MIB as u64) as usize,
+                        };
+                        match alloc(&c, Some(&mut tc), size, &s) {
+                            Ok(p) => mine.push((p, size)),
+                            Err(Error::LimitExceeded { .. }) => limited += 1,
+                            Err(e) => {
+                                eprintln!("unexpected: {e}");
+                                other += 1;
+                            }
+                        }
+                    }
+                    if rng.below(8) == 0 {
+                        s.complete_all();
+                    }
+                }
+                for (p, size) in mine {
+                    free(&c, Some(&mut tc), p, size, &s, Vec::new());
+                }
+                s.complete_all();
+                c.retire_thread_cache(&mut tc);
+                (limited, other)
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    let (_, peak) = c.backend.reservation();
+    let limited: usize = failures.iter().map(|f| f.0).sum();
+    let other: usize = failures.iter().map(|f| f.1).sum();
+    let p = c.backend.pages.as_ref().unwrap().stats();
+    println!(
+        "limit 64 MiB: peak reserved {} MiB (driver-pool model {} MiB, pages {} MiB at their peaks; \
+         the pool's own count {} MiB), {limited} limit failures",
+        peak >> 20,
+        c.backend.pool_peak() >> 20,
+        p.peak_reserved >> 20,
+        c.backend.reservations.peak() >> 20,
+    );
+    assert!(
+        c.backend.pool_peak() > 0 && p.peak_reserved > 0,
+        "both backings in use"
+    );
+    assert_eq!(other, 0, "every failure is the limit's");
+    assert!(
+        peak <= LIMIT as u64,
+        "peak reserved {} MiB past the limit",
+        peak >> 20
+    );
+    assert!(c.backend.reservations.peak() <= LIMIT);
+    assert!(c.snapshot().peak_held_bytes <= LIMIT as u64);
+    assert_balanced(&c, 0);
+    c.trim::<()>(None);
+    assert_eq!(c.backend.reservation().0, 0);
+    assert_eq!(phys.violations(), 0);
 }

@@ -20,7 +20,7 @@
 //! the table and the thread's table entry hold their own), so the slow paths here drop
 //! them freely: no drop in this file destroys a stream or a pool.
 
-use super::backend::Backend;
+use super::order::StreamOrder;
 use super::size_class::class_size;
 use crate::cuda::StreamId;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering};
@@ -59,10 +59,10 @@ pub(crate) struct ThreadStats {
 }
 
 /// The handles a freed buffer leaves with its block: its stream's and its pool's.
-pub(crate) type Handles<B, P> = (<B as Backend>::Stream, P);
+pub(crate) type Handles<B, P> = (<B as StreamOrder>::Stream, P);
 
 /// Free blocks of one class of one stream, most recently freed last.
-struct Bin<B: Backend, P> {
+struct Bin<B: StreamOrder, P> {
     /// Each block with the handles of the buffer that freed it, if any. Its capacity is
     /// the bin's (allocated at the first block, by a slow path): `len < capacity` is the
     /// fast path's test for room.
@@ -73,7 +73,7 @@ struct Bin<B: Backend, P> {
 
 /// What a thread cache gives back to the shared cache: a stream's handle and its blocks
 /// by class.
-pub(crate) struct Evicted<B: Backend> {
+pub(crate) struct Evicted<B: StreamOrder> {
     pub(crate) stream: B::Stream,
     pub(crate) blocks: Vec<(usize, Vec<u64>)>,
 }
@@ -83,7 +83,7 @@ pub(crate) struct Evicted<B: Backend> {
 /// Laid out for the hot path's chain of loads: the stream ids sit in the cache itself,
 /// and the bins of every stream in one array, so a hit reads the table entry, the bin,
 /// and the block.
-pub(crate) struct ThreadCache<B: Backend, P> {
+pub(crate) struct ThreadCache<B: StreamOrder, P> {
     /// The stream in each slot (`None`: the slot is free). Slot `i` has the bins
     /// `bins[i * classes..(i + 1) * classes]` and publishes to `stats.slots[i]`.
     ids: [Option<StreamId>; MAX_STREAMS],
@@ -108,7 +108,7 @@ pub(crate) struct ThreadCache<B: Backend, P> {
     stats: Arc<ThreadStats>,
 }
 
-impl<B: Backend, P> ThreadCache<B, P> {
+impl<B: StreamOrder, P> ThreadCache<B, P> {
     /// An empty cache holding classes `0..caps.len()` (bin `c` at most `caps[c]` blocks)
     /// and at most `max_bytes` bytes.
     pub(crate) fn new(caps: Box<[u32]>, max_bytes: usize, stats: Arc<ThreadStats>) -> Self {

@@ -21,6 +21,7 @@ use std::alloc::{GlobalAlloc, System};
 use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
 mod pools;
+mod sanitizer_exit;
 
 use crate::cuda::{driver_available, HostAllocFlags};
 use crate::pool::{Pool, PoolStats};
@@ -130,6 +131,7 @@ fn route_allocate<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, Alloc
 #[inline(never)]
 fn route_allocate_cold<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
     if driver_available() {
+        sanitizer_exit::arm();
         h.pool().allocate(layout)
     } else if h.is_strict() {
         Err(AllocError)

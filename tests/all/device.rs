@@ -217,3 +217,84 @@ fn threads_with_their_own_streams_share_a_pool() {
         cudalloc::cuda::last_drop_error()
     );
 }
+
+/// Issue 21, item 3: a pool's limit holds for the pool as a whole (the driver pool for
+/// small blocks and the page heap for large ones together). 8 threads, each on its own
+/// stream, allocate 1-16 MiB blocks (those under 4 MiB on the driver pool, the rest on
+/// pages) and hold at most 3 each, 1500 times each, under a 64 MiB limit. Before the fix
+/// each backing was capped alone, and the peak reached 96-128 MiB on the H200.
+#[test]
+fn a_pool_limit_holds_for_both_backings_together() {
+    gpu!();
+    const LIMIT: usize = 64 * MIB;
+    let pool = DevicePool::new(0, DevicePoolConfig::default().with_limit(LIMIT)).unwrap();
+    let limited = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|sc| {
+        let threads: Vec<_> = (0..8u64)
+            .map(|t| {
+                let (pool, limited) = (pool.clone(), &limited);
+                sc.spawn(move || {
+                    let s = stream();
+                    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (t << 32);
+                    let mut held: Vec<DeviceBuffer<u8>> = Vec::new();
+                    for _ in 0..1500 {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        if held.len() == 3 || (!held.is_empty() && x % 2 == 0) {
+                            held.swap_remove((x >> 8) as usize % held.len());
+                            continue;
+                        }
+                        let size = MIB + (x >> 16) as usize % (15 * MIB);
+                        match pool.alloc_zeroed::<u8>(size, &s) {
+                            Ok(b) => held.push(b),
+                            Err(Error::DeviceOutOfMemory { .. } | Error::LimitExceeded { .. }) => {
+                                limited.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            }
+                            Err(e) => panic!("thread {t}: {size} bytes: {e}"),
+                        }
+                    }
+                    drop(held);
+                    s.synchronize().unwrap();
+                })
+            })
+            .collect();
+        for h in threads {
+            h.join().unwrap();
+        }
+    });
+    let st = pool.stats();
+    println!(
+        "{st}\nbacking {:?}; {} allocations refused at the limit",
+        pool.config().backing,
+        limited.into_inner()
+    );
+    assert!(
+        st.peak_reserved_bytes <= LIMIT as u64,
+        "peak reserved {} MiB past the 64 MiB limit: {st:?}",
+        st.peak_reserved_bytes >> 20
+    );
+    assert!(st.peak_held_bytes <= LIMIT as u64, "{st:?}");
+    assert_eq!(st.abandoned_bytes, 0, "{st:?}");
+    assert_eq!((st.live_buffers, st.live_bytes), (0, 0), "{st:?}");
+}
+
+/// Issue 21, item 12: leaves cached memory in the process-wide pinned and device pools
+/// (no release call) for the library's own release at exit. The proof is a run under the
+/// sanitizer with the test harness's exit hook off, which must report no leak:
+/// `CUDALLOC_TEST_KEEP_CACHE=1 REQUIRE_GPU=1 compute-sanitizer --leak-check full
+/// .gpu/test-all --exact device::cached_memory_left_for_the_release_at_exit`, and with
+/// `CUDALLOC_RELEASE_AT_EXIT=0` added, the negative control, must report the cached blocks.
+#[test]
+fn cached_memory_left_for_the_release_at_exit() {
+    gpu!();
+    let s = stream();
+    let pool = DevicePool::get(0).unwrap();
+    let v: allocator_api2::vec::Vec<u8, _> =
+        allocator_api2::vec::Vec::with_capacity_in(4 * MIB, cudalloc::PinnedAlloc);
+    drop(v);
+    drop(pool.alloc_zeroed::<u8>(8 * MIB, &s).unwrap());
+    s.synchronize().unwrap();
+    let st = pool.stats();
+    assert!(st.cached_bytes + st.pending_bytes > 0, "{st:?}");
+}

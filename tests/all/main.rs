@@ -32,6 +32,7 @@ mod faults;
 mod gpu;
 mod gpu_support;
 mod kernels;
+mod layers;
 mod matrix;
 mod model;
 mod pool;
