@@ -20,7 +20,10 @@ const RMM_LOG: &str = "Thread,Time,Action,Pointer,Size,Stream
 #[test]
 fn rmm_log_as_rmm_writes_it_parses() {
     let t = rmm::read(RMM_LOG).unwrap();
-    assert_eq!(t.allocators, vec![TracedAllocator::new("RMM log", TraceMemory::Device, 0)]);
+    assert_eq!(
+        t.allocators,
+        vec![TracedAllocator::new("RMM log", TraceMemory::Device, 0)]
+    );
     let got: Vec<(u32, u64, Action, u64, u64, u64)> = t
         .events
         .iter()
@@ -31,11 +34,25 @@ fn rmm_log_as_rmm_writes_it_parses() {
         got,
         vec![
             (0, 0, Action::Alloc, 0x7f8a_3c00_0000, 1024, 0),
-            (0, 500_000, Action::Alloc, 0x7f8a_3c00_0400, 4096, 0x55d1_c6f3_a2b0),
+            (
+                0,
+                500_000,
+                Action::Alloc,
+                0x7f8a_3c00_0400,
+                4096,
+                0x55d1_c6f3_a2b0
+            ),
             // Past midnight: the clock wrapped, the time goes on.
             (1, 1_250_000, fail, 0, 1 << 40, 0x55d1_c6f3_a2b0),
             (1, 2_000_000, Action::FreeRequested, 0x7f8a_3c00_0000, 1024, 0),
-            (0, 3_000_000, Action::FreeRequested, 0x7f8a_3c00_0400, 4096, 0x55d1_c6f3_a2b0),
+            (
+                0,
+                3_000_000,
+                Action::FreeRequested,
+                0x7f8a_3c00_0400,
+                4096,
+                0x55d1_c6f3_a2b0
+            ),
         ]
     );
     assert!(t.events.iter().enumerate().all(|(i, e)| e.seq == i as u64));
@@ -53,7 +70,9 @@ fn rmm_log_round_trips_rmm_rows_exactly() {
     // renumbering: read again, the same events).
     let t = rmm::read(RMM_LOG).unwrap();
     let text = written(&t);
-    assert!(text.starts_with("Thread,Time,Action,Pointer,Size,Stream\n0,00:00:00.000000,allocate,0x7f8a3c000000,1024,0x0\n"));
+    assert!(text.starts_with(
+        "Thread,Time,Action,Pointer,Size,Stream\n0,00:00:00.000000,allocate,0x7f8a3c000000,1024,0x0\n"
+    ));
     assert!(text.contains("\n1,00:00:00.001250,allocate failure,(nil),1099511627776,0x55d1c6f3a2b0\n"));
     assert_eq!(rmm::read(&text).unwrap(), t);
     // A generated workload with 4 streams and 3 threads: every event survives.
@@ -87,7 +106,11 @@ fn rmm_writer_leaves_out_what_rmm_has_no_row_for() {
     }
     let mut out = Vec::new();
     assert_eq!(rmm::write(&t, &mut out).unwrap(), 2);
-    let lines: Vec<String> = String::from_utf8(out).unwrap().lines().map(String::from).collect();
+    let lines: Vec<String> = String::from_utf8(out)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
     assert_eq!(lines.len(), 3);
     assert!(lines[1].contains(",allocate,0x1000,64,0x0") && lines[2].contains(",free,0x1000,64,0x0"));
 }
@@ -99,13 +122,19 @@ fn rmm_reader_names_the_bad_line() {
     let cases = [
         ("1,10:00:00.000001,allocate,0x1000,64\n", "expected 6 fields"),
         ("x,10:00:00.000001,allocate,0x1000,64,0x0\n", "thread `x`"),
-        ("1,10:00:61.000001,allocate,0x1000,64,0x0\n", "time `10:00:61.000001`"),
+        (
+            "1,10:00:61.000001,allocate,0x1000,64,0x0\n",
+            "time `10:00:61.000001`",
+        ),
         ("1,10:00,allocate,0x1000,64,0x0\n", "time `10:00`"),
         ("1,10:00:00.000001,alloc,0x1000,64,0x0\n", "action `alloc`"),
         ("1,10:00:00.000001,allocate,0xZZ,64,0x0\n", "pointer `0xZZ`"),
         ("1,10:00:00.000001,allocate,(nil),64,0x0\n", "null pointer"),
         ("1,10:00:00.000001,allocate,0x1000,-5,0x0\n", "size `-5`"),
-        ("1,10:00:00.000001,allocate,0x1000,99999999999999999999,0x0\n", "size `9999"),
+        (
+            "1,10:00:00.000001,allocate,0x1000,99999999999999999999,0x0\n",
+            "size `9999",
+        ),
         ("1,10:00:00.000001,allocate,0x1000,64,stream\n", "stream `stream`"),
     ];
     for (bad, what) in cases {

@@ -141,14 +141,16 @@ fn parse_row(line: &str) -> Result<Row, String> {
             ))
         }
     };
-    let addr = parse_hex(f[3]).ok_or_else(|| format!("pointer `{}` is not hex (`0x...`) or `(nil)`", f[3]))?;
+    let addr =
+        parse_hex(f[3]).ok_or_else(|| format!("pointer `{}` is not hex (`0x...`) or `(nil)`", f[3]))?;
     if addr == 0 && action != Action::Failure(Cow::Borrowed("allocate failure")) {
         return Err(format!("`{}` with a null pointer", f[2]));
     }
     let size = f[4]
         .parse::<u64>()
         .map_err(|_| format!("size `{}` is not a decimal number", f[4]))?;
-    let stream = parse_hex(f[5]).ok_or_else(|| format!("stream `{}` is not hex (`0x...`) or `(nil)`", f[5]))?;
+    let stream =
+        parse_hex(f[5]).ok_or_else(|| format!("stream `{}` is not hex (`0x...`) or `(nil)`", f[5]))?;
     Ok(Row {
         thread,
         time_of_day,
@@ -180,7 +182,10 @@ fn parse_time(s: &str) -> Option<u64> {
         return None;
     }
     let num = |x: &str, max: u64| -> Option<u64> {
-        let v = x.parse::<u64>().ok().filter(|_| x.bytes().all(|b| b.is_ascii_digit()))?;
+        let v = x
+            .parse::<u64>()
+            .ok()
+            .filter(|_| x.bytes().all(|b| b.is_ascii_digit()))?;
         (v < max).then_some(v)
     };
     let (h, m, sec) = (num(h, 24)?, num(m, 60)?, num(sec, 61)?);
@@ -223,7 +228,12 @@ fn write_events<'a>(events: impl Iterator<Item = &'a Event>, out: &mut impl Writ
             _ => continue,
         };
         let us = e.time_ns / 1000;
-        let (h, m, s, f) = (us / 3_600_000_000 % 24, us / 60_000_000 % 60, us / 1_000_000 % 60, us % 1_000_000);
+        let (h, m, s, f) = (
+            us / 3_600_000_000 % 24,
+            us / 60_000_000 % 60,
+            us / 1_000_000 % 60,
+            us % 1_000_000,
+        );
         write!(w, "{},{h:02}:{m:02}:{s:02}.{f:06},{action},", e.thread)?;
         if e.addr == 0 || matches!(e.action, Action::Failure(_)) {
             w.write_all(b"(nil)")?;

@@ -395,7 +395,8 @@ impl Plan {
                     unsafe { target.free(b, op.stream as usize) };
                     times.frees.push(t.elapsed().as_nanos() as u64);
                     sh.requested.fetch_sub(op.size, Ordering::Relaxed);
-                    sh.held.fetch_sub(given[slot].swap(0, Ordering::Relaxed), Ordering::Relaxed);
+                    sh.held
+                        .fetch_sub(given[slot].swap(0, Ordering::Relaxed), Ordering::Relaxed);
                 }
             } else {
                 let t = Instant::now();
@@ -574,7 +575,11 @@ impl ReplayReport {
 
 /// Replays `trace` on `target`: [`Plan::new`] then [`Plan::replay`]. A bad trace is a
 /// [`TraceError`] naming the event; a target that cannot start is a message.
-pub fn replay<T: ReplayTarget>(trace: &Trace, target: T, opts: &ReplayOptions) -> Result<ReplayReport, ReplayError> {
+pub fn replay<T: ReplayTarget>(
+    trace: &Trace,
+    target: T,
+    opts: &ReplayOptions,
+) -> Result<ReplayReport, ReplayError> {
     let plan = Plan::new(trace, opts).map_err(ReplayError::Trace)?;
     plan.replay(target).map_err(ReplayError::Target)
 }

@@ -165,7 +165,10 @@ impl ReplayTarget for DevicePoolTarget {
 
     #[inline]
     fn alloc(&self, size: usize, _align: usize, stream: usize) -> Result<(DeviceBuffer<u8>, usize), String> {
-        let b = self.pool.alloc::<u8>(size, &self.streams[stream]).map_err(|e| e.to_string())?;
+        let b = self
+            .pool
+            .alloc::<u8>(size, &self.streams[stream])
+            .map_err(|e| e.to_string())?;
         Ok((b, size))
     }
 
@@ -241,7 +244,10 @@ impl ReplayTarget for SimTarget {
 
     #[inline]
     fn alloc(&self, size: usize, _align: usize, stream: usize) -> Result<(SimBuffer, usize), String> {
-        let b = self.pool.alloc(size, &self.streams[stream]).map_err(|e| e.to_string())?;
+        let b = self
+            .pool
+            .alloc(size, &self.streams[stream])
+            .map_err(|e| e.to_string())?;
         Ok((b, size))
     }
 
@@ -325,7 +331,11 @@ pub struct Target {
 }
 
 impl Target {
-    fn new(name: &str, limitable: bool, run: impl Fn(&Plan, Option<u64>) -> Result<ReplayReport, String> + 'static) -> Self {
+    fn new(
+        name: &str,
+        limitable: bool,
+        run: impl Fn(&Plan, Option<u64>) -> Result<ReplayReport, String> + 'static,
+    ) -> Self {
         Self {
             name: name.into(),
             limitable,
@@ -393,7 +403,11 @@ impl Target {
                     hi = hi.saturating_mul(2);
                     doublings += 1;
                 }
-                Ok(false) => return Some(Err(format!("no limit up to {hi} bytes replays the trace without a failure"))),
+                Ok(false) => {
+                    return Some(Err(format!(
+                        "no limit up to {hi} bytes replays the trace without a failure"
+                    )))
+                }
             }
         }
         if hi == lo && doublings == 0 {
@@ -438,7 +452,9 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
     let mut v = Vec::new();
     match memory {
         TraceMemory::Host => {
-            v.push(Target::new("Global", false, |p, _| host(HostTarget::new("Global", Global), p)));
+            v.push(Target::new("Global", false, |p, _| {
+                host(HostTarget::new("Global", Global), p)
+            }));
             let shared = "process-wide pool: its reservation is not the replay's own";
             v.push(Target::new("PinnedAlloc", false, move |p, _| {
                 host(HostTarget::new("PinnedAlloc", PinnedAlloc).with_note(shared), p)
@@ -470,7 +486,10 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
             if gpu {
                 v.push(Target::new("raw cuMemHostAlloc", false, |p, _| {
                     host(
-                        HostTarget::new("raw cuMemHostAlloc", Direct::new(PinnedSource::new(HostAllocFlags::DEFAULT))),
+                        HostTarget::new(
+                            "raw cuMemHostAlloc",
+                            Direct::new(PinnedSource::new(HostAllocFlags::DEFAULT)),
+                        ),
                         p,
                     )
                 }));
@@ -489,9 +508,18 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
             let d = DevicePoolConfig::default();
             let pages = d.with_backing(Backing::PhysicalPages);
             v.push(pool("DevicePool (Auto)", d));
-            v.push(pool("DevicePool (DriverPool)", d.with_backing(Backing::DriverPool)));
-            v.push(pool("DevicePool (PhysicalPages, TIGHT)", pages.with_pages(PageTuning::TIGHT)));
-            v.push(pool("DevicePool (PhysicalPages, FAST)", pages.with_pages(PageTuning::FAST)));
+            v.push(pool(
+                "DevicePool (DriverPool)",
+                d.with_backing(Backing::DriverPool),
+            ));
+            v.push(pool(
+                "DevicePool (PhysicalPages, TIGHT)",
+                pages.with_pages(PageTuning::TIGHT),
+            ));
+            v.push(pool(
+                "DevicePool (PhysicalPages, FAST)",
+                pages.with_pages(PageTuning::FAST),
+            ));
             v.push(Target::new("DevicePool::uncached", false, |p, _| {
                 p.replay(DevicePoolTarget::uncached("DevicePool::uncached", 0).map_err(|e| e.to_string())?)
             }));
@@ -501,15 +529,19 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
                     device: 0,
                 })
             }));
-            v.push(Target::new("raw cuMemAlloc", false, |p, _| p.replay(RawAlloc { device: 0 })));
+            v.push(Target::new("raw cuMemAlloc", false, |p, _| {
+                p.replay(RawAlloc { device: 0 })
+            }));
         }
         TraceMemory::Device => {
             v.push(Target::new("DevicePool (simulated GPU)", false, |p, _| {
                 p.replay(SimTarget::new(DevicePoolConfig::default().thread_cache_bytes))
             }));
-            v.push(Target::new("DevicePool (simulated GPU, no thread cache)", false, |p, _| {
-                p.replay(SimTarget::new(0))
-            }));
+            v.push(Target::new(
+                "DevicePool (simulated GPU, no thread cache)",
+                false,
+                |p, _| p.replay(SimTarget::new(0)),
+            ));
         }
     }
     v

@@ -71,8 +71,11 @@ pub fn random_workload(w: &RandomWorkload) -> Trace {
         x % n.max(1)
     };
     let mut t = Trace::default();
-    t.allocators
-        .push(TracedAllocator::new("RMM random workload", TraceMemory::Device, 0));
+    t.allocators.push(TracedAllocator::new(
+        "RMM random workload",
+        TraceMemory::Device,
+        0,
+    ));
     let mut live: Vec<(u64, u64, u64)> = Vec::new(); // (addr, size, stream)
     let (mut requested, mut count, mut next_addr) = (0u64, 0usize, 1u64 << 40);
     let push = |t: &mut Trace, action: Action, addr: u64, size: u64, stream: u64, thread: u32| {
