@@ -155,3 +155,313 @@ fn rmm_reader_names_the_bad_line() {
     let junk = format!("{h}{}\n", "\u{fffd},".repeat(10_000));
     assert!(rmm::read(&junk).is_err());
 }
+
+mod torch {
+    use std::borrow::Cow;
+
+    use cudalloc::trace::format::{torch, Location};
+    use cudalloc::trace::{Action, Event, Frame, Trace, TraceMemory, TracedAllocator};
+    use serde_pickle::{HashableValue, SerOptions, Value};
+
+    /// Two allocators (host on device 0, device on device 1), two threads, two streams,
+    /// segments with blocks and gaps, frames, a failure, an out-of-memory and a free
+    /// completed.
+    fn sample() -> Trace {
+        let mut t = Trace::default();
+        t.allocators
+            .push(TracedAllocator::new("Pool<HostSource>", TraceMemory::Host, 0));
+        t.allocators
+            .push(TracedAllocator::new("DevicePool(1)", TraceMemory::Device, 1));
+        t.dropped = 3;
+        let mut push = |action: Action, allocator: u32, addr: u64, size: u64, given: u64| {
+            let mut e = Event::new(action, addr, size);
+            e.seq = t.events.len() as u64;
+            e.time_ns = e.seq * 7000;
+            e.thread = (e.seq % 2) as u32;
+            e.allocator = allocator;
+            e.given = given;
+            e.align = if allocator == 0 { 64 } else { 256 };
+            e.stream = if allocator == 1 { 0x55d0 + e.seq % 2 } else { 0 };
+            if e.seq % 3 == 0 {
+                e.frames = vec![
+                    Frame::new("main", "src/main.rs", 12),
+                    Frame::new("run", "src/lib.rs", 40),
+                ];
+            }
+            t.events.push(e);
+        };
+        push(Action::SegmentAlloc, 1, 0x7000_0000, 8 << 20, 8 << 20);
+        push(Action::Alloc, 1, 0x7000_0000, 1000, 1024);
+        push(Action::Alloc, 1, 0x7010_0000, 3 << 20, 3 << 20);
+        push(Action::Alloc, 0, 0x5500_0000, 100, 112);
+        push(Action::Alloc, 0, 0x5500_1000, 5000, 8192);
+        push(Action::FreeRequested, 0, 0x5500_0000, 100, 112);
+        push(
+            Action::Failure(Cow::Borrowed("limit of 64 MiB reached")),
+            1,
+            0,
+            1 << 40,
+            1 << 40,
+        );
+        push(Action::OutOfMemory, 1, 0, 1 << 40, 1 << 40);
+        push(Action::FreeRequested, 1, 0x7000_0000, 1000, 1024);
+        push(Action::FreeCompleted, 1, 0x7000_0000, 1000, 1024);
+        push(Action::Alloc, 1, 0x7050_0000, 512, 512);
+        push(Action::SegmentMap, 1, 0x9000_0000, 2 << 20, 2 << 20);
+        push(Action::SegmentUnmap, 1, 0x9000_0000, 2 << 20, 2 << 20);
+        push(Action::SegmentAlloc, 1, 0x8000_0000, 2 << 20, 2 << 20);
+        push(Action::SegmentFree, 1, 0x8000_0000, 2 << 20, 2 << 20);
+        t
+    }
+
+    fn bytes(t: &Trace) -> Vec<u8> {
+        let mut out = Vec::new();
+        torch::write(t, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn snapshot_round_trips_every_event() {
+        let t = sample();
+        assert_eq!(torch::read(&bytes(&t)).unwrap(), t);
+        // Trim has no PyTorch action: left out.
+        let mut trim = t.clone();
+        trim.events.push(Event::new(Action::Trim, 0, 4096));
+        assert_eq!(torch::read(&bytes(&trim)).unwrap(), t);
+    }
+
+    fn d(entries: Vec<(&str, Value)>) -> Value {
+        Value::Dict(
+            entries
+                .into_iter()
+                .map(|(k, v)| (HashableValue::String(k.into()), v))
+                .collect(),
+        )
+    }
+
+    fn s(x: &str) -> Value {
+        Value::String(x.into())
+    }
+
+    fn entry(action: &str, addr: i64, size: i64, time_us: i64) -> Value {
+        d(vec![
+            ("action", s(action)),
+            ("addr", Value::I64(addr)),
+            ("size", Value::I64(size)),
+            ("stream", Value::I64(0)),
+            ("time_us", Value::I64(time_us)),
+            (
+                "frames",
+                Value::List(vec![d(vec![
+                    ("filename", s("train.py")),
+                    ("line", Value::I64(7)),
+                    ("name", s("forward")),
+                ])]),
+            ),
+        ])
+    }
+
+    /// A snapshot shaped as PyTorch writes it (protocol 2, tuples, `snapshot` entries, no
+    /// key of ours).
+    fn pytorch_like(device_traces: Value) -> Vec<u8> {
+        let seg = d(vec![
+            ("device", Value::I64(0)),
+            ("address", Value::I64(0x7f00_0000_0000)),
+            ("total_size", Value::I64(2 << 20)),
+            (
+                "segment_pool_id",
+                Value::Tuple(vec![Value::I64(0), Value::I64(0)]),
+            ),
+            ("blocks", Value::List(Vec::new())),
+        ]);
+        let snap = d(vec![
+            ("segments", Value::List(vec![seg])),
+            ("device_traces", device_traces),
+        ]);
+        serde_pickle::value_to_vec(&snap, SerOptions::new().proto_v2()).unwrap()
+    }
+
+    #[test]
+    fn a_pytorch_snapshot_reads_as_a_device_trace() {
+        let traces = Value::List(vec![
+            Value::List(vec![
+                entry("segment_alloc", 0x7f00_0000_0000, 2 << 20, 10),
+                entry("alloc", 0x7f00_0000_0000, 512, 11),
+                entry("snapshot", 0, 0, 12),
+                entry("free_requested", 0x7f00_0000_0000, 512, 13),
+                entry("free_completed", 0x7f00_0000_0000, 512, 14),
+            ]),
+            Value::List(Vec::new()),
+            Value::List(vec![entry("alloc", 0x7e00_0000_0000, 1 << 20, 12)]),
+        ]);
+        let t = torch::read(&pytorch_like(traces)).unwrap();
+        let names: Vec<&str> = t.allocators.iter().map(|a| a.name.as_str()).collect();
+        assert_eq!(names, ["CUDACachingAllocator(0)", "CUDACachingAllocator(2)"]);
+        assert!(t.allocators.iter().all(|a| a.memory == TraceMemory::Device));
+        assert_eq!(t.allocators[1].device, 2);
+        let got: Vec<(u64, Action, u32, u64)> = t
+            .events
+            .iter()
+            .map(|e| (e.seq, e.action.clone(), e.allocator, e.time_ns))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, Action::SegmentAlloc, 0, 10_000),
+                (1, Action::Alloc, 0, 11_000),
+                (2, Action::Alloc, 1, 12_000),
+                (3, Action::FreeRequested, 0, 13_000),
+                (4, Action::FreeCompleted, 0, 14_000),
+            ]
+        );
+        assert_eq!(t.events[1].frames, vec![Frame::new("forward", "train.py", 7)]);
+        // It replays.
+        let r = cudalloc::trace::replay::replay(
+            &t,
+            cudalloc::trace::replay::HostTarget::new("Global", allocator_api2::alloc::Global),
+            &Default::default(),
+        )
+        .unwrap();
+        assert_eq!((r.allocations, r.frees, r.never_freed_blocks), (2, 1, 1));
+    }
+
+    #[test]
+    fn bad_snapshots_are_clear_errors_never_panics() {
+        let good = bytes(&sample());
+        // Every truncation of a good file.
+        for cut in 0..good.len() {
+            let e = torch::read(&good[..cut]).unwrap_err();
+            assert!(
+                matches!(e.location, Location::Offset(_) | Location::Input),
+                "cut at {cut}: {e}"
+            );
+        }
+        // A global (the classic `os.system`) is refused, not resolved.
+        let e =
+            torch::read(b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00lsq\x01\x85q\x02Rq\x03.").unwrap_err();
+        assert!(e.to_string().contains("bad pickle"), "{e}");
+        // Wrong types, each named.
+        let cases: Vec<(Value, &str)> = vec![
+            (Value::I64(3), "device_traces: expected a list, found int"),
+            (
+                Value::List(vec![Value::I64(3)]),
+                "device_traces[0]: expected a list, found int",
+            ),
+            (
+                Value::List(vec![Value::List(vec![s("alloc")])]),
+                "device_traces[0][0]: expected a dict, found str",
+            ),
+            (
+                Value::List(vec![Value::List(vec![d(vec![
+                    ("action", s("alloc")),
+                    ("size", s("big")),
+                ])])]),
+                "device_traces[0][0].size: expected an int, found str",
+            ),
+            (
+                Value::List(vec![Value::List(vec![d(vec![
+                    ("action", s("teleport")),
+                    ("size", Value::I64(1)),
+                ])])]),
+                "device_traces[0][0].action: unknown action `teleport`",
+            ),
+            (
+                Value::List(vec![Value::List(vec![d(vec![
+                    ("action", s("alloc")),
+                    ("addr", Value::I64(16)),
+                ])])]),
+                "device_traces[0][0]: no `size`",
+            ),
+            (
+                Value::List(vec![Value::List(vec![d(vec![
+                    ("action", s("alloc")),
+                    ("size", Value::I64(-4)),
+                ])])]),
+                "device_traces[0][0].size: -4 is negative",
+            ),
+            (
+                Value::List(vec![Value::List(vec![d(vec![
+                    ("action", s("alloc")),
+                    ("size", Value::I64(4)),
+                    ("frames", Value::I64(0)),
+                ])])]),
+                "device_traces[0][0].frames: expected a list, found int",
+            ),
+        ];
+        for (traces, what) in cases {
+            let e = torch::read(&pytorch_like(traces.clone())).unwrap_err();
+            assert_eq!(e.message, what);
+            // Lenient: a bad entry is skipped; a bad container is still an error.
+            if what.starts_with("device_traces[0][0]") {
+                let l = torch::read_lenient(&pytorch_like(traces)).unwrap();
+                assert_eq!((l.trace.events.len(), l.skipped.len()), (0, 1), "{what}");
+            }
+        }
+        let no_traces =
+            serde_pickle::value_to_vec(&d(vec![("segments", Value::List(Vec::new()))]), SerOptions::new())
+                .unwrap();
+        assert!(torch::read(&no_traces)
+            .unwrap_err()
+            .message
+            .contains("_record_memory_history"));
+        let not_dict = serde_pickle::value_to_vec(&Value::List(Vec::new()), SerOptions::new()).unwrap();
+        assert_eq!(
+            torch::read(&not_dict).unwrap_err().message,
+            "snapshot: expected a dict, found list"
+        );
+    }
+
+    #[test]
+    fn the_standard_library_checker_accepts_what_the_crate_writes() {
+        if std::process::Command::new("python3")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            println!("skipped: no python3 on PATH");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("cudalloc-snapshot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = |name: &str, data: &[u8]| {
+            let path = dir.join(name);
+            std::fs::write(&path, data).unwrap();
+            let out = std::process::Command::new("python3")
+                .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tools/check_snapshot.py"))
+                .arg(&path)
+                .output()
+                .unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+            )
+        };
+        let (code, text) = run("sample.pickle", &bytes(&sample()));
+        assert_eq!(code, Some(0), "{text}");
+        // Live at the end: segment 0x7000_0000 (8 MiB) holding 2 blocks (3 MiB + 512 B,
+        // with gaps), and the host block of 8192 bytes in a synthetic segment.
+        for line in [
+            "segments: 2\n",
+            "total_reserved: 8396800\n",
+            "total_allocated: 3154432\n",
+            "blocks active_allocated: 3\n",
+            "alloc: 5\n",
+            "free_requested: 2\n",
+            "oom: 2\n",
+            "segment_alloc: 2\n",
+            "entries: 15\n",
+        ] {
+            assert!(text.contains(line), "{line:?} not in\n{text}");
+        }
+        // Negative controls: a global is refused; a segment whose blocks do not fill it.
+        let (code, text) = run(
+            "global.pickle",
+            b"\x80\x02cos\nsystem\nq\x00X\x02\x00\x00\x00lsq\x01\x85q\x02Rq\x03.",
+        );
+        assert_eq!(code, Some(1), "{text}");
+        assert!(text.contains("refused"), "{text}");
+        let (code, text) = run("truncated.pickle", &bytes(&sample())[..100]);
+        assert_eq!(code, Some(1), "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

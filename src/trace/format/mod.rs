@@ -90,3 +90,41 @@ pub struct Lenient {
     /// What was skipped, in input order.
     pub skipped: Vec<TraceError>,
 }
+
+/// Reads a trace file of any format this module reads, telling them by their content: a
+/// pickle (PyTorch's snapshot) starts with the byte `0x80`, anything else is read as
+/// RMM's CSV log. `lenient` skips bad input (listed in [`Lenient::skipped`]).
+///
+/// ```
+/// use cudalloc::trace::format;
+/// let csv = b"Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.000000,allocate,0x10,8,0x0\n";
+/// assert_eq!(format::read_any(csv, false).unwrap().trace.events.len(), 1);
+/// assert!(format::read_any(b"\x80\x02", false).is_err()); // a truncated pickle
+/// assert!(format::read_any(b"\xff\xfe", false).is_err()); // neither
+/// ```
+pub fn read_any(bytes: &[u8], lenient: bool) -> Result<Lenient, TraceError> {
+    if bytes.first() == Some(&0x80) {
+        return if lenient {
+            torch::read_lenient(bytes)
+        } else {
+            torch::read(bytes).map(|trace| Lenient {
+                trace,
+                skipped: Vec::new(),
+            })
+        };
+    }
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        TraceError::new(
+            Location::Offset(e.valid_up_to() as u64),
+            "neither a pickle nor UTF-8 text (an RMM log)",
+        )
+    })?;
+    if lenient {
+        rmm::read_lenient(text)
+    } else {
+        rmm::read(text).map(|trace| Lenient {
+            trace,
+            skipped: Vec::new(),
+        })
+    }
+}
