@@ -228,9 +228,7 @@ fn run(args: &Args) -> Result<(), String> {
             ));
         }
         if let Some(n) = &r.note {
-            if !notes.iter().any(|x| x.ends_with(n.as_str())) {
-                notes.push(format!("{}: {n}", r.allocator));
-            }
+            notes.push(format!("{}: {n}", r.allocator));
         }
         if args.fit {
             match t.fit(&plan) {

@@ -270,3 +270,41 @@ fn a_device_trace_replays_on_the_gpu_with_its_streams() {
         }
     }
 }
+
+#[test]
+fn every_sample_trace_replays_on_the_host_allocators_and_its_own_kind() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("csv" | "pickle")))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 2, "{files:?}");
+    for path in files {
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(
+            bytes.len() < 1 << 20,
+            "{}: a sample stays under 1 MB",
+            path.display()
+        );
+        let trace = cudalloc::trace::format::read_any(&bytes, false).unwrap().trace;
+        let plan = Plan::new(&trace, &ReplayOptions::default()).unwrap();
+        let allocs = trace.events.iter().filter(|e| e.action == Action::Alloc).count() as u64;
+        assert!(allocs > 500, "{}", path.display());
+        let own = trace.allocators[0].memory;
+        let mut kinds = vec![TraceMemory::Host];
+        if own == TraceMemory::Device {
+            kinds.push(own);
+        }
+        for memory in kinds {
+            for t in targets(memory) {
+                let r = t.run(&plan).unwrap();
+                let what = format!("{} on {}", path.display(), t.name);
+                assert_eq!((r.allocations, r.failures), (allocs, 0), "{what}");
+                assert_eq!(r.peak_requested, plan.peak_requested(), "{what}");
+                assert_eq!(r.never_freed_blocks, 0, "{what}");
+            }
+        }
+    }
+}

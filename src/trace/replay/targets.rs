@@ -372,7 +372,7 @@ impl Target {
         (self.run)(plan, Some(bytes))
     }
 
-    /// The smallest limit (within 1% or 1 MiB) under which `plan` replays with no failed
+    /// The smallest limit (within 1% or 64 KiB) under which `plan` replays with no failed
     /// allocation, by bisection between the plan's peak request and a limit that works
     /// (doubled from it until one does, at most 2^10 times the peak). `None` for a target
     /// without a limit, or when no limit up to that bound works.
@@ -414,7 +414,7 @@ impl Target {
             return Some(Ok(hi));
         }
         // Invariant: `hi` works, `lo` does not (or is the peak request).
-        while hi - lo > (lo / 100).max(1 << 20) {
+        while hi - lo > (lo / 100).max(64 << 10) {
             let mid = lo + (hi - lo) / 2;
             match fits(mid) {
                 Err(e) => return Some(Err(e)),
