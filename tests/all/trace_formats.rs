@@ -465,3 +465,110 @@ mod torch {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+mod svg {
+    use cudalloc::trace::format::svg;
+    use cudalloc::trace::replay::{random_workload, RandomWorkload};
+    use cudalloc::trace::{Action, Event, Trace, TraceMemory, TracedAllocator};
+
+    fn polylines(doc: &str) -> Vec<(String, Vec<(f64, f64)>)> {
+        let xml = roxmltree::Document::parse(doc).expect("well-formed SVG");
+        let root = xml.root_element();
+        assert_eq!(root.tag_name().name(), "svg");
+        let (w, h): (f64, f64) = (
+            root.attribute("width").unwrap().parse().unwrap(),
+            root.attribute("height").unwrap().parse().unwrap(),
+        );
+        root.descendants()
+            .filter(|n| n.has_tag_name("polyline"))
+            .map(|n| {
+                let title = n
+                    .children()
+                    .find(|c| c.has_tag_name("title"))
+                    .unwrap()
+                    .text()
+                    .unwrap()
+                    .to_string();
+                let pts: Vec<(f64, f64)> = n
+                    .attribute("points")
+                    .unwrap()
+                    .split(' ')
+                    .map(|p| {
+                        let (x, y) = p.split_once(',').unwrap();
+                        (x.parse().unwrap(), y.parse().unwrap())
+                    })
+                    .collect();
+                assert!(
+                    pts.iter()
+                        .all(|&(x, y)| (0.0..=w).contains(&x) && (0.0..=h).contains(&y)),
+                    "{title}"
+                );
+                (title, pts)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_timeline_has_live_and_reserved_per_allocator_and_live_per_stream() {
+        let mut t = Trace::default();
+        t.allocators
+            .push(TracedAllocator::new("Pool<A&B>", TraceMemory::Host, 0));
+        t.allocators
+            .push(TracedAllocator::new("DevicePool(0)", TraceMemory::Device, 0));
+        let mut push = |action, allocator, addr, size, stream| {
+            let mut e = Event::new(action, addr, size);
+            e.time_ns = t.events.len() as u64 * 1000;
+            e.allocator = allocator;
+            e.stream = stream;
+            t.events.push(e);
+        };
+        push(Action::SegmentAlloc, 1, 0x9000, 1 << 20, 0);
+        push(Action::Alloc, 1, 0x9000, 4096, 7);
+        push(Action::Alloc, 1, 0xa000, 8192, 9);
+        push(Action::Alloc, 0, 0x10, 100, 0);
+        push(Action::FreeRequested, 1, 0x9000, 4096, 7);
+        push(Action::FreeRequested, 0, 0x10, 100, 0);
+        let doc = svg::timeline(&t);
+        let lines = polylines(&doc);
+        let titles: Vec<&str> = lines.iter().map(|l| l.0.as_str()).collect();
+        assert_eq!(
+            titles,
+            [
+                "Pool<A&B>: live",
+                "DevicePool(0): live",
+                "DevicePool(0): reserved",
+                "DevicePool(0): live on stream 0x7",
+                "DevicePool(0): live on stream 0x9",
+            ]
+        );
+        // The reserved line is the highest: 1 MiB is the chart's top.
+        let top = lines[2].1.iter().map(|p| p.1).fold(f64::MAX, f64::min);
+        assert!(lines.iter().all(|l| l.1.iter().all(|p| p.1 >= top)));
+        assert!(doc.contains("(peak 12.0 KiB)"), "{doc}");
+        // No allocations: still a document, saying so.
+        assert!(polylines(&svg::timeline(&Trace::default())).is_empty());
+        assert!(svg::timeline(&Trace::default()).contains("no allocations"));
+    }
+
+    #[test]
+    fn a_long_trace_is_downsampled_keeping_its_peak() {
+        let t = random_workload(&RandomWorkload {
+            allocations: 20_000,
+            ..RandomWorkload::small()
+        });
+        let doc = svg::timeline(&t);
+        assert!(doc.len() < 1 << 20, "{} bytes", doc.len());
+        let lines = polylines(&doc);
+        assert_eq!(lines.len(), 1 + 4, "live, and live on each of 4 streams");
+        for (title, pts) in &lines {
+            assert!(
+                pts.len() <= 2 * svg::MAX_POINTS + 4,
+                "{title}: {} points",
+                pts.len()
+            );
+        }
+        // The live line reaches the chart's top (its peak is the highest value drawn).
+        let top = lines[0].1.iter().map(|p| p.1).fold(f64::MAX, f64::min);
+        assert!((top - 50.0).abs() < 0.11, "top at {top}");
+    }
+}
