@@ -3,6 +3,11 @@
 //! host memory).
 //!
 //!     cargo run --release --example make_traces [-- DIR]
+//!     cargo run --release --example make_traces -- DIR N   # only DIR/rmm_random_N.csv
+//!
+//! With N, only RMM's random workload of N allocations (sizes up to 64 MiB, at most
+//! 2000 MiB live, 4 streams: RMM's shape with an eighth of its cap), for measuring
+//! replay speed; the file is not a sample (it exceeds 1 MB from about 10^4 allocations).
 //!
 //! The recording here goes through a small wrapper around `Global` private to this
 //! example (every allocate, grow and free noted under one lock): enough to make a
@@ -129,6 +134,15 @@ fn save(path: &Path, write: impl FnOnce(&mut std::fs::File) -> std::io::Result<(
 fn main() -> std::io::Result<()> {
     let dir = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "traces".into()));
     std::fs::create_dir_all(&dir)?;
+    if let Some(n) = std::env::args().nth(2) {
+        let n: usize = n.parse().map_err(|_| std::io::Error::other(format!("N: `{n}` is not a number")))?;
+        let w = random_workload(&RandomWorkload {
+            allocations: n,
+            max_usage: 2000 << 20,
+            ..RandomWorkload::rmm()
+        });
+        return save(&dir.join(format!("rmm_random_{n}.csv")), |f| rmm::write(&w, f).map(drop));
+    }
     // RMM's shape (uniform sizes, 73% allocations while under the cap, 4 streams) scaled
     // to stay under 1 MB of CSV and to replay on a CI machine's host memory: 7000
     // allocations up to 16 MiB, at most 512 MiB live.
