@@ -135,13 +135,17 @@ fn main() -> std::io::Result<()> {
     let dir = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "traces".into()));
     std::fs::create_dir_all(&dir)?;
     if let Some(n) = std::env::args().nth(2) {
-        let n: usize = n.parse().map_err(|_| std::io::Error::other(format!("N: `{n}` is not a number")))?;
+        let n: usize = n
+            .parse()
+            .map_err(|_| std::io::Error::other(format!("N: `{n}` is not a number")))?;
         let w = random_workload(&RandomWorkload {
             allocations: n,
             max_usage: 2000 << 20,
             ..RandomWorkload::rmm()
         });
-        return save(&dir.join(format!("rmm_random_{n}.csv")), |f| rmm::write(&w, f).map(drop));
+        return save(&dir.join(format!("rmm_random_{n}.csv")), |f| {
+            rmm::write(&w, f).map(drop)
+        });
     }
     // RMM's shape (uniform sizes, 73% allocations while under the cap, 4 streams) scaled
     // to stay under 1 MB of CSV and to replay on a CI machine's host memory: 7000

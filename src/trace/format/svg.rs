@@ -28,6 +28,9 @@ const COLORS: [&str; 10] = [
     "#17becf",
 ];
 
+/// A running total and its value after each change: (time, bytes).
+type Running = (u64, Vec<(u64, u64)>);
+
 /// One line of the chart.
 struct Series {
     name: String,
@@ -80,14 +83,14 @@ fn series_of(trace: &Trace) -> (Vec<Series>, bool) {
             .get(a)
             .is_some_and(|t| t.memory == TraceMemory::Device)
     };
-    let mut live: Vec<(u64, Vec<(u64, u64)>)> = vec![(0, Vec::new()); n_alloc];
-    let mut reserved: Vec<(u64, Vec<(u64, u64)>)> = vec![(0, Vec::new()); n_alloc];
+    let mut live: Vec<Running> = vec![(0, Vec::new()); n_alloc];
+    let mut reserved: Vec<Running> = vec![(0, Vec::new()); n_alloc];
     // (allocator, stream) -> running total and points.
-    let mut per_stream: HashMap<(usize, u64), (u64, Vec<(u64, u64)>)> = HashMap::new();
+    let mut per_stream: HashMap<(usize, u64), Running> = HashMap::new();
     // (allocator, addr) -> (size, stream) of the live block or segment there.
     let mut blocks: HashMap<(usize, u64), (u64, u64)> = HashMap::new();
     let mut segs: HashMap<(usize, u64), u64> = HashMap::new();
-    let bump = |s: &mut (u64, Vec<(u64, u64)>), t: u64, add: bool, n: u64| {
+    let bump = |s: &mut Running, t: u64, add: bool, n: u64| {
         s.0 = if add {
             s.0.saturating_add(n)
         } else {
