@@ -308,3 +308,41 @@ fn every_sample_trace_replays_on_the_host_allocators_and_its_own_kind() {
         }
     }
 }
+
+/// Panics on its 5th allocation.
+struct Panicky(std::sync::atomic::AtomicUsize);
+
+impl ReplayTarget for Panicky {
+    type Block = ();
+    fn name(&self) -> String {
+        "panicky".into()
+    }
+    fn alloc(&self, size: usize, _align: usize, _stream: usize) -> Result<((), usize), String> {
+        if self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 4 {
+            panic!("a target's bug");
+        }
+        Ok(((), size))
+    }
+    unsafe fn free(&self, _block: (), _stream: usize) {}
+}
+
+#[test]
+fn a_target_that_panics_ends_the_replay_with_an_error_not_a_hang() {
+    let mut t = Trace::default();
+    for i in 0..40u64 {
+        t.events
+            .push(ev(Action::Alloc, (i % 4) as u32, 0x100 * (i + 1), 8));
+    }
+    let mut one = t.clone();
+    for e in &mut one.events {
+        e.thread = 0;
+    }
+    // On 4 threads (the others stop waiting for their turn) and on one.
+    for trace in [&t, &one] {
+        let r = replay::replay(trace, Panicky(Default::default()), &ReplayOptions::default());
+        match r {
+            Err(ReplayError::Target(e)) => assert!(e.contains("panicked"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -40,7 +40,7 @@ use std::time::Instant;
 
 use super::format::{Location, TraceError};
 use super::{Action, Trace};
-use crate::sync::{AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::sync::{AtomicBool, AtomicU64, AtomicUsize, Mutex, Ordering};
 
 /// How to read a trace for replay.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -295,29 +295,31 @@ impl Plan {
             peak_held: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             first_failure: Mutex::new(None),
+            aborted: AtomicBool::new(false),
         };
         let t0 = Instant::now();
-        let times: Vec<Times> = if self.per_thread.len() <= 1 {
-            self.per_thread
+        // Always on threads of their own, even for one: a target that panics ends the
+        // replay with an error, whatever the number of threads.
+        let times: Vec<Times> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .per_thread
                 .iter()
-                .map(|ops| self.run_thread(&target, ops, &slots, &given, &shared))
+                .map(|ops| {
+                    let (target, slots, given, shared) = (&target, &slots, &given, &shared);
+                    s.spawn(move || self.run_thread(target, ops, slots, given, shared))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_default())
                 .collect()
-        } else {
-            std::thread::scope(|s| {
-                let handles: Vec<_> = self
-                    .per_thread
-                    .iter()
-                    .map(|ops| {
-                        let (target, slots, given, shared) = (&target, &slots, &given, &shared);
-                        s.spawn(move || self.run_thread(target, ops, slots, given, shared))
-                    })
-                    .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_default())
-                    .collect()
-            })
-        };
+        });
+        if shared.aborted.load(Ordering::Relaxed) {
+            return Err(format!(
+                "{}: the allocator panicked during the replay",
+                target.name()
+            ));
+        }
         target.settle();
         let total_ns = t0.elapsed().as_nanos() as u64;
         let peak_reserved = target.peak_reserved();
@@ -373,11 +375,25 @@ impl Plan {
         given: &[AtomicU64],
         sh: &Shared,
     ) -> Times {
+        /// Tells the other replay threads to stop waiting when this one unwinds (a
+        /// target that panicked), instead of waiting for its turn forever.
+        struct AbortOnUnwind<'a>(&'a AtomicBool);
+        impl Drop for AbortOnUnwind<'_> {
+            fn drop(&mut self) {
+                if std::thread::panicking() {
+                    self.0.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+        let _guard = AbortOnUnwind(&sh.aborted);
         let mut times = Times::default();
         for &i in ops {
             let op = self.ops[i as usize];
             let mut spins = 0u32;
             while sh.next.load(Ordering::Acquire) != i as usize {
+                if sh.aborted.load(Ordering::Relaxed) {
+                    return times;
+                }
                 spins += 1;
                 if spins < 64 {
                     std::hint::spin_loop();
@@ -436,6 +452,8 @@ struct Shared {
     peak_held: AtomicU64,
     failures: AtomicU64,
     first_failure: Mutex<Option<String>>,
+    /// A replay thread panicked: the others stop.
+    aborted: AtomicBool,
 }
 
 #[derive(Default)]
