@@ -257,6 +257,9 @@ fn run(args: &Args) -> Result<(), String> {
     );
     report.tables.push(table);
     if args.fit {
+        if fit.rows.is_empty() {
+            fit.note("No allocator here has a limit to fit (the pools with one: Pool<HostSource> and, on a GPU, DevicePool).");
+        }
         report.tables.push(fit);
     }
     print!("{}", report.markdown());
