@@ -411,6 +411,53 @@ mod torch {
         );
     }
 
+    /// PyTorch's own reader (`python3 -m torch.cuda._memory_viz stats|trace`) on a
+    /// snapshot the crate wrote: its counts match the trace. Needs PyTorch (the GPU
+    /// machine has it): skipped without it, unless `REQUIRE_TORCH=1`.
+    #[test]
+    fn pytorch_memory_viz_reads_a_snapshot_the_crate_wrote() {
+        let torch_here = std::process::Command::new("python3")
+            .args(["-c", "import torch.cuda._memory_viz"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !torch_here {
+            assert!(
+                std::env::var("REQUIRE_TORCH").map_or(true, |v| v != "1"),
+                "REQUIRE_TORCH=1 but python3 cannot import torch.cuda._memory_viz"
+            );
+            println!("skipped: no PyTorch");
+            return;
+        }
+        let path = std::env::temp_dir().join(format!("cudalloc-viz-{}.pickle", std::process::id()));
+        std::fs::write(&path, bytes(&sample())).unwrap();
+        let viz = |cmd: &str| {
+            let out = std::process::Command::new("python3")
+                .args(["-m", "torch.cuda._memory_viz", cmd])
+                .arg(&path)
+                .output()
+                .unwrap();
+            let text =
+                String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "_memory_viz {cmd}:\n{text}");
+            text
+        };
+        let stats = viz("stats");
+        assert!(stats.contains("segments: 2\n"), "{stats}");
+        assert!(stats.contains("total_reserved: 8.0MiB\n"), "{stats}");
+        let trace = viz("trace");
+        // Device 0 has the host allocator's 3 events, device 1 the device pool's 12.
+        assert!(
+            trace.contains("Device 0 ----------------\n3 entries\n"),
+            "{trace}"
+        );
+        assert!(
+            trace.contains("Device 1 ----------------\n12 entries\n"),
+            "{trace}"
+        );
+        assert!(trace.contains("raise OutOfMemoryError()"), "{trace}");
+        let _ = std::fs::remove_file(&path);
+    }
+
     #[test]
     fn the_standard_library_checker_accepts_what_the_crate_writes() {
         if std::process::Command::new("python3")
