@@ -9,3 +9,6 @@ pub mod troubleshooting {}
 
 #[doc = include_str!("../docs/guarantees.md")]
 pub mod guarantees {}
+
+#[doc = include_str!("../docs/traces.md")]
+pub mod traces {}

@@ -19,3 +19,6 @@
 mod event;
 
 pub use event::{Action, Event, Frame, Trace, TraceMemory, TracedAllocator};
+
+pub mod format;
+pub mod replay;

@@ -39,3 +39,5 @@ mod pool;
 mod props;
 mod registration;
 mod staging_pipeline;
+mod trace_formats;
+mod trace_replay;

@@ -1,0 +1,348 @@
+//! Replay: traces run again on the allocators, in their recorded order and threads, with
+//! what they measured; bad traces refused with the event named.
+
+use std::sync::Mutex;
+use std::thread::ThreadId;
+
+use cudalloc::pool::{Pool, PoolConfig};
+use cudalloc::source::HostSource;
+use cudalloc::trace::format::Location;
+use cudalloc::trace::replay::{
+    self, random_workload, targets, HostTarget, Plan, RandomWorkload, ReplayError, ReplayOptions,
+    ReplayTarget,
+};
+use cudalloc::trace::{Action, Event, Trace, TraceMemory};
+
+fn ev(action: Action, thread: u32, addr: u64, size: u64) -> Event {
+    let mut e = Event::new(action, addr, size);
+    e.thread = thread;
+    e
+}
+
+/// Notes which OS thread ran each allocation (identified by its size) and in what order.
+#[derive(Default)]
+struct Witness {
+    seen: Mutex<Vec<(ThreadId, u64)>>,
+}
+
+impl ReplayTarget for &Witness {
+    type Block = u64;
+    fn name(&self) -> String {
+        "witness".into()
+    }
+    fn alloc(&self, size: usize, _align: usize, _stream: usize) -> Result<(u64, usize), String> {
+        self.seen
+            .lock()
+            .unwrap()
+            .push((std::thread::current().id(), size as u64));
+        Ok((size as u64, size))
+    }
+    unsafe fn free(&self, _block: u64, _stream: usize) {}
+}
+
+#[test]
+fn a_trace_with_threads_replays_each_threads_events_in_order_on_a_thread_of_its_own() {
+    // 3 recorded threads, interleaved; allocation i has size i + 1, on thread i % 3 (or
+    // in runs of 2 for variety); frees from other threads than the allocating one.
+    let mut t = Trace::default();
+    let mut expected = Vec::new();
+    for i in 0..600u64 {
+        let thread = ((i / 2) % 3) as u32;
+        t.events.push(ev(Action::Alloc, thread, 0x1000 + i * 64, i + 1));
+        expected.push((thread, i + 1));
+        if i % 5 == 4 {
+            t.events.push(ev(
+                Action::FreeRequested,
+                (thread + 1) % 3,
+                0x1000 + (i - 2) * 64,
+                i - 1,
+            ));
+        }
+    }
+    let w = Witness::default();
+    let r = replay::replay(&t, &w, &ReplayOptions::default()).unwrap();
+    assert_eq!((r.threads, r.allocations, r.frees), (3, 600, 120));
+    let seen = w.seen.into_inner().unwrap();
+    // The global order is the trace's.
+    assert_eq!(
+        seen.iter().map(|s| s.1).collect::<Vec<_>>(),
+        expected.iter().map(|e| e.1).collect::<Vec<_>>()
+    );
+    // Each recorded thread ran on one OS thread, a different one for each.
+    let mut os: Vec<Option<ThreadId>> = vec![None; 3];
+    for ((id, _), (thread, _)) in seen.iter().zip(&expected) {
+        let slot = os[*thread as usize].get_or_insert(*id);
+        assert_eq!(slot, id, "recorded thread {thread} moved between OS threads");
+    }
+    let ids: Vec<ThreadId> = os.into_iter().map(Option::unwrap).collect();
+    assert!(ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2]);
+}
+
+#[test]
+fn a_replay_gives_the_traces_peak_request_and_allocation_count_and_reports_blocks_never_freed() {
+    let mut trace = random_workload(&RandomWorkload {
+        allocations: 3000,
+        threads: 2,
+        ..RandomWorkload::small()
+    });
+    // Drop the final frees of the last 10 blocks: they are never freed.
+    let frees_at_end = trace.events.len() - 10;
+    let never: u64 = trace.events[frees_at_end..].iter().map(|e| e.size).sum();
+    trace.events.truncate(frees_at_end);
+    let allocs = trace.events.iter().filter(|e| e.action == Action::Alloc).count() as u64;
+    let plan = Plan::new(&trace, &ReplayOptions::default()).unwrap();
+    let pool = HostTarget::new("Pool", Pool::new(HostSource))
+        .with_peak_reserved(|p| p.stats().peak_source_bytes as u64);
+    let r = plan.replay(pool).unwrap();
+    assert_eq!(r.allocations, allocs);
+    assert_eq!(r.frees, allocs - 10);
+    assert_eq!(r.failures, 0);
+    assert_eq!(r.peak_requested, plan.peak_requested());
+    assert!(r.peak_held >= r.peak_requested);
+    assert!(r.peak_reserved.unwrap() >= r.peak_held);
+    assert!(r.reserved_ratio().unwrap() >= 1.0);
+    assert_eq!((r.never_freed_blocks, r.never_freed_bytes), (10, never));
+    assert!(r.alloc_median_ns <= r.alloc_p99_ns && r.free_median_ns <= r.free_p99_ns);
+    assert_eq!((r.streams, r.threads), (4, 2));
+}
+
+#[test]
+fn failed_allocations_are_counted_and_the_replay_goes_on() {
+    // 4 blocks of 1 MiB live at once under a pool limited to 2.5 MiB: two fail, their
+    // frees are skipped, the rest replays.
+    let mut t = Trace::default();
+    for i in 0..4 {
+        t.events.push(ev(Action::Alloc, 0, 0x10_0000 * (i + 1), 1 << 20));
+    }
+    for i in 0..4 {
+        t.events
+            .push(ev(Action::FreeRequested, 0, 0x10_0000 * (i + 1), 1 << 20));
+    }
+    t.events.push(ev(Action::Alloc, 0, 0x99, 1 << 20));
+    t.events.push(ev(Action::FreeRequested, 0, 0x99, 1 << 20));
+    let pool = Pool::with_config(
+        HostSource,
+        PoolConfig::default()
+            .with_large_threshold(64 << 10)
+            .with_limit((5 << 20) / 2),
+    );
+    let r = replay::replay(&t, HostTarget::new("limited", pool), &ReplayOptions::default()).unwrap();
+    assert_eq!((r.allocations, r.failures, r.frees), (3, 2, 3));
+    assert!(r.first_failure.unwrap().starts_with("1048576 bytes"));
+    assert_eq!(r.peak_requested, 2 << 20);
+}
+
+#[test]
+fn bad_events_are_errors_naming_the_event_or_skipped_and_counted_when_lenient() {
+    let a = |addr, size| ev(Action::Alloc, 0, addr, size);
+    let f = |addr| ev(Action::FreeRequested, 0, addr, 8);
+    let mut aligned = a(0x40, 8);
+    aligned.align = 3;
+    let cases: Vec<(Vec<Event>, &str)> = vec![
+        (
+            vec![a(0x10, 8), f(0x20)],
+            "free of 0x20, which the trace never allocated",
+        ),
+        (
+            vec![a(0x10, 8), f(0x10), f(0x10)],
+            "double free of 0x10 (event 1 freed it)",
+        ),
+        (
+            vec![a(0x10, 8), a(0x10, 8)],
+            "allocation at 0x10, which event 0 allocated",
+        ),
+        (
+            vec![a(0x10, 8), a(0x20, u64::MAX)],
+            "allocation of 18446744073709551615 bytes, beyond memory",
+        ),
+        (vec![a(0x10, 8), aligned], "alignment 3 is not a power of two"),
+    ];
+    for (events, what) in cases {
+        let mut t = Trace::default();
+        t.events = events;
+        let at = t.events.len() as u64 - 1;
+        let global = HostTarget::new("Global", allocator_api2::alloc::Global);
+        match replay::replay(&t, global, &ReplayOptions::default()) {
+            Err(ReplayError::Trace(e)) => {
+                assert_eq!(e.location, Location::Event(at), "{what}");
+                assert!(e.message.starts_with(what), "{e}");
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+        let global = HostTarget::new("Global", allocator_api2::alloc::Global);
+        let r = replay::replay(&t, global, &ReplayOptions::default().with_lenient(true)).unwrap();
+        assert_eq!(r.skipped, 1, "{what}");
+        assert_eq!(r.allocations, 1, "{what}");
+    }
+    // A size the host cannot give is a failure, not an error: the allocator says no.
+    let mut t = Trace::default();
+    t.events.push(a(0x10, 1 << 46));
+    let r = replay::replay(
+        &t,
+        HostTarget::new("Global", allocator_api2::alloc::Global),
+        &Default::default(),
+    )
+    .unwrap();
+    assert_eq!((r.allocations, r.failures), (0, 1));
+}
+
+#[test]
+fn every_standard_target_replays_a_multi_stream_trace() {
+    let trace = random_workload(&RandomWorkload {
+        allocations: 500,
+        ..RandomWorkload::small()
+    });
+    let plan = Plan::new(&trace, &ReplayOptions::default()).unwrap();
+    for memory in [TraceMemory::Host, TraceMemory::Device] {
+        for t in targets(memory) {
+            let r = t.run(&plan).unwrap();
+            assert_eq!(r.failures, 0, "{}", t.name);
+            assert_eq!(r.peak_requested, plan.peak_requested(), "{}", t.name);
+            assert_eq!(r.allocations as usize * 2, plan.len(), "{}", t.name);
+            if !cudalloc::cuda::driver_available() && memory == TraceMemory::Device {
+                assert!(r.note.unwrap().contains("simulated GPU"), "{}", t.name);
+            }
+        }
+    }
+}
+
+#[test]
+fn fit_finds_a_limit_that_replays_without_failure() {
+    let trace = random_workload(&RandomWorkload {
+        allocations: 400,
+        max_size: 4 << 20,
+        max_usage: 32 << 20,
+        ..RandomWorkload::small()
+    });
+    let plan = Plan::new(&trace, &ReplayOptions::default()).unwrap();
+    let pool = targets(TraceMemory::Host)
+        .into_iter()
+        .find(|t| t.name == "Pool<HostSource>")
+        .unwrap();
+    let fit = pool.fit(&plan).unwrap().unwrap();
+    assert!(fit >= plan.peak_requested());
+    assert_eq!(pool.run_limited(&plan, fit).unwrap().failures, 0);
+    // Well below the peak request something must fail.
+    assert!(
+        pool.run_limited(&plan, plan.peak_requested() / 2)
+            .unwrap()
+            .failures
+            > 0
+    );
+    assert!(targets(TraceMemory::Host)
+        .into_iter()
+        .find(|t| t.name == "Global")
+        .unwrap()
+        .fit(&plan)
+        .is_none());
+}
+
+#[test]
+fn a_device_trace_replays_on_the_gpu_with_its_streams() {
+    gpu!();
+    let trace = random_workload(&RandomWorkload {
+        allocations: 5000,
+        max_size: 64 << 20,
+        max_usage: 4000 << 20,
+        ..RandomWorkload::rmm()
+    });
+    let plan = Plan::new(&trace, &ReplayOptions::default()).unwrap();
+    let allocs = trace.events.iter().filter(|e| e.action == Action::Alloc).count() as u64;
+    for t in targets(TraceMemory::Device) {
+        let r = t.run(&plan).unwrap();
+        println!(
+            "{}: {:.1} ms, peak requested {} MiB, reserved {:?}",
+            r.allocator,
+            r.total_ns as f64 / 1e6,
+            r.peak_requested >> 20,
+            r.peak_reserved.map(|b| b >> 20)
+        );
+        assert!(r.note.is_none(), "a real GPU: {}", t.name);
+        assert_eq!(
+            (r.allocations, r.failures, r.streams),
+            (allocs, 0, 4),
+            "{}",
+            t.name
+        );
+        assert_eq!(r.peak_requested, plan.peak_requested(), "{}", t.name);
+        if t.limitable {
+            assert!(r.peak_reserved.unwrap() >= r.peak_requested, "{}", t.name);
+        }
+    }
+}
+
+#[test]
+fn every_sample_trace_replays_on_the_host_allocators_and_its_own_kind() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("csv" | "pickle")))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 2, "{files:?}");
+    for path in files {
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(
+            bytes.len() < 1 << 20,
+            "{}: a sample stays under 1 MB",
+            path.display()
+        );
+        let trace = cudalloc::trace::format::read_any(&bytes, false).unwrap().trace;
+        let plan = Plan::new(&trace, &ReplayOptions::default()).unwrap();
+        let allocs = trace.events.iter().filter(|e| e.action == Action::Alloc).count() as u64;
+        assert!(allocs > 500, "{}", path.display());
+        let own = trace.allocators[0].memory;
+        let mut kinds = vec![TraceMemory::Host];
+        if own == TraceMemory::Device {
+            kinds.push(own);
+        }
+        for memory in kinds {
+            for t in targets(memory) {
+                let r = t.run(&plan).unwrap();
+                let what = format!("{} on {}", path.display(), t.name);
+                assert_eq!((r.allocations, r.failures), (allocs, 0), "{what}");
+                assert_eq!(r.peak_requested, plan.peak_requested(), "{what}");
+                assert_eq!(r.never_freed_blocks, 0, "{what}");
+            }
+        }
+    }
+}
+
+/// Panics on its 5th allocation.
+struct Panicky(std::sync::atomic::AtomicUsize);
+
+impl ReplayTarget for Panicky {
+    type Block = ();
+    fn name(&self) -> String {
+        "panicky".into()
+    }
+    fn alloc(&self, size: usize, _align: usize, _stream: usize) -> Result<((), usize), String> {
+        if self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 4 {
+            panic!("a target's bug");
+        }
+        Ok(((), size))
+    }
+    unsafe fn free(&self, _block: (), _stream: usize) {}
+}
+
+#[test]
+fn a_target_that_panics_ends_the_replay_with_an_error_not_a_hang() {
+    let mut t = Trace::default();
+    for i in 0..40u64 {
+        t.events
+            .push(ev(Action::Alloc, (i % 4) as u32, 0x100 * (i + 1), 8));
+    }
+    let mut one = t.clone();
+    for e in &mut one.events {
+        e.thread = 0;
+    }
+    // On 4 threads (the others stop waiting for their turn) and on one.
+    for trace in [&t, &one] {
+        let r = replay::replay(trace, Panicky(Default::default()), &ReplayOptions::default());
+        match r {
+            Err(ReplayError::Target(e)) => assert!(e.contains("panicked"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
