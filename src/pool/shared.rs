@@ -28,6 +28,7 @@ use crate::error::{Error, Result};
 use crate::fence::{registry, SharedFence, UseSet};
 use crate::source::MemorySource;
 use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+use crate::trace::Code;
 use crate::util::{align_up, PAGE_SIZE};
 
 /// A pool's configuration after validation.
@@ -65,6 +66,8 @@ pub(crate) struct Shared<S: MemorySource> {
     pub(crate) small: SmallShared,
     pub(crate) large: LargeShared,
     pub(crate) uses: UseTracker,
+    /// The pool's place in allocation traces.
+    pub(crate) trace: crate::trace::Tag,
     threads: Mutex<ThreadRegistry>,
     /// Counts drains while some block has uses; every `PRUNE_EVERY`th forgets the
     /// completed ones.
@@ -119,6 +122,7 @@ impl<S: MemorySource> Shared<S> {
             small: SmallShared::new(settings.chunk_size, settings.max_class),
             large: LargeShared::new(min_split),
             uses: UseTracker::default(),
+            trace: crate::trace::Tag::new(crate::trace::pool_name::<S>),
             threads: Mutex::new(ThreadRegistry::default()),
             prune_tick: AtomicUsize::new(0),
             waits: AtomicUsize::new(0),
@@ -145,6 +149,7 @@ impl<S: MemorySource> Shared<S> {
             Ok(p) => {
                 self.acct.on_source_alloc(size);
                 registry::insert_range(p.as_ptr() as usize, size, self.uid);
+                self.trace.segment(Code::SegmentAlloc, p.as_ptr() as usize, size);
                 Ok(BlockPtr::new(p))
             }
             Err(e) => {
@@ -158,6 +163,7 @@ impl<S: MemorySource> Shared<S> {
     /// 1. `p` came from `self.source_alloc(size)` and nothing uses it any more.
     unsafe fn source_free(&self, p: BlockPtr, size: usize) {
         registry::remove_range(p.addr());
+        self.trace.segment(Code::SegmentFree, p.addr(), size);
         // SAFETY: obligation 1; source_alloc returned this block of `size` bytes.
         unsafe { self.source.deallocate(p.as_non_null(), size) };
         self.acct.on_source_free(size);
@@ -475,6 +481,7 @@ impl<S: MemorySource> Shared<S> {
         self.uses.lock().settle(waiting, &done);
         let n = done.len();
         for b in done {
+            self.trace.free_completed(b.ptr.addr(), b.size);
             match b.kind {
                 BlockKind::Small(c) => {
                     self.small.give(c, [b.ptr]);
@@ -540,6 +547,7 @@ impl<S: MemorySource> Shared<S> {
             unsafe { self.source_free(p, size) };
             released += size;
         }
+        self.trace.segment(Code::Trim, 0, released);
         released
     }
 

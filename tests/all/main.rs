@@ -37,3 +37,4 @@ mod pool;
 mod props;
 mod registration;
 mod staging_pipeline;
+mod trace_record;
