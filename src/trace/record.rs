@@ -1017,14 +1017,14 @@ std::thread_local! {
 }
 
 /// The reentrancy guard: set while this thread is inside the recorder.
-pub(crate) struct Inside(bool);
+pub(crate) struct Inside(());
 
 impl Inside {
     /// Enters the recorder; `None` if this thread is inside already (or its
     /// thread-locals are gone).
     pub(crate) fn enter() -> Option<Inside> {
         INSIDE
-            .try_with(|i| (!i.replace(true)).then_some(Inside(true)))
+            .try_with(|i| (!i.replace(true)).then(|| Inside(())))
             .ok()
             .flatten()
     }
@@ -1032,9 +1032,7 @@ impl Inside {
 
 impl Drop for Inside {
     fn drop(&mut self) {
-        if self.0 {
-            let _ = INSIDE.try_with(|i| i.set(false));
-        }
+        let _ = INSIDE.try_with(|i| i.set(false));
     }
 }
 
