@@ -7,8 +7,6 @@
 //!   through `Traced`, off and on). Target: on adds at most 50 ns per event; off adds
 //!   under 1 ns (`traced_system_off` against `system`; `pool_off` against the `pool`
 //!   bench's `alloc_free_hit/pool_host/256B` of a build without the hooks).
-//! - `trace_threads`: pairs per second through `Traced<System>` from 1, 2 and 4 threads
-//!   at once, recording on (the global sequence's `fetch_add` is the one shared write).
 //!
 //! Each group also prints per-call times over timed batches (median / fastest), and the
 //! difference per event.
@@ -18,7 +16,6 @@
 mod common;
 
 use std::hint::black_box;
-use std::time::Instant;
 
 use allocator_api2::alloc::{Allocator, Layout, System};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -37,8 +34,12 @@ fn pair<A: Allocator>(a: &A, layout: Layout) {
 }
 
 fn recording<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    recording_with(on, TraceConfig::default(), f)
+}
+
+fn recording_with<R>(on: bool, config: TraceConfig, f: impl FnOnce() -> R) -> R {
     if on {
-        trace::start(TraceConfig::default()).expect("no recording runs (unset CUDALLOC_TRACE)");
+        trace::start(config).expect("no recording runs (unset CUDALLOC_TRACE)");
     }
     let r = f();
     if on {
@@ -67,15 +68,19 @@ fn hit_pair(c: &mut Criterion) {
             })
         });
     }
-    g.bench_function(BenchmarkId::new("system", SIZE), |b| b.iter(|| pair(&System, layout)));
+    g.bench_function(BenchmarkId::new("system", SIZE), |b| {
+        b.iter(|| pair(&System, layout))
+    });
     g.finish();
 
     if !wanted("trace_hit_pair") {
         return;
     }
-    // Batches, alternating off and on, so that both see the same machine.
-    let (batches, calls) = (31, 20_000);
-    let time = |on: bool, f: &dyn Fn()| recording(on, || per_call(batches, calls, f));
+    // Steady state: a ring of 2^16 events, full after the untimed first batch, so
+    // that the batches time recording, not the first touch of the ring's memory.
+    let (batches, calls) = (31, 30_000);
+    let steady = TraceConfig::default().with_max_entries(1 << 16);
+    let time = |on: bool, f: &dyn Fn()| recording_with(on, steady, || per_call(batches, calls, f));
     let pool_off = time(false, &|| pair(&pool, layout));
     let pool_on = time(true, &|| pair(&pool, layout));
     let sys = time(false, &|| pair(&System, layout));
@@ -96,34 +101,21 @@ fn hit_pair(c: &mut Criterion) {
         "  traced_system_on   {traced_on}   (+{:.1} ns per event, 3 events a pair)",
         (traced_on.median - sys.median) / 3.0
     );
-}
-
-fn threads(c: &mut Criterion) {
-    let layout = Layout::from_size_align(SIZE, 8).unwrap();
-    let traced = Traced::new(System);
-    let mut g = c.benchmark_group("trace_threads");
-    recording(true, || {
-        for n in [1usize, 2, 4] {
-            g.throughput(criterion::Throughput::Elements(n as u64));
-            g.bench_function(BenchmarkId::new("traced_system_on", n), |b| {
-                b.iter_custom(|iters| {
-                    let t0 = Instant::now();
-                    std::thread::scope(|s| {
-                        for _ in 0..n {
-                            s.spawn(|| {
-                                for _ in 0..iters {
-                                    pair(&traced, layout);
-                                }
-                            });
-                        }
-                    });
-                    t0.elapsed()
-                })
-            });
+    // Filling: the first 2^20 events of a default recording write fresh memory (64 MiB
+    // of ring, a page fault per 64 events).
+    let pairs = (1 << 20) / 3;
+    let fill = recording(true, || {
+        let t0 = std::time::Instant::now();
+        for _ in 0..pairs {
+            pair(&traced, layout);
         }
+        t0.elapsed().as_secs_f64() * 1e9 / pairs as f64
     });
-    g.finish();
+    println!(
+        "  traced_system_on, the ring filling (first 2^20 events): {fill:.1} ns   (+{:.1} ns per event)",
+        (fill - sys.median) / 3.0
+    );
 }
 
-criterion_group!(benches, hit_pair, threads);
+criterion_group!(benches, hit_pair);
 criterion_main!(benches);

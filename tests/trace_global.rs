@@ -64,7 +64,9 @@ fn child(file: &str) {
         HostSource,
         PoolConfig::default().with_limit(4 << 20).with_pending_wait(None),
     );
-    assert!(pool.allocate(Layout::from_size_align(8 << 20, 8).unwrap()).is_err());
+    assert!(pool
+        .allocate(Layout::from_size_align(8 << 20, 8).unwrap())
+        .is_err());
     // Written at once, before exit.
     let text = std::fs::read_to_string(file).expect("written at the out-of-memory error");
     assert!(text.contains(",allocate failure,(nil),8388608,"), "{text}");
@@ -98,9 +100,15 @@ fn cudalloc_trace_writes_the_file_at_out_of_memory_and_at_exit() {
         .expect("the child's Vec");
     assert!(alloc[3].starts_with("0x"), "{alloc:?}");
     assert_eq!(alloc[1].len(), "00:00:00.000000".len(), "{alloc:?}");
-    assert!(rows.iter().any(|r| r[2] == "free" && r[3] == alloc[3]), "its free");
+    assert!(
+        rows.iter().any(|r| r[2] == "free" && r[3] == alloc[3]),
+        "its free"
+    );
     assert!(rows.iter().any(|r| r[2] == "allocate failure" && r[3] == "(nil)"));
-    assert!(rows.iter().any(|r| r[2] == "allocate" && r[4] == "99999"), "the exit write is whole");
+    assert!(
+        rows.iter().any(|r| r[2] == "allocate" && r[4] == "99999"),
+        "the exit write is whole"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

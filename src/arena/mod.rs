@@ -278,11 +278,15 @@ impl Hooks for ArenaHooks<'_> {
     }
     fn added(&self, base: usize, size: usize) {
         registry::insert_range(base, size, self.id);
-        self.uses.trace.segment(crate::trace::Code::SegmentAlloc, base, size);
+        self.uses
+            .trace
+            .segment(crate::trace::Code::SegmentAlloc, base, size);
     }
     fn removed(&self, base: usize, size: usize) {
         registry::remove_range(base);
-        self.uses.trace.segment(crate::trace::Code::SegmentFree, base, size);
+        self.uses
+            .trace
+            .segment(crate::trace::Code::SegmentFree, base, size);
     }
 }
 
@@ -475,7 +479,9 @@ impl<S: HostVisible> Arena<S> {
             Some(p) => Ok(p),
             None => self.bump.alloc_slow(layout.size(), layout.align(), &self.hooks()),
         };
-        let block = r.as_ref().map(|p| NonNull::slice_from_raw_parts(*p, layout.size()));
+        let block = r
+            .as_ref()
+            .map(|p| NonNull::slice_from_raw_parts(*p, layout.size()));
         self.uses.trace.allocated(layout, &block);
         r
     }
@@ -764,7 +770,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
         // SAFETY: the trait's caller passes a live block allocated with `old`, and
         // `new.size() >= old.size()`.
         if let Some(p) = unsafe { self.bump.grow_in_place(ptr, old, new) } {
-            self.uses.trace.resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+            self.uses
+                .trace
+                .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
             return Ok(NonNull::slice_from_raw_parts(p, new.size()));
         }
         let p = self
@@ -773,7 +781,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
         // SAFETY: the old block has old.size() bytes; the new block is fresh, so the two
         // do not overlap, and it has at least new.size() >= old.size() bytes.
         unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), old.size()) };
-        self.uses.trace.resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+        self.uses
+            .trace
+            .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
         Ok(NonNull::slice_from_raw_parts(p, new.size()))
     }
 
@@ -795,7 +805,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
         // SAFETY: the trait's caller passes a live block allocated with `old`, and
         // `new.size() <= old.size()`.
         if let Some(p) = unsafe { self.bump.shrink_in_place(ptr, old, new) } {
-            self.uses.trace.resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+            self.uses
+                .trace
+                .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
             return Ok(NonNull::slice_from_raw_parts(p, new.size()));
         }
         let p = self
@@ -803,7 +815,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
             .inspect_err(|e| self.uses.trace.failure(new, e))?;
         // SAFETY: the old block holds old.size() >= new.size() bytes; the new one is fresh.
         unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), new.size()) };
-        self.uses.trace.resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+        self.uses
+            .trace
+            .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
         Ok(NonNull::slice_from_raw_parts(p, new.size()))
     }
 }

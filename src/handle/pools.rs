@@ -87,7 +87,8 @@ fn attach_index(attach: ManagedAttach) -> usize {
 #[inline]
 pub(crate) fn managed_pool(attach: ManagedAttach) -> &'static Pool<ManagedSource> {
     MANAGED[attach_index(attach)].get_or_init(|| {
-        Pool::new(ManagedSource::new(attach)).traced_as(["ManagedAlloc", "ManagedAlloc(host)"][attach_index(attach)])
+        Pool::new(ManagedSource::new(attach))
+            .traced_as(["ManagedAlloc", "ManagedAlloc(host)"][attach_index(attach)])
     })
 }
 

@@ -945,13 +945,17 @@ impl<S: HostVisible + 'static> Pool<S> {
             let to = self.classify(new.size(), new.align());
             match (from, to) {
                 (Some(a), Some(b)) if a == b => {
-                    self.shared.trace.resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, class_size(a)));
+                    self.shared
+                        .trace
+                        .resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, class_size(a)));
                     return Ok(NonNull::slice_from_raw_parts(ptr, class_size(a)));
                 }
                 (None, None) if new.size() > old.size() && ptr.as_ptr() as usize % new.align() == 0 => {
                     let need = align_up(new.size(), PAGE_SIZE).ok_or(AllocError)?;
                     if let Some(usable) = self.shared.grow_large_in_place(ptr.as_ptr() as usize, need) {
-                        self.shared.trace.resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, usable));
+                        self.shared
+                            .trace
+                            .resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, usable));
                         return Ok(NonNull::slice_from_raw_parts(ptr, usable));
                     }
                     growing = true;
@@ -968,7 +972,9 @@ impl<S: HostVisible + 'static> Pool<S> {
             })?;
             #[cfg(feature = "debug-checks")]
             self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
-            self.shared.trace.alloc(block.cast::<u8>().as_ptr(), new, block.len());
+            self.shared
+                .trace
+                .alloc(block.cast::<u8>().as_ptr(), new, block.len());
             block
         } else {
             self.allocate(new)?

@@ -45,6 +45,21 @@
 //! thread takes no global lock: it writes a buffer of its own and takes its place in the
 //! global order with one atomic `fetch_add`. See [`TraceConfig`] for the bound on the
 //! events kept.
+//!
+//! What each allocator records:
+//!
+//! | allocator | events |
+//! | --- | --- |
+//! | `Pool<S>` (`Pool<HostSource>`) | `Alloc` (`given`: the block's bytes); `FreeRequested` at `deallocate`; `FreeCompleted` at once, or, for a block with recorded GPU uses, when the pool finds them complete (`size`: the block's bytes then); `Failure` with the error's message; `SegmentAlloc` / `SegmentFree` for each chunk or large segment taken from or given back to the source; `Trim` (`size`: bytes released) for every trim, the ones a failing allocation makes included |
+//! | `PinnedAlloc`, `ManagedAlloc` | their process-wide pools' events, named `PinnedAlloc`, `PinnedAlloc(PORTABLE)`, ..., `ManagedAlloc`, `ManagedAlloc(host)`; without a driver, `PinnedAlloc(fallback)` / `ManagedAlloc(fallback)` |
+//! | `Arena<S>` | `Alloc`; `FreeRequested` and `FreeCompleted` at `deallocate` (the memory itself returns at `reset`); `Failure`; `SegmentAlloc` / `SegmentFree` per chunk |
+//! | `Direct<S>` | `Alloc`, `FreeRequested` + `FreeCompleted`, `Failure` (each block is its own source call: no segment events), named `Direct(pageable)`, `Direct(pinned)`, ... |
+//! | [`Traced<A>`] | `Alloc`, `FreeRequested` + `FreeCompleted`, `Failure` (`memory allocation failed`) |
+//!
+//! A grow or shrink in place is the old block's free and the new block's allocation
+//! at the same address; a move by copy is the new block's allocation, then the old
+//! one's free (`Traced` records the old block's free first either way: it cannot tell
+//! a move from a resize in place). Zero-size blocks are not recorded.
 
 mod event;
 mod record;

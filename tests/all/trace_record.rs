@@ -99,16 +99,28 @@ fn a_recorded_program_has_its_allocations_in_order() {
     let e = events_of(&t, "trace_record::in_order");
     assert_eq!(
         actions(&e),
-        ["alloc", "alloc", "free_requested", "free_completed", "free_requested", "free_completed"]
+        [
+            "alloc",
+            "alloc",
+            "free_requested",
+            "free_completed",
+            "free_requested",
+            "free_completed"
+        ]
     );
     let addr = |p: NonNull<[u8]>| p.cast::<u8>().as_ptr() as u64;
     assert_eq!((e[0].addr, e[0].size, e[0].align), (addr(p1), 24, 8));
     assert_eq!((e[1].addr, e[1].size, e[1].align), (addr(p2), 1000, 64));
     assert_eq!((e[2].addr, e[2].size), (addr(p1), 24));
     assert_eq!((e[4].addr, e[4].size), (addr(p2), 1000));
-    assert!(e.windows(2).all(|w| w[0].seq < w[1].seq && w[0].time_ns <= w[1].time_ns));
+    assert!(e
+        .windows(2)
+        .all(|w| w[0].seq < w[1].seq && w[0].time_ns <= w[1].time_ns));
     assert!(e.iter().all(|x| x.thread == e[0].thread));
-    assert!(t.events.windows(2).all(|w| w[0].seq + 1 == w[1].seq), "seq renumbered 0, 1, 2, ...");
+    assert!(
+        t.events.windows(2).all(|w| w[0].seq + 1 == w[1].seq),
+        "seq renumbered 0, 1, 2, ..."
+    );
     let me = &t.allocators[e[0].allocator as usize];
     assert_eq!(me.memory, trace::TraceMemory::Host);
 }
@@ -195,7 +207,11 @@ fn stopping_ends_the_recording_and_starting_twice_is_refused() {
     let e = events_of(&t, "trace_record::stop");
     assert_eq!(actions(&e), ["alloc"]);
     assert_eq!(e[0].size, 2);
-    assert_eq!(trace::stop(), Trace::default(), "nothing recording: an empty trace");
+    assert_eq!(
+        trace::stop(),
+        Trace::default(),
+        "nothing recording: an empty trace"
+    );
     // A new recording starts empty.
     trace::start(TraceConfig::default()).unwrap();
     let t = trace::stop();
@@ -237,7 +253,12 @@ fn a_pool_records_free_requested_then_completed_when_the_gpu_use_ends() {
     let t = trace::stop();
     let e: Vec<&Event> = events_of(&t, "Pool<Src<2>>")
         .into_iter()
-        .filter(|e| matches!(e.action, Action::Alloc | Action::FreeRequested | Action::FreeCompleted))
+        .filter(|e| {
+            matches!(
+                e.action,
+                Action::Alloc | Action::FreeRequested | Action::FreeCompleted
+            )
+        })
         .collect();
     let u = used.cast::<u8>().as_ptr() as u64;
     let n = unused.cast::<u8>().as_ptr() as u64;
@@ -260,7 +281,10 @@ fn a_pool_records_free_requested_then_completed_when_the_gpu_use_ends() {
 #[test]
 fn a_pool_records_failures_with_their_error_segments_and_trims() {
     let Some(_g) = serial() else { return };
-    let pool = Pool::with_config(Src::<3>, PoolConfig::default().with_limit(4 << 20).with_pending_wait(None));
+    let pool = Pool::with_config(
+        Src::<3>,
+        PoolConfig::default().with_limit(4 << 20).with_pending_wait(None),
+    );
     trace::start(TraceConfig::default()).unwrap();
     let big = Layout::from_size_align(8 << 20, 8).unwrap();
     assert!(pool.allocate(big).is_err());
@@ -269,15 +293,23 @@ fn a_pool_records_failures_with_their_error_segments_and_trims() {
     let released = pool.trim();
     let t = trace::stop();
     let e = events_of(&t, "Pool<Src<3>>");
-    let fail = e.iter().find(|e| matches!(e.action, Action::Failure(_))).expect("a failure");
-    let Action::Failure(msg) = &fail.action else { unreachable!() };
+    let fail = e
+        .iter()
+        .find(|e| matches!(e.action, Action::Failure(_)))
+        .expect("a failure");
+    let Action::Failure(msg) = &fail.action else {
+        unreachable!()
+    };
     assert!(msg.contains("exceeds the limit"), "{msg}");
     assert_eq!((fail.size, fail.addr), (8 << 20, 0));
     let names = actions(&e);
     let pos = |what: &str| names.iter().position(|n| *n == what);
     let seg = pos("segment_alloc").expect("a segment taken");
     assert!(seg < pos("alloc").unwrap(), "{names:?}");
-    assert!(pos("segment_free").unwrap() > pos("free_completed").unwrap(), "{names:?}");
+    assert!(
+        pos("segment_free").unwrap() > pos("free_completed").unwrap(),
+        "{names:?}"
+    );
     let trim = e.iter().find(|e| e.action == Action::Trim).expect("the trim");
     assert_eq!(trim.size as usize, released);
     let seg_bytes: u64 = e

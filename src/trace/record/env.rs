@@ -11,7 +11,6 @@
 use std::io::{self, Write as _};
 use std::path::{Path, PathBuf};
 
-
 use super::{collect, Inside, TraceConfig, ENV_PENDING, STATE};
 use crate::sync::global::{AtomicBool, OnceLock, Ordering};
 use crate::trace::{Action, Trace};
@@ -84,7 +83,10 @@ pub(super) fn on_out_of_memory() {
             "cudalloc: out of memory; the allocation trace so far is in {} (CUDALLOC_TRACE)",
             path.display()
         ),
-        Err(e) => log::error!("cudalloc: out of memory; cannot write the trace to {}: {e}", path.display()),
+        Err(e) => log::error!(
+            "cudalloc: out of memory; cannot write the trace to {}: {e}",
+            path.display()
+        ),
     }
 }
 
@@ -109,7 +111,12 @@ pub(super) fn write_rmm_csv(trace: &Trace, out: &mut impl io::Write) -> io::Resu
             _ => continue,
         };
         let us = e.time_ns / 1000;
-        let (h, m, s, f) = (us / 3_600_000_000, us / 60_000_000 % 60, us / 1_000_000 % 60, us % 1_000_000);
+        let (h, m, s, f) = (
+            us / 3_600_000_000,
+            us / 60_000_000 % 60,
+            us / 1_000_000 % 60,
+            us % 1_000_000,
+        );
         write!(out, "{},{h:02}:{m:02}:{s:02}.{f:06},{action},", e.thread)?;
         if matches!(e.action, Action::Failure(_)) {
             write!(out, "(nil)")?;

@@ -41,7 +41,9 @@ pub(super) fn resolve(ips: &[usize]) -> Vec<Frame> {
         let mut named = false;
         backtrace::resolve(ip as *mut c_void, |symbol| {
             named = true;
-            let name = symbol.name().map_or_else(|| "??".to_owned(), |n| format!("{n:#}"));
+            let name = symbol
+                .name()
+                .map_or_else(|| "??".to_owned(), |n| format!("{n:#}"));
             let file = symbol
                 .filename()
                 .map_or_else(String::new, |f| f.display().to_string());
