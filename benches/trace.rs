@@ -23,7 +23,7 @@ use cudalloc::pool::Pool;
 use cudalloc::source::HostSource;
 use cudalloc::trace::{self, TraceConfig, Traced};
 
-use common::{per_call, wanted};
+use common::{per_call, size_label, wanted};
 
 const SIZE: usize = 256;
 
@@ -58,17 +58,18 @@ fn hit_pair(c: &mut Criterion) {
     for on in [false, true] {
         let state = if on { "on" } else { "off" };
         recording(on, || {
-            g.bench_function(BenchmarkId::new(format!("pool_{state}"), SIZE), |b| {
+            g.bench_function(BenchmarkId::new(format!("pool_{state}"), size_label(SIZE)), |b| {
                 b.iter(|| pair(&pool, layout))
             })
         });
         recording(on, || {
-            g.bench_function(BenchmarkId::new(format!("traced_system_{state}"), SIZE), |b| {
-                b.iter(|| pair(&traced, layout))
-            })
+            g.bench_function(
+                BenchmarkId::new(format!("traced_system_{state}"), size_label(SIZE)),
+                |b| b.iter(|| pair(&traced, layout)),
+            )
         });
     }
-    g.bench_function(BenchmarkId::new("system", SIZE), |b| {
+    g.bench_function(BenchmarkId::new("system", size_label(SIZE)), |b| {
         b.iter(|| pair(&System, layout))
     });
     g.finish();

@@ -372,11 +372,11 @@ fn build(allocators: Vec<TracedAllocator>, taken: Vec<Taken>, offered: u64, cloc
         }
         events.push(e);
     }
-    let mut trace = Trace::default();
-    trace.dropped = offered.saturating_sub(events.len() as u64);
-    trace.allocators = allocators;
-    trace.events = events;
-    trace
+    Trace {
+        dropped: offered.saturating_sub(events.len() as u64),
+        allocators,
+        events,
+    }
 }
 
 #[cfg(all(feature = "backtrace", not(loom)))]
