@@ -46,9 +46,7 @@ const HEADER: usize = core::mem::size_of::<usize>();
 impl<S: HostVisible> Direct<S> {
     /// Allocates a block for `layout`, saying why on failure.
     pub fn try_allocate(&self, layout: Layout) -> Result<NonNull<[u8]>> {
-        let r = self.allocate_block(layout);
-        self.tag().allocated(layout, &r);
-        r
+        self.tag().allocated(layout, self.allocate_block(layout))
     }
 
     /// This allocator's place in traces (one per memory kind).

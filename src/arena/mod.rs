@@ -475,15 +475,15 @@ impl<S: HostVisible> Arena<S> {
         if layout.size() == 0 {
             return Ok(dangling(layout.align()));
         }
-        let r = match self.bump.try_alloc_fast(layout.size(), layout.align()) {
-            Some(p) => Ok(p),
-            None => self.bump.alloc_slow(layout.size(), layout.align(), &self.hooks()),
+        let p = match self.bump.try_alloc_fast(layout.size(), layout.align()) {
+            Some(p) => p,
+            None => self
+                .bump
+                .alloc_slow(layout.size(), layout.align(), &self.hooks())
+                .inspect_err(|e| self.uses.trace.failure(layout, e))?,
         };
-        let block = r
-            .as_ref()
-            .map(|p| NonNull::slice_from_raw_parts(*p, layout.size()));
-        self.uses.trace.allocated(layout, &block);
-        r
+        self.uses.trace.alloc(p.as_ptr(), layout, layout.size());
+        Ok(p)
     }
 
     #[inline(always)]
@@ -749,11 +749,11 @@ impl<S: HostVisible + fmt::Debug> fmt::Debug for Arena<S> {
 unsafe impl<S: HostVisible> Allocator for &Arena<S> {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        let r = self
+        let p = self
             .alloc_block(layout.size(), layout.align())
-            .map(|p| NonNull::slice_from_raw_parts(p, layout.size()));
-        self.uses.trace.allocated(layout, &r);
-        r
+            .inspect_err(|e| self.uses.trace.failure(layout, e))?;
+        self.uses.trace.alloc(p.as_ptr(), layout, layout.size());
+        Ok(NonNull::slice_from_raw_parts(p, layout.size()))
     }
 
     #[inline]

@@ -122,9 +122,7 @@ fn route_allocate_cold<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, 
     } else if h.is_strict() {
         Err(AllocError)
     } else {
-        let r = fallback_allocate(R::KIND, layout);
-        crate::trace::fallback(R::KIND).allocated(layout, &r);
-        r
+        crate::trace::fallback(R::KIND).allocated(layout, fallback_allocate(R::KIND, layout))
     }
 }
 

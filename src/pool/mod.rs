@@ -591,14 +591,6 @@ impl<S: MemorySource + 'static> Pool<S> {
     /// ```
     #[inline]
     pub fn try_allocate(&self, layout: Layout) -> Result<NonNull<[u8]>> {
-        let r = self.allocate_block(layout);
-        self.shared.trace.allocated(layout, &r);
-        r
-    }
-
-    /// [`Pool::try_allocate`] without its trace hook.
-    #[inline(always)]
-    fn allocate_block(&self, layout: Layout) -> Result<NonNull<[u8]>> {
         let size = layout.size();
         if size == 0 {
             return Ok(dangling_block(layout));
@@ -606,13 +598,20 @@ impl<S: MemorySource + 'static> Pool<S> {
         let block = match self.classify(size, layout.align()) {
             Some(class) => match self.try_alloc_fast(class) {
                 Some(p) => NonNull::slice_from_raw_parts(p.as_non_null(), class_size(class)),
-                None => self.alloc_small_slow(class)?,
+                None => self
+                    .alloc_small_slow(class)
+                    .inspect_err(|e| self.shared.trace.failure(layout, e))?,
             },
             None => match self.try_alloc_large_fast(layout) {
                 Some(block) => block,
-                None => self.alloc_large(layout, false)?,
+                None => self
+                    .alloc_large(layout, false)
+                    .inspect_err(|e| self.shared.trace.failure(layout, e))?,
             },
         };
+        self.shared
+            .trace
+            .alloc(block.cast::<u8>().as_ptr(), layout, block.len());
         #[cfg(feature = "debug-checks")]
         self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
         Ok(block)

@@ -522,18 +522,23 @@ impl Tag {
         }
     }
 
-    /// The result of an allocation of `layout`: an [`alloc`](Self::alloc) or a
-    /// [`failure`](Self::failure).
+    /// The result of an allocation of `layout`, recorded (an [`alloc`](Self::alloc) or a
+    /// [`failure`](Self::failure)) and passed on. By value: a hook that borrows the result
+    /// keeps it out of registers, which cost the pool's hit pair 6 ns (measured).
     #[inline(always)]
     pub(crate) fn allocated<E: Failure>(
         &self,
         layout: Layout,
-        result: &core::result::Result<core::ptr::NonNull<[u8]>, E>,
-    ) {
-        if on() {
-            match result {
-                Ok(block) => self.alloc_cold(block.cast::<u8>().as_ptr(), layout, block.len()),
-                Err(e) => self.failure_cold(layout, e, e.out_of_memory()),
+        result: core::result::Result<core::ptr::NonNull<[u8]>, E>,
+    ) -> core::result::Result<core::ptr::NonNull<[u8]>, E> {
+        match result {
+            Ok(block) => {
+                self.alloc(block.cast::<u8>().as_ptr(), layout, block.len());
+                Ok(block)
+            }
+            Err(e) => {
+                self.failure(layout, &e);
+                Err(e)
             }
         }
     }

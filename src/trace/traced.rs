@@ -167,8 +167,7 @@ impl<A> Traced<A> {
         f: impl FnOnce() -> Result<NonNull<[u8]>, AllocError>,
     ) -> Result<NonNull<[u8]>, AllocError> {
         self.tag.free(ptr.as_ptr(), old.size(), true);
-        let r = f();
-        self.tag.allocated(new, &r);
+        let r = self.tag.allocated(new, f());
         if r.is_err() {
             self.tag.alloc(ptr.as_ptr(), old, old.size());
         }
@@ -182,16 +181,12 @@ impl<A> Traced<A> {
 unsafe impl<A: Allocator> Allocator for Traced<A> {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        let r = self.inner.allocate(layout);
-        self.tag.allocated(layout, &r);
-        r
+        self.tag.allocated(layout, self.inner.allocate(layout))
     }
 
     #[inline]
     fn allocate_zeroed(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        let r = self.inner.allocate_zeroed(layout);
-        self.tag.allocated(layout, &r);
-        r
+        self.tag.allocated(layout, self.inner.allocate_zeroed(layout))
     }
 
     #[inline]
