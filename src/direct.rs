@@ -46,6 +46,18 @@ const HEADER: usize = core::mem::size_of::<usize>();
 impl<S: HostVisible> Direct<S> {
     /// Allocates a block for `layout`, saying why on failure.
     pub fn try_allocate(&self, layout: Layout) -> Result<NonNull<[u8]>> {
+        self.tag().allocated(layout, self.allocate_block(layout))
+    }
+
+    /// This allocator's place in traces (one per memory kind).
+    #[inline(always)]
+    fn tag(&self) -> &'static crate::trace::Tag {
+        crate::trace::direct(self.source.kind())
+    }
+
+    /// [`Direct::try_allocate`] without its trace hook.
+    #[inline(always)]
+    fn allocate_block(&self, layout: Layout) -> Result<NonNull<[u8]>> {
         if layout.size() == 0 {
             return Ok(crate::util::dangling_block(layout));
         }
@@ -102,6 +114,7 @@ unsafe impl<S: HostVisible> Allocator for Direct<S> {
         if layout.size() == 0 {
             return;
         }
+        self.tag().free(ptr.as_ptr(), layout.size(), true);
         if layout.align() <= self.source.align() {
             // SAFETY: allocated by try_allocate's pass-through branch with this size.
             return unsafe { self.source.deallocate(ptr, layout.size()) };

@@ -34,7 +34,7 @@ pub(crate) trait Hooks {
     /// must go back.
     fn added(&self, base: usize, size: usize) -> bool;
     /// A chunk goes back to the source (or is given up).
-    fn removed(&self, base: usize);
+    fn removed(&self, base: usize, size: usize);
 }
 
 /// A chunk from the source.
@@ -278,7 +278,7 @@ impl<S: HostVisible> Bump<S> {
 
     /// Returns a chunk to the source.
     fn free_chunk(&self, c: Chunk, hooks: &impl Hooks) {
-        hooks.removed(c.base.as_ptr() as usize);
+        hooks.removed(c.base.as_ptr() as usize, c.size);
         self.held.set(self.held.get() - c.size);
         // SAFETY: the chunk came from `self.source.allocate(c.size)`; callers pass chunks
         // that hold no live block and whose GPU uses have completed (waited for).
@@ -288,7 +288,7 @@ impl<S: HostVisible> Bump<S> {
     /// Gives a chunk up after a failed wait: the GPU may still use it, so it is neither
     /// reused nor freed (a leak is better than corrupted data).
     fn give_up(&self, c: Chunk, hooks: &impl Hooks) {
-        hooks.removed(c.base.as_ptr() as usize);
+        hooks.removed(c.base.as_ptr() as usize, c.size);
         self.held.set(self.held.get() - c.size);
         self.abandoned_bytes.set(self.abandoned_bytes.get() + c.size);
     }
@@ -628,7 +628,7 @@ mod tests {
             true
         }
         fn forget_uses(&self) {}
-        fn removed(&self, _: usize) {}
+        fn removed(&self, _: usize, _: usize) {}
     }
 
     fn bump(first: usize) -> Bump<HostSource> {

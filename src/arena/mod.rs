@@ -212,6 +212,8 @@ struct Uses {
     /// blocks that exist then (`Bump::protect`) before it next frees or grows a block.
     recorded: AtomicBool,
     wait_errors: AtomicU64,
+    /// The arena's place in allocation traces.
+    trace: crate::trace::Tag,
 }
 
 impl Uses {
@@ -279,10 +281,19 @@ impl Hooks for ArenaHooks<'_> {
         true
     }
     fn added(&self, base: usize, size: usize) -> bool {
-        registry::insert_range(base, size, self.id)
+        if !registry::insert_range(base, size, self.id) {
+            return false;
+        }
+        self.uses
+            .trace
+            .segment(crate::trace::Code::SegmentAlloc, base, size);
+        true
     }
-    fn removed(&self, base: usize) {
+    fn removed(&self, base: usize, size: usize) {
         registry::remove_range(base, self.id);
+        self.uses
+            .trace
+            .segment(crate::trace::Code::SegmentFree, base, size);
     }
     fn forget_uses(&self) {
         let forgotten = core::mem::take(&mut *lock(&self.uses.set));
@@ -422,7 +433,10 @@ impl<S: HostVisible> Arena<S> {
     /// # drop(b);
     /// ```
     pub fn with_config(source: S, config: ArenaConfig) -> Self {
-        let uses = Arc::new(Uses::default());
+        let uses = Arc::new(Uses {
+            trace: crate::trace::Tag::new(crate::trace::arena_name::<S>),
+            ..Uses::default()
+        });
         let id = registry::new_owner_id();
         registry::add_owner(id, UsesRef(uses.clone()));
         Self {
@@ -473,10 +487,15 @@ impl<S: HostVisible> Arena<S> {
         if layout.size() == 0 {
             return Ok(dangling(layout.align()));
         }
-        match self.bump.try_alloc_fast(layout.size(), layout.align()) {
-            Some(p) => Ok(p),
-            None => self.bump.alloc_slow(layout.size(), layout.align(), &self.hooks()),
-        }
+        let p = match self.bump.try_alloc_fast(layout.size(), layout.align()) {
+            Some(p) => p,
+            None => self
+                .bump
+                .alloc_slow(layout.size(), layout.align(), &self.hooks())
+                .inspect_err(|e| self.uses.trace.failure(layout, e))?,
+        };
+        self.uses.trace.alloc(p.as_ptr(), layout, layout.size());
+        Ok(p)
     }
 
     #[inline(always)]
@@ -747,12 +766,16 @@ impl<S: HostVisible + fmt::Debug> fmt::Debug for Arena<S> {
 unsafe impl<S: HostVisible> Allocator for &Arena<S> {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        let p = self.alloc_block(layout.size(), layout.align())?;
+        let p = self
+            .alloc_block(layout.size(), layout.align())
+            .inspect_err(|e| self.uses.trace.failure(layout, e))?;
+        self.uses.trace.alloc(p.as_ptr(), layout, layout.size());
         Ok(NonNull::slice_from_raw_parts(p, layout.size()))
     }
 
     #[inline]
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
+        self.uses.trace.free(ptr.as_ptr(), layout.size(), true);
         self.protect_if_used();
         // SAFETY: the trait's caller passes a live block of this arena.
         unsafe { self.bump.dealloc(ptr, layout.size()) }
@@ -764,12 +787,20 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
         // SAFETY: the trait's caller passes a live block allocated with `old`, and
         // `new.size() >= old.size()`.
         if let Some(p) = unsafe { self.bump.grow_in_place(ptr, old, new) } {
+            self.uses
+                .trace
+                .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
             return Ok(NonNull::slice_from_raw_parts(p, new.size()));
         }
-        let p = self.alloc_block(new.size(), new.align())?;
+        let p = self
+            .alloc_block(new.size(), new.align())
+            .inspect_err(|e| self.uses.trace.failure(new, e))?;
         // SAFETY: the old block has old.size() bytes; the new block is fresh, so the two
         // do not overlap, and it has at least new.size() >= old.size() bytes.
         unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), old.size()) };
+        self.uses
+            .trace
+            .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
         Ok(NonNull::slice_from_raw_parts(p, new.size()))
     }
 
@@ -791,11 +822,19 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
         // SAFETY: the trait's caller passes a live block allocated with `old`, and
         // `new.size() <= old.size()`.
         if let Some(p) = unsafe { self.bump.shrink_in_place(ptr, old, new) } {
+            self.uses
+                .trace
+                .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
             return Ok(NonNull::slice_from_raw_parts(p, new.size()));
         }
-        let p = self.alloc_block(new.size(), new.align())?;
+        let p = self
+            .alloc_block(new.size(), new.align())
+            .inspect_err(|e| self.uses.trace.failure(new, e))?;
         // SAFETY: the old block holds old.size() >= new.size() bytes; the new one is fresh.
         unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), new.size()) };
+        self.uses
+            .trace
+            .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
         Ok(NonNull::slice_from_raw_parts(p, new.size()))
     }
 }

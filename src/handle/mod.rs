@@ -136,7 +136,7 @@ fn route_allocate_cold<R: Route>(h: R, layout: Layout) -> Result<NonNull<[u8]>, 
     } else if h.is_strict() {
         Err(AllocError)
     } else {
-        fallback_allocate::<R>(layout)
+        crate::trace::fallback(R::KIND).allocated(layout, fallback_allocate::<R>(layout))
     }
 }
 
@@ -153,7 +153,11 @@ unsafe fn route_deallocate<R: Route>(h: R, ptr: NonNull<u8>, layout: Layout) {
         Some(pool) => unsafe { pool.deallocate(ptr, layout) },
         // SAFETY: obligation 1; no pool was made, so there is no driver (with one, the
         // allocation would have made the pool) and the block came from the fallback.
-        None => unsafe { fallback_deallocate::<R>(ptr, layout) },
+        None => {
+            crate::trace::fallback(R::KIND).free(ptr.as_ptr(), layout.size(), true);
+            // SAFETY: as above.
+            unsafe { fallback_deallocate::<R>(ptr, layout) }
+        }
     }
 }
 

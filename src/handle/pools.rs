@@ -57,6 +57,7 @@ pub(crate) fn pinned_pool(flags: HostAllocFlags) -> &'static Pool<PinnedPoolSour
     PINNED[(flags.bits() & 7) as usize].get_or_init(|| {
         let source = PinnedPoolSource::new(flags, PinnedGrowth::from_env());
         Pool::with_budget(source, PoolConfig::default(), pinned_budget().clone())
+            .traced_as(crate::trace::pinned_name(flags.bits()))
     })
 }
 
@@ -83,7 +84,10 @@ fn attach_index(attach: ManagedAttach) -> usize {
 /// own: every `ManagedSource` shares a cap of 90% of the device's memory.
 #[inline]
 pub(crate) fn managed_pool(attach: ManagedAttach) -> &'static Pool<ManagedSource> {
-    MANAGED[attach_index(attach)].get_or_init(|| Pool::new(ManagedSource::new(attach)))
+    MANAGED[attach_index(attach)].get_or_init(|| {
+        Pool::new(ManagedSource::new(attach))
+            .traced_as(["ManagedAlloc", "ManagedAlloc(host)"][attach_index(attach)])
+    })
 }
 
 /// The process-wide managed pool for `attach` if it was made.

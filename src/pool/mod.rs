@@ -375,6 +375,12 @@ impl<S: MemorySource + 'static> Pool<S> {
         &self.shared.source
     }
 
+    /// This pool, named `name` in traces (the handles' pools: `PinnedAlloc`, ...).
+    pub(crate) fn traced_as(self, name: &'static str) -> Self {
+        self.shared.trace.set_name(name);
+        self
+    }
+
     /// The cap on bytes held from the source (`None`: no limit).
     pub fn limit(&self) -> Option<usize> {
         self.shared.acct.budget.limit()
@@ -595,13 +601,20 @@ impl<S: MemorySource + 'static> Pool<S> {
         let block = match self.classify(size, layout.align()) {
             Some(class) => match self.try_alloc_fast(class) {
                 Some(p) => NonNull::slice_from_raw_parts(p.as_non_null(), class_size(class)),
-                None => self.alloc_small_slow(class)?,
+                None => self
+                    .alloc_small_slow(class)
+                    .inspect_err(|e| self.shared.trace.failure(layout, e))?,
             },
             None => match self.try_alloc_large_fast(layout) {
                 Some(block) => block,
-                None => self.alloc_large(layout, false)?,
+                None => self
+                    .alloc_large(layout, false)
+                    .inspect_err(|e| self.shared.trace.failure(layout, e))?,
             },
         };
+        self.shared
+            .trace
+            .alloc(block.cast::<u8>().as_ptr(), layout, block.len());
         #[cfg(feature = "debug-checks")]
         self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
         Ok(block)
@@ -718,6 +731,7 @@ impl<S: MemorySource + 'static> Pool<S> {
         self.shared
             .checks
             .on_free(ptr.as_ptr() as usize, || self.owns(ptr.as_ptr()));
+        self.shared.trace.free(ptr.as_ptr(), size, false);
         let p = BlockPtr::new(ptr);
         // Which blocks have recorded uses, with one load and no lock in the common case.
         // - A use recorded on this block is seen: its record happens-before this free (the
@@ -739,6 +753,7 @@ impl<S: MemorySource + 'static> Pool<S> {
     /// Frees a block with no recorded uses: to this thread's cache, else the shared state.
     #[inline(always)]
     fn free_unused(&self, p: BlockPtr, layout: Layout) {
+        self.shared.trace.free_completed(p.addr(), layout.size());
         match self.classify(layout.size(), layout.align()) {
             Some(class) => {
                 if !self.try_free_fast(class, p) {
@@ -934,10 +949,18 @@ impl<S: HostVisible + 'static> Pool<S> {
             let from = self.classify(old.size(), old.align());
             let to = self.classify(new.size(), new.align());
             match (from, to) {
-                (Some(a), Some(b)) if a == b => return Ok(NonNull::slice_from_raw_parts(ptr, class_size(a))),
+                (Some(a), Some(b)) if a == b => {
+                    self.shared
+                        .trace
+                        .resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, class_size(a)));
+                    return Ok(NonNull::slice_from_raw_parts(ptr, class_size(a)));
+                }
                 (None, None) if new.size() > old.size() && ptr.as_ptr() as usize % new.align() == 0 => {
                     let need = align_up(new.size(), PAGE_SIZE).ok_or(AllocError)?;
                     if let Some(usable) = self.shared.grow_large_in_place(ptr.as_ptr() as usize, need) {
+                        self.shared
+                            .trace
+                            .resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, usable));
                         return Ok(NonNull::slice_from_raw_parts(ptr, usable));
                     }
                     growing = true;
@@ -948,11 +971,15 @@ impl<S: HostVisible + 'static> Pool<S> {
         }
         let block = if growing {
             let block = self.alloc_large(new, true).map_err(|e| {
+                self.shared.trace.failure(new, &e);
                 log::debug!("cudalloc: pool allocation of {new:?} failed: {e}");
                 AllocError
             })?;
             #[cfg(feature = "debug-checks")]
             self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
+            self.shared
+                .trace
+                .alloc(block.cast::<u8>().as_ptr(), new, block.len());
             block
         } else {
             self.allocate(new)?

@@ -29,6 +29,7 @@ use crate::error::{Error, Result};
 use crate::fence::{registry, SharedFence, UseSet};
 use crate::source::MemorySource;
 use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+use crate::trace::Code;
 use crate::util::{align_up, PAGE_SIZE};
 
 /// A pool's configuration after validation.
@@ -66,6 +67,8 @@ pub(crate) struct Shared<S: MemorySource> {
     pub(crate) small: SmallShared,
     pub(crate) large: LargeShared,
     pub(crate) uses: UseTracker,
+    /// The pool's place in allocation traces.
+    pub(crate) trace: crate::trace::Tag,
     threads: Mutex<ThreadRegistry>,
     /// Moves of blocks between thread caches and the shared state, for `stats()`.
     pub(crate) transfers: Transfers,
@@ -122,6 +125,7 @@ impl<S: MemorySource> Shared<S> {
             small: SmallShared::new(settings.chunk_size, settings.max_class),
             large: LargeShared::new(min_split),
             uses: UseTracker::default(),
+            trace: crate::trace::Tag::new(crate::trace::pool_name::<S>),
             threads: Mutex::new(ThreadRegistry::default()),
             transfers: Transfers::default(),
             prune_tick: AtomicUsize::new(0),
@@ -156,6 +160,7 @@ impl<S: MemorySource> Shared<S> {
                     ));
                 }
                 self.acct.on_source_alloc(size);
+                self.trace.segment(Code::SegmentAlloc, p.as_ptr() as usize, size);
                 Ok(BlockPtr::new(p))
             }
             Err(e) => {
@@ -169,6 +174,7 @@ impl<S: MemorySource> Shared<S> {
     /// 1. `p` came from `self.source_alloc(size)` and nothing uses it any more.
     unsafe fn source_free(&self, p: BlockPtr, size: usize) {
         registry::remove_range(p.addr(), self.uid);
+        self.trace.segment(Code::SegmentFree, p.addr(), size);
         // SAFETY: obligation 1; source_alloc returned this block of `size` bytes.
         unsafe { self.source.deallocate(p.as_non_null(), size) };
         self.acct.on_source_free(size);
@@ -535,6 +541,7 @@ impl<S: MemorySource> Shared<S> {
         self.uses.lock().settle(waiting, &done);
         let n = done.len();
         for b in done {
+            self.trace.free_completed(b.ptr.addr(), b.size);
             match b.kind {
                 BlockKind::Small(c) => {
                     self.small.give(c, [b.ptr]);
@@ -601,6 +608,7 @@ impl<S: MemorySource> Shared<S> {
             unsafe { self.source_free(p, size) };
             released += size;
         }
+        self.trace.segment(Code::Trim, 0, released);
         released
     }
 

@@ -40,4 +40,5 @@ mod props;
 mod registration;
 mod staging_pipeline;
 mod trace_formats;
+mod trace_record;
 mod trace_replay;

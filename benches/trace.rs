@@ -1,0 +1,122 @@
+//! The trace recorder's cost, one A/B group per question:
+//!
+//! - `trace_hit_pair`: what does recording add to an allocate + free pair of 256 B?
+//!   Rows: `pool_off` / `pool_on` (`Pool<HostSource>`, the block cached, recording off /
+//!   on without sites: three events a pair, alloc, free requested, free completed),
+//!   `system` / `traced_system_off` / `traced_system_on` (`std::alloc::System` bare and
+//!   through `Traced`, off and on). Target: on adds at most 50 ns per event; off adds
+//!   under 1 ns (`traced_system_off` against `system`; `pool_off` against the `pool`
+//!   bench's `alloc_free_hit/pool_host/256B` of a build without the hooks).
+//!
+//! Each group also prints per-call times over timed batches (median / fastest), and the
+//! difference per event.
+//!
+//! `cargo bench --bench trace -- --warm-up-time 1 --measurement-time 2`
+
+mod common;
+
+use std::hint::black_box;
+
+use allocator_api2::alloc::{Allocator, Layout, System};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use cudalloc::pool::Pool;
+use cudalloc::source::HostSource;
+use cudalloc::trace::{self, TraceConfig, Traced};
+
+use common::{per_call, size_label, wanted};
+
+const SIZE: usize = 256;
+
+fn pair<A: Allocator>(a: &A, layout: Layout) {
+    let p = a.allocate(layout).unwrap();
+    // SAFETY: allocated just above with `layout`.
+    unsafe { a.deallocate(black_box(p).cast(), layout) };
+}
+
+fn recording<R>(on: bool, f: impl FnOnce() -> R) -> R {
+    recording_with(on, TraceConfig::default(), f)
+}
+
+fn recording_with<R>(on: bool, config: TraceConfig, f: impl FnOnce() -> R) -> R {
+    if on {
+        trace::start(config).expect("no recording runs (unset CUDALLOC_TRACE)");
+    }
+    let r = f();
+    if on {
+        let t = trace::stop();
+        black_box(t.events.len());
+    }
+    r
+}
+
+fn hit_pair(c: &mut Criterion) {
+    let layout = Layout::from_size_align(SIZE, 8).unwrap();
+    let pool = Pool::new(HostSource);
+    let traced = Traced::new(System);
+    pair(&pool, layout);
+    let mut g = c.benchmark_group("trace_hit_pair");
+    for on in [false, true] {
+        let state = if on { "on" } else { "off" };
+        recording(on, || {
+            g.bench_function(BenchmarkId::new(format!("pool_{state}"), size_label(SIZE)), |b| {
+                b.iter(|| pair(&pool, layout))
+            })
+        });
+        recording(on, || {
+            g.bench_function(
+                BenchmarkId::new(format!("traced_system_{state}"), size_label(SIZE)),
+                |b| b.iter(|| pair(&traced, layout)),
+            )
+        });
+    }
+    g.bench_function(BenchmarkId::new("system", size_label(SIZE)), |b| {
+        b.iter(|| pair(&System, layout))
+    });
+    g.finish();
+
+    if !wanted("trace_hit_pair") {
+        return;
+    }
+    // Steady state: a ring of 2^16 events, full after the untimed first batch, so
+    // that the batches time recording, not the first touch of the ring's memory.
+    let (batches, calls) = (31, 30_000);
+    let steady = TraceConfig::default().with_max_entries(1 << 16);
+    let time = |on: bool, f: &dyn Fn()| recording_with(on, steady, || per_call(batches, calls, f));
+    let pool_off = time(false, &|| pair(&pool, layout));
+    let pool_on = time(true, &|| pair(&pool, layout));
+    let sys = time(false, &|| pair(&System, layout));
+    let traced_off = time(false, &|| pair(&traced, layout));
+    let traced_on = time(true, &|| pair(&traced, layout));
+    println!("trace_hit_pair per call (median / fastest), 256 B:");
+    println!("  pool_off           {pool_off}");
+    println!(
+        "  pool_on            {pool_on}   (+{:.1} ns per event, 3 events a pair)",
+        (pool_on.median - pool_off.median) / 3.0
+    );
+    println!("  system             {sys}");
+    println!(
+        "  traced_system_off  {traced_off}   (+{:.2} ns a pair)",
+        traced_off.median - sys.median
+    );
+    println!(
+        "  traced_system_on   {traced_on}   (+{:.1} ns per event, 3 events a pair)",
+        (traced_on.median - sys.median) / 3.0
+    );
+    // Filling: the first 2^20 events of a default recording write fresh memory (64 MiB
+    // of ring, a page fault per 64 events).
+    let pairs = (1 << 20) / 3;
+    let fill = recording(true, || {
+        let t0 = std::time::Instant::now();
+        for _ in 0..pairs {
+            pair(&traced, layout);
+        }
+        t0.elapsed().as_secs_f64() * 1e9 / pairs as f64
+    });
+    println!(
+        "  traced_system_on, the ring filling (first 2^20 events): {fill:.1} ns   (+{:.1} ns per event)",
+        (fill - sys.median) / 3.0
+    );
+}
+
+criterion_group!(benches, hit_pair);
+criterion_main!(benches);

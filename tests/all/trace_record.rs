@@ -1,0 +1,410 @@
+//! The trace recorder: what a recorded program's trace holds, from one thread and many,
+//! its bound, its start and stop, and the events of the crate's allocators (a pool's
+//! pending frees, failures, segments, trims; arenas; the handles).
+//!
+//! The recorder is process-wide and other tests of this binary allocate meanwhile, so
+//! these tests run one at a time (`SERIAL`) and look only at their own allocators' events:
+//! `Traced` wrappers with names of their own, pools over sources of their own type.
+
+use core::ptr::NonNull;
+use std::alloc::System;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use allocator_api2::alloc::{Allocator, Layout};
+use allocator_api2::boxed::Box;
+use allocator_api2::vec::Vec as AVec;
+use cudalloc::arena::Arena;
+use cudalloc::fence::Fence;
+use cudalloc::pool::{Pool, PoolConfig};
+use cudalloc::source::{HostSource, HostVisible, MemoryKind, MemorySource};
+use cudalloc::trace::{self, Action, Event, Trace, TraceConfig, Traced};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Holds the recorder for one test (none runs when `CUDALLOC_TRACE` records the
+/// whole process: `None`).
+fn serial() -> Option<MutexGuard<'static, ()>> {
+    let g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    if trace::is_recording() {
+        eprintln!("skipped: a recording runs already (CUDALLOC_TRACE?)");
+        return None;
+    }
+    Some(g)
+}
+
+/// The events of the allocator named `name` (exactly one must be).
+fn events_of<'t>(t: &'t Trace, name: &str) -> Vec<&'t Event> {
+    let ids: Vec<usize> = (0..t.allocators.len())
+        .filter(|&i| t.allocators[i].name == name)
+        .collect();
+    assert!(ids.len() <= 1, "{name} registered {} times", ids.len());
+    match ids.first() {
+        Some(&id) => t.events.iter().filter(|e| e.allocator as usize == id).collect(),
+        None => Vec::new(),
+    }
+}
+
+fn actions(events: &[&Event]) -> Vec<&'static str> {
+    events.iter().map(|e| e.action.torch_name()).collect()
+}
+
+/// A host source of a type of its own, so that its pool's name is this test's alone.
+struct Src<const N: usize>;
+
+// SAFETY: forwards to HostSource, which keeps every promise.
+unsafe impl<const N: usize> MemorySource for Src<N> {
+    fn align(&self) -> usize {
+        HostSource.align()
+    }
+    fn kind(&self) -> MemoryKind {
+        HostSource.kind()
+    }
+    fn allocate(&self, size: usize) -> cudalloc::Result<NonNull<u8>> {
+        HostSource.allocate(size)
+    }
+    unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize) {
+        // SAFETY: the caller's obligations are HostSource's.
+        unsafe { HostSource.deallocate(ptr, size) }
+    }
+}
+
+// SAFETY: HostSource's memory is host memory.
+unsafe impl<const N: usize> HostVisible for Src<N> {}
+
+struct Flag(Arc<AtomicBool>);
+
+// SAFETY: the test sets the flag only once it no longer uses the block.
+unsafe impl Fence for Flag {
+    fn is_complete(&self) -> cudalloc::Result<bool> {
+        Ok(self.0.load(Ordering::Acquire))
+    }
+}
+
+#[test]
+fn a_recorded_program_has_its_allocations_in_order() {
+    let Some(_g) = serial() else { return };
+    let a = Traced::named(System, "trace_record::in_order");
+    trace::start(TraceConfig::default()).unwrap();
+    let l1 = Layout::from_size_align(24, 8).unwrap();
+    let l2 = Layout::from_size_align(1000, 64).unwrap();
+    let p1 = a.allocate(l1).unwrap();
+    let p2 = a.allocate(l2).unwrap();
+    // SAFETY: allocated above with these layouts.
+    unsafe {
+        a.deallocate(p1.cast(), l1);
+        a.deallocate(p2.cast(), l2);
+    }
+    let t = trace::stop();
+    let e = events_of(&t, "trace_record::in_order");
+    assert_eq!(
+        actions(&e),
+        [
+            "alloc",
+            "alloc",
+            "free_requested",
+            "free_completed",
+            "free_requested",
+            "free_completed"
+        ]
+    );
+    let addr = |p: NonNull<[u8]>| p.cast::<u8>().as_ptr() as u64;
+    assert_eq!((e[0].addr, e[0].size, e[0].align), (addr(p1), 24, 8));
+    assert_eq!((e[1].addr, e[1].size, e[1].align), (addr(p2), 1000, 64));
+    assert_eq!((e[2].addr, e[2].size), (addr(p1), 24));
+    assert_eq!((e[4].addr, e[4].size), (addr(p2), 1000));
+    assert!(e
+        .windows(2)
+        .all(|w| w[0].seq < w[1].seq && w[0].time_ns <= w[1].time_ns));
+    assert!(e.iter().all(|x| x.thread == e[0].thread));
+    assert!(
+        t.events.windows(2).all(|w| w[0].seq + 1 == w[1].seq),
+        "seq renumbered 0, 1, 2, ..."
+    );
+    let me = &t.allocators[e[0].allocator as usize];
+    assert_eq!(me.memory, trace::TraceMemory::Host);
+}
+
+#[test]
+fn threads_record_without_loss_each_in_its_order() {
+    let Some(_g) = serial() else { return };
+    const THREADS: usize = 4;
+    const OPS: usize = 500;
+    let a = Traced::named(System, "trace_record::threads");
+    trace::start(TraceConfig::default()).unwrap();
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let a = &a;
+            s.spawn(move || {
+                for i in 0..OPS {
+                    // The size says which thread and which step.
+                    let l = Layout::from_size_align(8 * (1 + t * OPS + i), 8).unwrap();
+                    let p = a.allocate(l).unwrap();
+                    // SAFETY: allocated just above with `l`.
+                    unsafe { a.deallocate(p.cast(), l) };
+                }
+            });
+        }
+    });
+    let t = trace::stop();
+    let e = events_of(&t, "trace_record::threads");
+    let allocs: Vec<&&Event> = e.iter().filter(|e| e.action == Action::Alloc).collect();
+    assert_eq!(allocs.len(), THREADS * OPS, "dropped {}", t.dropped);
+    let mut seqs: Vec<u64> = e.iter().map(|e| e.seq).collect();
+    seqs.dedup();
+    assert_eq!(seqs.len(), e.len(), "every seq distinct");
+    let mut threads: Vec<u32> = allocs.iter().map(|e| e.thread).collect();
+    threads.sort_unstable();
+    threads.dedup();
+    assert_eq!(threads.len(), THREADS, "a thread number per thread");
+    for th in threads {
+        let sizes: Vec<u64> = allocs.iter().filter(|e| e.thread == th).map(|e| e.size).collect();
+        let first = sizes[0] / 8 - 1;
+        assert_eq!(first % OPS as u64, 0, "a thread's first step");
+        let want: Vec<u64> = (0..OPS as u64).map(|i| 8 * (1 + first + i)).collect();
+        assert_eq!(sizes, want, "thread {th}'s events in its order");
+    }
+}
+
+#[test]
+fn the_ring_keeps_the_newest_events_and_counts_the_dropped() {
+    let Some(_g) = serial() else { return };
+    let a = Traced::named(System, "trace_record::ring");
+    trace::start(TraceConfig::default().with_max_entries(100)).unwrap();
+    for i in 1..=1000usize {
+        let l = Layout::from_size_align(i, 1).unwrap();
+        let p = a.allocate(l).unwrap();
+        // SAFETY: allocated just above with `l`.
+        unsafe { a.deallocate(p.cast(), l) };
+    }
+    let t = trace::stop();
+    assert_eq!(t.events.len(), 100);
+    assert!(t.dropped >= 3000 - 100, "dropped {}", t.dropped);
+    let sizes: Vec<u64> = events_of(&t, "trace_record::ring")
+        .iter()
+        .filter(|e| e.action == Action::Alloc)
+        .map(|e| e.size)
+        .collect();
+    assert!(!sizes.is_empty());
+    assert_eq!(*sizes.last().unwrap(), 1000, "the newest kept");
+    let first = sizes[0];
+    assert_eq!(sizes, (first..=1000).collect::<Vec<_>>(), "the oldest dropped");
+}
+
+#[test]
+fn stopping_ends_the_recording_and_starting_twice_is_refused() {
+    let Some(_g) = serial() else { return };
+    let a = Traced::named(System, "trace_record::stop");
+    let before = Box::new_in(1u8, &a); // off: not recorded
+    trace::start(TraceConfig::default()).unwrap();
+    assert!(trace::is_recording());
+    let err = trace::start(TraceConfig::default()).unwrap_err();
+    assert!(err.to_string().contains("already recording"), "{err}");
+    let during = Box::new_in(2u16, &a);
+    let t = trace::stop();
+    assert!(!trace::is_recording());
+    drop((before, during)); // off again: not recorded
+    let e = events_of(&t, "trace_record::stop");
+    assert_eq!(actions(&e), ["alloc"]);
+    assert_eq!(e[0].size, 2);
+    assert_eq!(
+        trace::stop(),
+        Trace::default(),
+        "nothing recording: an empty trace"
+    );
+    // A new recording starts empty.
+    trace::start(TraceConfig::default()).unwrap();
+    let t = trace::stop();
+    assert!(events_of(&t, "trace_record::stop").is_empty());
+}
+
+#[test]
+fn off_records_nothing() {
+    let Some(_g) = serial() else { return };
+    let a = Traced::named(System, "trace_record::off");
+    let pool = Pool::new(Src::<1>);
+    drop(Box::new_in(1u64, &a));
+    drop(Box::new_in(1u64, &pool));
+    pool.trim();
+    trace::start(TraceConfig::default()).unwrap();
+    let t = trace::stop();
+    assert!(events_of(&t, "trace_record::off").is_empty());
+    assert!(events_of(&t, "Pool<Src<1>>").is_empty());
+}
+
+#[test]
+fn a_pool_records_free_requested_then_completed_when_the_gpu_use_ends() {
+    let Some(_g) = serial() else { return };
+    let pool = Pool::new(Src::<2>);
+    let layout = Layout::from_size_align(64, 8).unwrap();
+    trace::start(TraceConfig::default()).unwrap();
+    let used = pool.allocate(layout).unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    assert!(pool
+        .record_fence(used.cast::<u8>().as_ptr(), Flag(done.clone()))
+        .unwrap());
+    // SAFETY: allocated above; not used again.
+    unsafe { pool.deallocate(used.cast(), layout) };
+    let unused = pool.allocate(layout).unwrap();
+    // SAFETY: allocated just above; not used again.
+    unsafe { pool.deallocate(unused.cast(), layout) };
+    done.store(true, Ordering::Release);
+    assert_eq!(pool.collect_pending(), 1);
+    let t = trace::stop();
+    let e: Vec<&Event> = events_of(&t, "Pool<Src<2>>")
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.action,
+                Action::Alloc | Action::FreeRequested | Action::FreeCompleted
+            )
+        })
+        .collect();
+    let u = used.cast::<u8>().as_ptr() as u64;
+    let n = unused.cast::<u8>().as_ptr() as u64;
+    assert_ne!(u, n, "the pending block is not reused");
+    let got: Vec<(&str, u64)> = e.iter().map(|e| (e.action.torch_name(), e.addr)).collect();
+    assert_eq!(
+        got,
+        [
+            ("alloc", u),
+            ("free_requested", u),
+            ("alloc", n),
+            ("free_requested", n),
+            ("free_completed", n), // no uses: at once
+            ("free_completed", u), // when its use completed
+        ]
+    );
+    assert_eq!((e[0].size, e[0].given, e[0].align), (64, 64, 8));
+}
+
+#[test]
+fn a_pool_records_failures_with_their_error_segments_and_trims() {
+    let Some(_g) = serial() else { return };
+    let pool = Pool::with_config(
+        Src::<3>,
+        PoolConfig::default().with_limit(4 << 20).with_pending_wait(None),
+    );
+    trace::start(TraceConfig::default()).unwrap();
+    let big = Layout::from_size_align(8 << 20, 8).unwrap();
+    assert!(pool.allocate(big).is_err());
+    let v: AVec<u8, _> = AVec::with_capacity_in(1 << 20, &pool);
+    drop(v);
+    let released = pool.trim();
+    let t = trace::stop();
+    let e = events_of(&t, "Pool<Src<3>>");
+    let fail = e
+        .iter()
+        .find(|e| matches!(e.action, Action::Failure(_)))
+        .expect("a failure");
+    let Action::Failure(msg) = &fail.action else {
+        unreachable!()
+    };
+    assert!(msg.contains("exceeds the limit"), "{msg}");
+    assert_eq!((fail.size, fail.addr), (8 << 20, 0));
+    let names = actions(&e);
+    let pos = |what: &str| names.iter().position(|n| *n == what);
+    let seg = pos("segment_alloc").expect("a segment taken");
+    assert!(seg < pos("alloc").unwrap(), "{names:?}");
+    assert!(
+        pos("segment_free").unwrap() > pos("free_completed").unwrap(),
+        "{names:?}"
+    );
+    let trim = e.iter().find(|e| e.action == Action::Trim).expect("the trim");
+    assert_eq!(trim.size as usize, released);
+    let seg_bytes: u64 = e
+        .iter()
+        .filter(|e| e.action == Action::SegmentFree)
+        .map(|e| e.size)
+        .sum();
+    assert_eq!(seg_bytes as usize, released);
+}
+
+#[test]
+fn a_grow_is_a_free_then_an_alloc() {
+    let Some(_g) = serial() else { return };
+    let pool = Pool::new(Src::<4>);
+    let traced = Traced::named(System, "trace_record::grow");
+    trace::start(TraceConfig::default()).unwrap();
+    let mut v: AVec<u8, _> = AVec::with_capacity_in(100, &pool);
+    v.reserve(2 << 20); // a large block: moved
+    let mut w: AVec<u8, _> = AVec::with_capacity_in(100, &traced);
+    w.reserve(1000);
+    let (vp, wp) = (v.as_ptr() as u64, w.as_ptr() as u64);
+    drop((v, w));
+    let t = trace::stop();
+    for name in ["Pool<Src<4>>", "trace_record::grow"] {
+        let e: Vec<&Event> = events_of(&t, name)
+            .into_iter()
+            .filter(|e| matches!(e.action, Action::Alloc | Action::FreeRequested))
+            .collect();
+        let sizes: Vec<(&str, u64)> = e.iter().map(|e| (e.action.torch_name(), e.size)).collect();
+        assert_eq!(sizes.len(), 4, "{name}: {sizes:?}");
+        assert_eq!(sizes[0], ("alloc", 100), "{name}");
+        // Live at once: the new block before the old one's free (a move), or after it
+        // (in place); either way both sizes appear and the last free is the new block's.
+        assert!(sizes.contains(&("free_requested", 100)), "{name}: {sizes:?}");
+        assert_eq!(sizes[3].0, "free_requested", "{name}");
+        let last = if name.starts_with("Pool") { vp } else { wp };
+        assert_eq!(e[3].addr, last, "{name}");
+    }
+}
+
+#[test]
+fn arenas_and_handles_record_under_their_names() {
+    let Some(_g) = serial() else { return };
+    let mut arena = Arena::new(Src::<5>);
+    trace::start(TraceConfig::default()).unwrap();
+    let b = Box::new_in(7u32, &arena);
+    let p = Box::new_in([0u8; 48], cudalloc::PinnedAlloc);
+    let pp = &*p as *const [u8; 48] as u64;
+    drop((b, p));
+    arena.reset();
+    drop(arena);
+    let t = trace::stop();
+    let e = events_of(&t, "Arena<Src<5>>");
+    let names = actions(&e);
+    assert_eq!(names[0], "segment_alloc", "{names:?}");
+    assert_eq!(&names[1..4], ["alloc", "free_requested", "free_completed"]);
+    assert_eq!((e[1].size, e[1].align), (4, 4));
+    assert_eq!(names.last(), Some(&"segment_free"), "{names:?}");
+    let pinned = if cudalloc::cuda::driver_available() {
+        "PinnedAlloc"
+    } else {
+        "PinnedAlloc(fallback)"
+    };
+    let e = events_of(&t, pinned);
+    let mine: Vec<&&Event> = e.iter().filter(|e| e.addr == pp).collect();
+    assert!(mine.len() >= 2, "{pinned}: {:?}", actions(&e));
+    assert_eq!((mine[0].action.clone(), mine[0].size), (Action::Alloc, 48));
+}
+
+#[cfg(feature = "backtrace")]
+#[test]
+fn sites_name_the_allocating_function() {
+    let Some(_g) = serial() else { return };
+    let a = Traced::named(System, "trace_record::sites");
+    trace::start(TraceConfig::default().with_sites(true)).unwrap();
+    #[inline(never)]
+    fn allocating_here(a: &Traced<System>) {
+        drop(std::hint::black_box(Box::new_in(5u64, a)));
+    }
+    allocating_here(&a);
+    let t = trace::stop();
+    let e = events_of(&t, "trace_record::sites");
+    let frames = &e[0].frames;
+    assert!(
+        frames.iter().any(|f| f.name.contains("allocating_here")),
+        "{frames:#?}"
+    );
+    assert!(!frames[0].name.contains("cudalloc::trace"), "{frames:#?}");
+}
+
+#[cfg(not(feature = "backtrace"))]
+#[test]
+fn sites_without_the_backtrace_feature_are_refused() {
+    let Some(_g) = serial() else { return };
+    let err = trace::start(TraceConfig::default().with_sites(true)).unwrap_err();
+    assert!(err.to_string().contains("backtrace"), "{err}");
+    assert!(!trace::is_recording());
+}
