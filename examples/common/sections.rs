@@ -219,6 +219,30 @@ fn contender<'a, A: Allocator + 'a>(name: &'static str, a: A) -> Contender<'a> {
     }
 }
 
+/// The counting allocator users pick besides ours (a `GlobalAlloc` only).
+static STATS_ALLOC: stats_alloc::StatsAlloc<std::alloc::System> = stats_alloc::StatsAlloc::system();
+
+/// allocate + touch first and last byte + free through stats_alloc, as
+/// `workload::alloc_free` does through an `Allocator`.
+fn stats_alloc_pair(size: usize) -> bool {
+    use std::alloc::GlobalAlloc;
+    let Ok(layout) = std::alloc::Layout::from_size_align(size.max(1), 8) else {
+        return false;
+    };
+    // SAFETY: the layout has nonzero size; the writes stay inside the block, which is
+    // freed once with its layout.
+    unsafe {
+        let p = STATS_ALLOC.alloc(layout);
+        if p.is_null() {
+            return false;
+        }
+        p.write_volatile(1);
+        p.add(layout.size() - 1).write_volatile(2);
+        STATS_ALLOC.dealloc(black_box(p), layout);
+    }
+    true
+}
+
 /// `x` against `base`, where both were measured and the base is not zero.
 fn ratio(x: Option<f64>, base: Option<f64>) -> Option<f64> {
     match (x, base) {
@@ -299,6 +323,10 @@ fn latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
     let mut contenders = vec![
         contender("Global", Global),
         contender("Counting<Global>", Counting::new(Global)),
+        Contender {
+            name: "stats_alloc::StatsAlloc<System>",
+            run: Box::new(stats_alloc_pair),
+        },
         contender("bumpalo::Bump", &bump),
         contender("Arena<HostSource>", &arena),
     ];

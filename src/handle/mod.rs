@@ -76,9 +76,10 @@ fn fallback_allocate<R: Route>(layout: Layout) -> Result<NonNull<[u8]>, AllocErr
 /// released. Blocks parked in other threads' caches stay (they return when those threads
 /// exit).
 ///
-/// Call it at the end of a program run under `compute-sanitizer --leak-check full`,
-/// which otherwise reports every block the pools keep for reuse as leaked (their memory
-/// is returned to the system at exit either way).
+/// Under `compute-sanitizer` the crate calls it at exit by itself (the troubleshooting
+/// guide says how it knows, and `CUDALLOC_RELEASE_AT_EXIT=1/0` forces it on or off), so
+/// `--leak-check full` does not report the blocks the pools keep for reuse as leaked;
+/// call it yourself to give cached memory back earlier.
 ///
 /// ```
 /// use allocator_api2::vec::Vec;

@@ -221,9 +221,9 @@ fn report(env: &[(&str, &str)]) -> (String, usize) {
 fn defect_06_environment_variables_are_used_as_documented_or_rejected_loudly() {
     let (default, w) = report(&[]);
     assert_eq!(w, 0, "{default}");
-    // `8bbbb` was read as 8 bytes; `0` and `1` were accepted (then every pinned
-    // allocation failed).
-    for bad in ["8bbbb", "0", "1", "lots", "1.5G"] {
+    // `8bbbb` was read as 8 bytes. (`0` and `1` are caps like any other since issue 21
+    // item 6: `PinnedAlloc::set_limit` takes them, and so does the variable.)
+    for bad in ["8bbbb", "lots", "1.5G"] {
         let (r, w) = report(&[("CUDALLOC_PINNED_LIMIT", bad)]);
         assert_eq!(
             r, default,
@@ -231,6 +231,9 @@ fn defect_06_environment_variables_are_used_as_documented_or_rejected_loudly() {
         );
         assert_eq!(w, 1, "one warning for CUDALLOC_PINNED_LIMIT={bad}");
     }
+    let (r, w) = report(&[("CUDALLOC_PINNED_LIMIT", "1")]);
+    assert!(r.contains("limit=Some(1)"), "{r}");
+    assert_eq!(w, 0);
     let (r, w) = report(&[("CUDALLOC_PINNED_LIMIT", "8G")]);
     assert!(r.contains(&format!("limit=Some({})", 8usize << 30)), "{r}");
     assert_eq!(w, 0);

@@ -439,6 +439,12 @@ impl Plan {
             }
             sh.next.store(i as usize + 1, Ordering::Release);
         }
+        // Stay until the whole replay is done: a thread that exited now would flush its
+        // thread caches into the allocator at a moment the other threads' timing decides,
+        // and a replay near a limit would fail or not from one run to the next.
+        while sh.next.load(Ordering::Acquire) < self.ops.len() && !sh.aborted.load(Ordering::Relaxed) {
+            std::thread::yield_now();
+        }
         times
     }
 }
