@@ -454,7 +454,8 @@ mod torch {
             trace.contains("Device 1 ----------------\n12 entries\n"),
             "{trace}"
         );
-        assert!(trace.contains("raise OutOfMemoryError()"), "{trace}");
+        // memory_viz prints `raise OutOfMemoryError # 1.0TiB requested, ...` (H200 run).
+        assert!(trace.contains("raise OutOfMemoryError"), "{trace}");
         let _ = std::fs::remove_file(&path);
     }
 
