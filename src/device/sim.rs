@@ -88,7 +88,8 @@ impl SimPool {
     fn alloc_slow(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer> {
         let block = match bytes {
             0 => Owned::empty(stream.stream.clone(), self.clone()),
-            b => local::alloc_slow(self, b, &stream.stream)?,
+            b => local::alloc_slow(self, b, &stream.stream)
+                .inspect_err(|e| local::record_failure(self, b, &stream.stream, e))?,
         };
         Ok(SimBuffer { block, bytes })
     }

@@ -21,8 +21,9 @@
 //! [`start`] turns the recorder on for every allocator of the crate (`Pool`, `Arena`,
 //! `Direct`, the pools behind `PinnedAlloc` and `ManagedAlloc`) and every [`Traced`]
 //! allocator, on every thread; [`stop`] returns the [`Trace`]. Setting
-//! `CUDALLOC_TRACE=FILE` records the whole process instead, and writes RMM's CSV log to
-//! FILE at exit and at the first out-of-memory error.
+//! `CUDALLOC_TRACE=FILE` records the whole process instead, and writes the trace to
+//! FILE at exit and at the first out-of-memory error: PyTorch's memory snapshot for a
+//! `.pickle` or `.pkl` FILE, the SVG timeline for `.svg`, RMM's CSV log otherwise.
 //!
 //! ```
 //! use allocator_api2::{boxed::Box, vec::Vec};
