@@ -71,7 +71,7 @@ pub use record::{is_recording, start, stop, TraceConfig};
 pub use traced::Traced;
 
 #[allow(unused_imports)]
-pub(crate) use record::{arena_name, direct, fallback, pinned_name, pool_name, Code, Note, Tag};
+pub(crate) use record::{arena_name, direct, fallback, on, pinned_name, pool_name, Code, Note, Tag};
 
 pub mod format;
 pub mod replay;
