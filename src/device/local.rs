@@ -329,12 +329,9 @@ impl<P: PoolHandle> Owned<P> {
         // A block without uses on other streams is reusable at once by later work on its
         // stream: its free completes with the request (in stream order). One with uses
         // completes when the cache finds them complete (`Cache::free_slow`).
-        core.cache.backend.trace().device_free(
-            self.ptr,
-            bytes,
-            P::B::stream_id(&stream).get(),
-            uses.is_none(),
-        );
+        if crate::trace::on() {
+            record_free::<P>(core, self.ptr, bytes, &stream, uses.is_none());
+        }
         if let (Some(slot), None, true) = (core.slot, &uses, self.ptr != 0 && self.class != NOT_CACHED) {
             let id = P::B::stream_id(&stream);
             if let Some(mut e) = local_cache::<P>(slot, core.uid) {
@@ -353,6 +350,20 @@ impl<P: PoolHandle> Owned<P> {
         }
         release_slow(pool, self.ptr, bytes, stream, uses);
     }
+}
+
+/// The free of a buffer, recorded (off the hot path: the recorder is on).
+#[cold]
+#[inline(never)]
+fn record_free<P: PoolHandle>(
+    core: &Core<P::B>,
+    ptr: u64,
+    bytes: usize,
+    stream: &StreamOf<P>,
+    completed: bool,
+) {
+    let id = P::B::stream_id(stream).get();
+    core.cache.backend.trace().device_free(ptr, bytes, id, completed);
 }
 
 /// Everything but the free into this thread's bin: an empty buffer's handles dropped, a
