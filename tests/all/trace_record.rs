@@ -512,7 +512,10 @@ fn a_simulated_device_pool_records_streams_sizes_hits_and_failures() {
     }
     assert_eq!((e[0].addr, e[3].addr), (addr, addr), "the hit reuses the block");
     match &e[5].action {
-        Action::Failure(msg) => assert_eq!(msg.as_ref(), failed.to_string()),
+        Action::Failure(msg) => assert!(
+            !msg.is_empty() && failed.to_string().starts_with(msg.as_ref()),
+            "{msg} / {failed}"
+        ),
         other => panic!("{other:?}"),
     }
     assert_eq!((e[5].size, e[5].stream), ((usize::MAX - 10) as u64, two));
@@ -624,7 +627,11 @@ fn a_device_pool_records_an_out_of_memory_error() {
     assert_eq!(e.len(), 2, "{e:#?}");
     assert_eq!(e[1].action, Action::OutOfMemory);
     match &e[0].action {
-        Action::Failure(msg) => assert_eq!(msg.as_ref(), err.to_string()),
+        // The recorder keeps a message's first 200 bytes.
+        Action::Failure(msg) => assert!(
+            !msg.is_empty() && err.to_string().starts_with(msg.as_ref()),
+            "{msg} / {err}"
+        ),
         other => panic!("{other:?}"),
     }
     assert_eq!(e[0].size, 128 << 20);
