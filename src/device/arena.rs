@@ -22,6 +22,7 @@ use super::DeviceCopy;
 use crate::cuda::{memset_d8_async, Stream};
 use crate::error::{Error, Result};
 use crate::sync::global::{AtomicU64, Ordering};
+use crate::trace::{Code, Note, Tag};
 
 /// The default size of an arena's first chunk.
 const DEFAULT_CHUNK: usize = 4 << 20;
@@ -36,6 +37,8 @@ pub struct DeviceCheckpoint {
     epoch: u64,
     chunk: usize,
     offset: usize,
+    /// How many slices the recorder had seen allocated then.
+    traced: usize,
 }
 
 /// What a [`DeviceArena`] holds and hands out.
@@ -96,6 +99,16 @@ pub struct DeviceArena {
     /// Whether resets order the arena's stream after recorded uses (always, except in
     /// negative-control tests).
     guard: bool,
+    /// The arena's events, named `DeviceArena(<ordinal>)`.
+    trace: Tag,
+    /// The slices allocated while recording and not yet made reusable (address, bytes),
+    /// in allocation order: a reset or rewind records their frees. Empty while not
+    /// recording.
+    traced: RefCell<Vec<(u64, usize)>>,
+}
+
+fn device_arena_name(device: u32) -> String {
+    format!("DeviceArena({device})")
 }
 
 impl fmt::Debug for DeviceArena {
@@ -145,6 +158,11 @@ impl DeviceArena {
             foreign_waits: Cell::new(0),
             abandoned_bytes: Cell::new(0),
             guard: true,
+            trace: Tag::for_device(
+                device_arena_name,
+                u32::try_from(pool.device()).unwrap_or(u32::MAX),
+            ),
+            traced: RefCell::new(Vec::new()),
         })
     }
 
@@ -168,6 +186,9 @@ impl DeviceArena {
             limit: MAX_CHUNK,
         })?;
         let ptr = if bytes == 0 { 0 } else { self.bump(bytes)? };
+        if crate::trace::on() && ptr != 0 {
+            self.record_alloc(ptr, bytes);
+        }
         Ok(ArenaSlice {
             ptr,
             len,
@@ -205,6 +226,32 @@ impl DeviceArena {
         self.bump_slow(need)
     }
 
+    /// Records the slice at `ptr` (`bytes`), to record its free at the next reset or
+    /// rewind past it.
+    #[cold]
+    #[inline(never)]
+    fn record_alloc(&self, ptr: u64, bytes: usize) {
+        self.trace.event(|| Note {
+            given: round_to_granule(bytes).unwrap_or(bytes),
+            align: GRANULE,
+            stream: self.stream.id().get(),
+            ..Note::new(Code::Alloc, ptr as usize, bytes)
+        });
+        if crate::trace::is_recording() {
+            self.traced.borrow_mut().push((ptr, bytes));
+        }
+    }
+
+    /// Records the frees of the slices recorded since the `from`th.
+    fn record_frees(&self, from: usize) {
+        let mut traced = self.traced.borrow_mut();
+        let from = from.min(traced.len());
+        let stream = self.stream.id().get();
+        for (ptr, bytes) in traced.drain(from..) {
+            self.trace.device_free(ptr, bytes, stream, true);
+        }
+    }
+
     /// Moves on to a spare chunk that fits, or to a new one.
     #[cold]
     #[inline(never)]
@@ -219,7 +266,19 @@ impl DeviceArena {
             Some(j) => chunks.swap(next, j),
             None => {
                 let size = self.next_chunk.get().max(need);
-                let chunk = self.pool.alloc::<u8>(size, &self.stream)?;
+                let chunk = self.pool.alloc::<u8>(size, &self.stream).inspect_err(|e| {
+                    self.trace.event(|| Note {
+                        given: 0,
+                        align: GRANULE,
+                        stream: self.stream.id().get(),
+                        error: Some(e),
+                        ..Note::new(Code::Failure, 0, need)
+                    })
+                })?;
+                self.trace.event(|| Note {
+                    stream: self.stream.id().get(),
+                    ..Note::new(Code::SegmentAlloc, chunk.device_ptr() as usize, size)
+                });
                 self.next_chunk.set((size.saturating_mul(2)).min(MAX_CHUNK));
                 chunks.insert(next, chunk);
             }
@@ -283,6 +342,7 @@ impl DeviceArena {
         if !self.order_after_uses() {
             self.abandon_all();
         }
+        self.record_frees(0);
         self.start_over();
     }
 
@@ -301,6 +361,7 @@ impl DeviceArena {
             epoch: self.epoch.get(),
             chunk: self.current.get(),
             offset: self.offset.get(),
+            traced: self.traced.borrow().len(),
         }
     }
 
@@ -327,6 +388,7 @@ impl DeviceArena {
             epoch,
             chunk,
             offset,
+            traced,
         } = checkpoint;
         let here = (self.current.get(), self.offset.get());
         if arena != self.id || epoch != self.epoch.get() || (chunk, offset) > here {
@@ -336,9 +398,11 @@ impl DeviceArena {
         }
         if !self.order_after_uses() {
             self.abandon_all();
+            self.record_frees(0);
             self.start_over();
             return Ok(());
         }
+        self.record_frees(traced);
         self.current.set(chunk);
         self.offset.set(offset);
         Ok(())
@@ -378,6 +442,16 @@ impl Drop for DeviceArena {
         // that stream after the recorded uses.
         if !self.order_after_uses() {
             self.abandon_all();
+        }
+        self.record_frees(0);
+        if crate::trace::on() {
+            let stream = self.stream.id().get();
+            for c in self.chunks.borrow().iter() {
+                self.trace.event(|| Note {
+                    stream,
+                    ..Note::new(Code::SegmentFree, c.device_ptr() as usize, c.byte_len())
+                });
+            }
         }
     }
 }

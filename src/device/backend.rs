@@ -14,6 +14,7 @@ use crate::cuda::vmm::Vmm;
 use crate::cuda::{mem_info, PooledEvent, Stream, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::Arc;
+use crate::trace::Tag;
 
 /// Stream-ordered memory, as the cache uses it (stream order itself is its
 /// [`StreamOrder`] part).
@@ -47,6 +48,12 @@ pub(crate) struct CudaBackend {
     pub(crate) pages: Option<PageHeap<Vmm, CudaBackend>>,
     /// The driver pool's and the page heap's reservations, under the pool's limit.
     pub(crate) reservations: Arc<Reservations>,
+    /// The pool's events, named `DevicePool(<ordinal>)`.
+    trace: Tag,
+}
+
+fn device_pool_name(device: u32) -> String {
+    format!("DevicePool({device})")
 }
 
 /// The driver pool as [`Reservations::pool_alloc`] uses it, for one allocation on `stream`.
@@ -87,7 +94,9 @@ impl CudaBackend {
         limit: Option<usize>,
     ) -> Self {
         let reservations = Arc::new(Reservations::new(limit));
+        let device = u32::try_from(pool.device()).unwrap_or(u32::MAX);
         Self {
+            trace: Tag::for_device(device_pool_name, device),
             pool,
             device_bytes,
             pages: pages.map(|p| {
@@ -147,6 +156,11 @@ impl StreamOrder for CudaBackend {
 
     fn synchronize(&self, stream: &Stream) -> Result<()> {
         stream.synchronize()
+    }
+
+    #[inline(always)]
+    fn trace(&self) -> &Tag {
+        &self.trace
     }
 }
 

@@ -282,6 +282,17 @@ impl DevicePool {
         bytes: usize,
         stream: &Stream,
     ) -> Result<DeviceBuffer<T>> {
+        match self.alloc_block(bytes, stream) {
+            Ok(block) => Ok(DeviceBuffer::from_parts(block, len)),
+            Err(e) => {
+                local::record_failure(self, bytes, stream, &e);
+                Err(e)
+            }
+        }
+    }
+
+    /// The slow path's block (its failures recorded by the caller).
+    fn alloc_block(&self, bytes: usize, stream: &Stream) -> Result<Owned<DevicePool>> {
         if stream.device() != self.device() {
             return Err(Error::InvalidArgument("the stream belongs to another device"));
         }
@@ -293,8 +304,7 @@ impl DevicePool {
                 limit: device_bytes,
             });
         }
-        let block = local::alloc_slow(self, bytes, stream).map_err(|e| self.out_of_memory(e, bytes))?;
-        Ok(DeviceBuffer::from_parts(block, len))
+        local::alloc_slow(self, bytes, stream).map_err(|e| self.out_of_memory(e, bytes))
     }
 
     /// Zero bytes, a size that overflows, or a stream of another device.

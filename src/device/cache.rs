@@ -68,6 +68,7 @@ use super::thread_cache::{Evicted, ThreadCache, ThreadStats};
 use crate::cuda::StreamId;
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, AtomicU64, AtomicUsize, Mutex, Ordering};
+use crate::trace::{Code, Note};
 
 /// A miss tolerates idle bytes up to 1/2^IDLE_SHIFT of the live bytes.
 const IDLE_SHIFT: u32 = 5;
@@ -657,8 +658,7 @@ impl<B: Backend> Cache<B> {
                 crate::cuda::record_drop_error("synchronizing a stream after releasing cached blocks", e);
             }
         }
-        self.backend.trim_to(0);
-        self.counters.trims.fetch_add(1, Ordering::Relaxed);
+        self.trim_backend_to(0);
         self.reserve_and_alloc(bytes, stream).map_err(|e| self.failed(e))
     }
 
@@ -722,8 +722,7 @@ impl<B: Backend> Cache<B> {
         if self.backend.reserved().is_none_or(|r| r <= bound) {
             return;
         }
-        self.backend.trim_to(held);
-        self.counters.trims.fetch_add(1, Ordering::Relaxed);
+        self.trim_backend_to(held);
     }
 
     /// Gives idle blocks of at least `excess` bytes back to the backend, largest first:
@@ -792,6 +791,7 @@ impl<B: Backend> Cache<B> {
         }
         for (stream, g) in gated {
             if self.wait_marks_on_host(&g.marks) {
+                self.freed(g.ptr, class_size(g.class), &stream);
                 blocks.push((stream, g.class, g.ptr));
             } else {
                 self.abandon(class_size(g.class));
@@ -864,6 +864,7 @@ impl<B: Backend> Cache<B> {
                 let i = sh.entry(&stream);
                 sh.streams[i].polling -= 1;
                 let marks = if complete {
+                    self.freed(g.ptr, class_size(g.class), &stream);
                     sh.pending_bytes -= class_size(g.class);
                     sh.pending_blocks -= 1;
                     sh.push_free(i, g.class, [g.ptr]);
@@ -904,6 +905,10 @@ impl<B: Backend> Cache<B> {
                 Some(_) => {} // every use was waited for on the host: an ordinary free
                 None => return self.abandon(class_size(class)),
             }
+        }
+        if !uses.is_empty() {
+            // Its free was recorded as requested only (`Owned::release`): reusable now.
+            self.freed(ptr, bytes, &stream);
         }
         drop(uses);
         if let Some(t) = tc {
@@ -989,7 +994,33 @@ impl<B: Backend> Cache<B> {
                 }
             }
         }
+        if !uses.is_empty() {
+            // Ordered after its uses on the GPU: reusable (by the driver) from here on.
+            self.freed(ptr, bytes, &stream);
+        }
         self.give_back(ptr, bytes, &stream);
+    }
+
+    /// Records that the freed block at `ptr` (`bytes`) became reusable: its recorded uses
+    /// on other streams completed, or are ordered before its home stream's next work.
+    fn freed(&self, ptr: u64, bytes: usize, home: &B::Stream) {
+        self.backend.trace().event(|| Note {
+            stream: B::stream_id(home).get(),
+            ..Note::new(Code::FreeCompleted, ptr as usize, bytes)
+        });
+    }
+
+    /// The backend's reservations trimmed to `keep` bytes, recorded as a `Trim` of the
+    /// bytes it gave back (0 when the backend cannot say what it reserves).
+    fn trim_backend_to(&self, keep: usize) {
+        let before = self.backend.reserved();
+        self.backend.trim_to(keep);
+        self.counters.trims.fetch_add(1, Ordering::Relaxed);
+        self.backend.trace().event(|| {
+            let after = self.backend.reserved();
+            let released = before.zip(after).map_or(0, |(b, a)| b.saturating_sub(a));
+            Note::new(Code::Trim, 0, released)
+        });
     }
 
     // ---- trim and statistics ----------------------------------------------------------
@@ -1010,8 +1041,7 @@ impl<B: Backend> Cache<B> {
             }
         }
         drop(touched);
-        self.backend.trim_to(0);
-        self.counters.trims.fetch_add(1, Ordering::Relaxed);
+        self.trim_backend_to(0);
         let idle_streams = {
             let mut sh = lock(&self.shared);
             let pruned = sh.prune();

@@ -16,6 +16,7 @@ use super::reserve::{PoolSide, Reservations};
 use crate::cuda::StreamId;
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
+use crate::trace::Tag;
 
 /// One simulated stream's queue.
 #[derive(Debug, Default)]
@@ -262,6 +263,12 @@ pub(crate) struct FakeBackend {
     pub(crate) frees: AtomicU64,
     pub(crate) syncs: AtomicU64,
     pub(crate) trims: AtomicU64,
+    /// The simulated pool's events, named `SimPool(0)`.
+    trace: Tag,
+}
+
+fn sim_pool_name(device: u32) -> String {
+    format!("SimPool({device})")
 }
 
 impl FakeBackend {
@@ -281,6 +288,7 @@ impl FakeBackend {
             frees: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
             trims: AtomicU64::new(0),
+            trace: Tag::for_device(sim_pool_name, 0),
         }
     }
 
@@ -396,6 +404,10 @@ impl StreamOrder for FakeBackend {
         self.syncs.fetch_add(1, Ordering::SeqCst);
         stream.complete_all();
         Ok(())
+    }
+
+    fn trace(&self) -> &Tag {
+        &self.trace
     }
 }
 

@@ -14,9 +14,12 @@ use core::ptr::NonNull;
 use super::backend::Backend;
 use super::cache::Cache;
 use super::order::StreamOrder;
+use super::size_class::class_size;
 use super::thread_cache::ThreadCache;
+use crate::cuda::StreamId;
 use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
 use crate::sync::global::{AtomicU64 as GlobalU64, Ordering as GlobalOrdering};
+use crate::trace::{Code, Note};
 
 /// The stream handle type of a pool handle's backend.
 pub(crate) type StreamOf<P> = <<P as PoolHandle>::B as StreamOrder>::Stream;
@@ -118,6 +121,10 @@ pub(crate) fn try_alloc_fast<P: PoolHandle>(
     // `local_cache`); this is the only reference to it, and `pop` does not reach the
     // table (it moves a block and its handles out of the cache, dropping nothing).
     let (ptr, handles) = unsafe { e.as_mut() }.cache.pop(id, class)?;
+    core.cache.backend.trace().event(|| Note {
+        given: class_size(class),
+        ..alloc_note(ptr, bytes, id)
+    });
     let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
     Some(Owned {
         ptr,
@@ -140,7 +147,56 @@ pub(crate) fn alloc_slow<P: PoolHandle>(
     let cache = &pool.core().cache;
     let ptr = with_thread_cache(pool, |tc| cache.alloc_slow(tc, bytes, stream))?;
     let class = cache.class_for(bytes).unwrap_or(NOT_CACHED);
+    cache.backend.trace().event(|| Note {
+        given: cache.block_bytes(bytes).unwrap_or(bytes),
+        ..alloc_note(ptr, bytes, P::B::stream_id(stream))
+    });
     Ok(Owned::with_class(ptr, class, stream.clone(), pool.clone()))
+}
+
+/// The alignment of every device block: classes and granules are multiples of 256 bytes,
+/// and the driver's and the page heap's blocks start at such multiples.
+pub(crate) const BLOCK_ALIGN: usize = 256;
+
+/// An allocation's event (`given` set by the caller).
+#[inline(always)]
+fn alloc_note(ptr: u64, bytes: usize, stream: StreamId) -> Note<'static> {
+    Note {
+        action: Code::Alloc,
+        addr: ptr as usize,
+        size: bytes,
+        given: bytes,
+        align: BLOCK_ALIGN,
+        stream: stream.get(),
+        error: None,
+    }
+}
+
+/// Records an allocation of `bytes` on `stream` that failed with `e`: a `Failure` with
+/// its message, and for an out-of-memory error an `OutOfMemory` event, which writes the
+/// `CUDALLOC_TRACE` file at once.
+#[cold]
+#[inline(never)]
+pub(crate) fn record_failure<P: PoolHandle>(pool: &P, bytes: usize, stream: &StreamOf<P>, e: &crate::Error) {
+    let trace = pool.core().cache.backend.trace();
+    let stream = P::B::stream_id(stream).get();
+    let note = Note {
+        action: Code::Failure,
+        addr: 0,
+        size: bytes,
+        given: 0,
+        align: BLOCK_ALIGN,
+        stream,
+        error: Some(e),
+    };
+    trace.event(|| note);
+    if e.is_out_of_memory() {
+        trace.event(|| Note {
+            action: Code::OutOfMemory,
+            error: None,
+            ..note
+        });
+    }
 }
 
 /// Runs `f` with this thread's cache for `pool` (made if needed; `None` if the pool has
@@ -270,6 +326,12 @@ impl<P: PoolHandle> Owned<P> {
             )
         };
         let core = pool.core();
+        // A block without uses on other streams is reusable at once by later work on its
+        // stream: its free completes with the request (in stream order). One with uses
+        // completes when the cache finds them complete (`Cache::free_slow`).
+        if crate::trace::on() {
+            record_free::<P>(core, self.ptr, bytes, &stream, uses.is_none());
+        }
         if let (Some(slot), None, true) = (core.slot, &uses, self.ptr != 0 && self.class != NOT_CACHED) {
             let id = P::B::stream_id(&stream);
             if let Some(mut e) = local_cache::<P>(slot, core.uid) {
@@ -288,6 +350,20 @@ impl<P: PoolHandle> Owned<P> {
         }
         release_slow(pool, self.ptr, bytes, stream, uses);
     }
+}
+
+/// The free of a buffer, recorded (off the hot path: the recorder is on).
+#[cold]
+#[inline(never)]
+fn record_free<P: PoolHandle>(
+    core: &Core<P::B>,
+    ptr: u64,
+    bytes: usize,
+    stream: &StreamOf<P>,
+    completed: bool,
+) {
+    let id = P::B::stream_id(stream).get();
+    core.cache.backend.trace().device_free(ptr, bytes, id, completed);
 }
 
 /// Everything but the free into this thread's bin: an empty buffer's handles dropped, a

@@ -6,6 +6,7 @@
 
 use crate::cuda::StreamId;
 use crate::error::Result;
+use crate::trace::Tag;
 
 /// Stream order: streams, marks recorded on them, and waits for marks.
 pub(crate) trait StreamOrder: Send + Sync + 'static {
@@ -27,4 +28,6 @@ pub(crate) trait StreamOrder: Send + Sync + 'static {
     fn wait_host(&self, mark: &Self::Mark) -> Result<()>;
     /// Blocks the host until all work queued on `stream` has completed.
     fn synchronize(&self, stream: &Self::Stream) -> Result<()>;
+    /// The pool's trace tag: the cache, the hot path and the page heap record through it.
+    fn trace(&self) -> &Tag;
 }

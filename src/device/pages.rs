@@ -76,6 +76,7 @@ use super::reserve::Reservations;
 use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
+use crate::trace::Code;
 
 /// The most bytes of one step of the address index (blocks are multiples of it; less on
 /// a device whose granule is smaller).
@@ -627,6 +628,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 }
                 st.chunks[c].handle = Some(h);
                 st.stats.maps += 1;
+                b.trace().segment(Code::SegmentMap, va as usize, cb);
                 i += 1;
             }
             if from < i {
@@ -643,6 +645,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                         // SAFETY: mapped above, and no work was queued on it.
                         match unsafe { self.phys.unmap(va, cb) } {
                             Ok(()) => {
+                                b.trace().segment(Code::SegmentUnmap, va as usize, cb);
                                 if let Some(h) = st.chunks[c].handle.take() {
                                     st.spare.push(h);
                                 }
@@ -765,6 +768,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }) {
                 Ok(()) => {
                     st.stats.unmaps += 1;
+                    b.trace().segment(Code::SegmentUnmap, va as usize, cb);
                     return st.chunks[c].handle.take().map(|h| (h, Vec::new()));
                 }
                 Err(e) => {
@@ -823,6 +827,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }) {
                 Ok(()) => {
                     st.stats.unmaps += 1;
+                    b.trace().segment(Code::SegmentUnmap, va as usize, cb);
                     // The handle lives on in its new mapping.
                     st.chunks[c].handle = None;
                     self.give_back(st, first, self.chunk_units, Vec::new());

@@ -10,6 +10,7 @@
 use super::cache::{Cache, Settings};
 use super::fake::{FakeBackend, FakeStream};
 use super::local::{self, Core, LocalCache, Owned, PoolHandle};
+use super::order::StreamOrder;
 use crate::error::Result;
 use crate::slot_table::{SlotBits, SlotTable};
 use crate::sync::{thread_local_const, Arc};
@@ -88,9 +89,22 @@ impl SimPool {
     fn alloc_slow(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer> {
         let block = match bytes {
             0 => Owned::empty(stream.stream.clone(), self.clone()),
-            b => local::alloc_slow(self, b, &stream.stream)?,
+            b => local::alloc_slow(self, b, &stream.stream)
+                .inspect_err(|e| local::record_failure(self, b, &stream.stream, e))?,
         };
         Ok(SimBuffer { block, bytes })
+    }
+
+    /// This pool, named `name` in traces (`SimPool(0)` otherwise; the first name given
+    /// wins).
+    ///
+    /// ```
+    /// let pool = cudalloc::device::sim::SimPool::new(0).traced_as("scratch");
+    /// # drop(pool);
+    /// ```
+    pub fn traced_as(self, name: &'static str) -> Self {
+        self.core.cache.backend.trace().set_name(name);
+        self
     }
 
     /// Allocations served from a thread's bin.

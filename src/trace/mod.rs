@@ -19,10 +19,12 @@
 //! # Recording
 //!
 //! [`start`] turns the recorder on for every allocator of the crate (`Pool`, `Arena`,
-//! `Direct`, the pools behind `PinnedAlloc` and `ManagedAlloc`) and every [`Traced`]
+//! `Direct`, the pools behind `PinnedAlloc` and `ManagedAlloc`, `DevicePool`,
+//! `DeviceArena`) and every [`Traced`]
 //! allocator, on every thread; [`stop`] returns the [`Trace`]. Setting
-//! `CUDALLOC_TRACE=FILE` records the whole process instead, and writes RMM's CSV log to
-//! FILE at exit and at the first out-of-memory error.
+//! `CUDALLOC_TRACE=FILE` records the whole process instead, and writes the trace to
+//! FILE at exit and at the first out-of-memory error: PyTorch's memory snapshot for a
+//! `.pickle` or `.pkl` FILE, the SVG timeline for `.svg`, RMM's CSV log otherwise.
 //!
 //! ```
 //! use allocator_api2::{boxed::Box, vec::Vec};
@@ -55,6 +57,8 @@
 //! | `Arena<S>` | `Alloc`; `FreeRequested` and `FreeCompleted` at `deallocate` (the memory itself returns at `reset`); `Failure`; `SegmentAlloc` / `SegmentFree` per chunk |
 //! | `Direct<S>` | `Alloc`, `FreeRequested` + `FreeCompleted`, `Failure` (each block is its own source call: no segment events), named `Direct(pageable)`, `Direct(pinned)`, ... |
 //! | [`Traced<A>`] | `Alloc`, `FreeRequested` + `FreeCompleted`, `Failure` (`memory allocation failed`) |
+//! | `DevicePool` (`DevicePool(<ordinal>)`) | `Alloc` (`stream`: the stream's id; `given`: the class or granule size; `align` 256); `FreeRequested` at the buffer's drop; `FreeCompleted` at once when no other stream used the block (later work on its stream may reuse it, in stream order), else when the cache finds the recorded uses complete; `Failure` with the error's message, then `OutOfMemory` for `DeviceOutOfMemory`; `SegmentMap` / `SegmentUnmap` for each chunk the page heap maps or unmaps; `Trim` (`size`: bytes the driver pool and the page heap gave back) |
+//! | `DeviceArena` (`DeviceArena(<ordinal>)`) | `Alloc` per slice; `FreeRequested` + `FreeCompleted` for each slice at the `reset`, `rewind` or drop that makes it reusable; `SegmentAlloc` / `SegmentFree` per chunk (each chunk is also a `DevicePool` buffer); `Failure` |
 //!
 //! A grow or shrink in place is the old block's free and the new block's allocation
 //! at the same address; a move by copy is the new block's allocation, then the old
@@ -70,7 +74,7 @@ pub use record::{is_recording, start, stop, TraceConfig};
 pub use traced::Traced;
 
 #[allow(unused_imports)]
-pub(crate) use record::{arena_name, direct, fallback, pinned_name, pool_name, Code, Note, Tag};
+pub(crate) use record::{arena_name, direct, fallback, on, pinned_name, pool_name, Code, Note, Tag};
 
 pub mod format;
 pub mod replay;

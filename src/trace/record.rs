@@ -404,6 +404,9 @@ pub(crate) struct Tag {
     fixed: Option<&'static str>,
     /// The allocator's own name (`Pool<HostSource>`), made at registration.
     default_name: fn() -> String,
+    /// A device allocator's own name, made from its device (`DevicePool(0)`), before
+    /// `default_name`.
+    device_name: Option<fn(u32) -> String>,
     memory: TraceMemory,
     device: u32,
 }
@@ -461,9 +464,21 @@ impl Tag {
             name: OnceLock::new(),
             fixed: None,
             default_name,
+            device_name: None,
             memory,
             device,
         }
+    }
+
+    /// A device allocator's tag on device `device`, named `name(device)` unless its
+    /// owner renames it.
+    pub(crate) const fn for_device(name: fn(u32) -> String, device: u32) -> Self {
+        fn unnamed() -> String {
+            "?".to_owned()
+        }
+        let mut t = Self::with_memory(unnamed, TraceMemory::Device, device);
+        t.device_name = Some(name);
+        t
     }
 
     /// A host allocator's tag named `name`.
@@ -476,7 +491,10 @@ impl Tag {
     fn describe(&self) -> TracedAllocator {
         let name = match self.fixed.or_else(|| self.name.get().copied()) {
             Some(n) => n.to_owned(),
-            None => (self.default_name)(),
+            None => match self.device_name {
+                Some(f) => f(self.device),
+                None => (self.default_name)(),
+            },
         };
         TracedAllocator::new(name, self.memory, self.device)
     }
@@ -487,7 +505,6 @@ impl Tag {
     }
 
     /// Records any event (the device pools' hook: streams, maps and unmaps).
-    #[allow(dead_code)] // MERGE: the device pools call it
     #[inline(always)]
     pub(crate) fn event<'a>(&self, note: impl FnOnce() -> Note<'a>) {
         if on() {
@@ -495,7 +512,6 @@ impl Tag {
         }
     }
 
-    #[allow(dead_code)] // MERGE: the device pools call it
     #[cold]
     #[inline(never)]
     fn event_cold(&self, note: &Note<'_>) {
@@ -549,6 +565,31 @@ impl Tag {
     pub(crate) fn free(&self, addr: *const u8, size: usize, completed: bool) {
         if on() {
             self.free_cold(addr as usize, size, completed);
+        }
+    }
+
+    /// A device buffer of `size` bytes at `addr` on stream `stream` was dropped; with
+    /// `completed`, the block is reusable at once (by later work on the same stream),
+    /// which a second event records.
+    #[inline(always)]
+    pub(crate) fn device_free(&self, addr: u64, size: usize, stream: u64, completed: bool) {
+        if on() {
+            self.device_free_cold(addr, size, stream, completed);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn device_free_cold(&self, addr: u64, size: usize, stream: u64, completed: bool) {
+        if addr == 0 || size == 0 {
+            return; // an empty buffer
+        }
+        let mut n = Note::new(Code::FreeRequested, addr as usize, size);
+        n.stream = stream;
+        self.record(&n);
+        if completed {
+            n.action = Code::FreeCompleted;
+            self.record(&n);
         }
     }
 
@@ -824,7 +865,6 @@ fn short_name(full: &str) -> String {
 // ---- events as stored -----------------------------------------------------------------
 
 /// An action as a buffer stores it (a failure's message is stored apart).
-#[allow(dead_code)] // MERGE: maps, unmaps and out-of-memory events come from the device pools
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub(crate) enum Code {

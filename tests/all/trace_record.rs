@@ -408,3 +408,327 @@ fn sites_without_the_backtrace_feature_are_refused() {
     assert!(err.to_string().contains("backtrace"), "{err}");
     assert!(!trace::is_recording());
 }
+
+// ---- device pools ----------------------------------------------------------------------
+
+use cudalloc::cuda::Stream;
+use cudalloc::device::sim::{SimPool, SimStream};
+use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
+use cudalloc::trace::replay::{self, DevicePoolTarget, Plan, ReplayOptions, SimTarget};
+use cudalloc::trace::{TraceMemory, TracedAllocator};
+
+/// The events of every allocator named `name` on the streams `streams` (the process-wide
+/// device pools and other tests' pools share the name; stream ids are never reused).
+fn on_streams<'t>(t: &'t Trace, name: &str, streams: &[u64]) -> Vec<&'t Event> {
+    t.events
+        .iter()
+        .filter(|e| t.allocators[e.allocator as usize].name == name && streams.contains(&e.stream))
+        .collect()
+}
+
+/// A trace of `events` alone, as one device allocator's (for a replay).
+fn device_trace(events: &[&Event]) -> Trace {
+    let mut t = Trace::default();
+    t.allocators
+        .push(TracedAllocator::new("recorded", TraceMemory::Device, 0));
+    t.events = events
+        .iter()
+        .map(|&e| {
+            let mut e = e.clone();
+            e.allocator = 0;
+            e
+        })
+        .collect();
+    t
+}
+
+/// The most bytes live at once by the allocations and frees requested of `events`.
+fn peak_requested(events: &[&Event]) -> u64 {
+    let (mut live, mut peak) = (0u64, 0u64);
+    for e in events {
+        match e.action {
+            Action::Alloc => live += e.size,
+            Action::FreeRequested => live -= e.size,
+            _ => {}
+        }
+        peak = peak.max(live);
+    }
+    peak
+}
+
+#[test]
+fn a_simulated_device_pool_records_streams_sizes_hits_and_failures() {
+    let Some(_g) = serial() else { return };
+    let name = "SimPool(trace_record)";
+    let pool = SimPool::new(256 << 20).traced_as(name);
+    let (s1, s2) = (SimStream::new(), SimStream::new());
+    trace::start(TraceConfig::default()).unwrap();
+    let a = pool.alloc(1000, &s1).unwrap(); // a miss
+    let addr = a.device_ptr();
+    drop(a);
+    let hits = pool.hits();
+    let b = pool.alloc(1000, &s1).unwrap(); // the hit
+    assert_eq!((b.device_ptr(), pool.hits()), (addr, hits + 1));
+    let c = pool.alloc(5000, &s2).unwrap();
+    let failed = pool.alloc(usize::MAX - 10, &s2).err().unwrap();
+    drop(b);
+    drop(c);
+    let t = trace::stop();
+    let e = events_of(&t, name);
+    assert_eq!(
+        actions(&e),
+        [
+            "alloc",
+            "free_requested",
+            "free_completed",
+            "alloc",
+            "alloc",
+            "oom", // a failure
+            "free_requested",
+            "free_completed",
+            "free_requested",
+            "free_completed"
+        ],
+        "{e:#?}"
+    );
+    let mine = t.allocators.iter().find(|a| a.name == name).unwrap();
+    assert_eq!((mine.memory, mine.device), (TraceMemory::Device, 0));
+    let (one, two) = (e[0].stream, e[4].stream);
+    assert!(one != 0 && two != 0 && one != two, "{one} {two}");
+    for (i, (size, given, stream)) in [
+        (1000, 1024, one),
+        (1000, 1024, one),
+        (1000, 1024, one),
+        (1000, 1024, one),
+        (5000, 5120, two),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        assert_eq!((e[i].size, e[i].stream), (size, stream), "event {i}: {:?}", e[i]);
+        if e[i].action == Action::Alloc {
+            assert_eq!((e[i].given, e[i].align), (given, 256), "event {i}: {:?}", e[i]);
+        }
+    }
+    assert_eq!((e[0].addr, e[3].addr), (addr, addr), "the hit reuses the block");
+    match &e[5].action {
+        Action::Failure(msg) => assert!(
+            !msg.is_empty() && failed.to_string().starts_with(msg.as_ref()),
+            "{msg} / {failed}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!((e[5].size, e[5].stream), ((usize::MAX - 10) as u64, two));
+    assert_eq!((e[6].addr, e[6].size, e[6].stream), (addr, 1000, one));
+    assert_eq!((e[8].size, e[8].stream), (5000, two));
+}
+
+#[test]
+fn a_simulated_device_trace_replays_to_the_same_peak() {
+    let Some(_g) = serial() else { return };
+    let name = "SimPool(trace_record replay)";
+    let pool = SimPool::new(256 << 20).traced_as(name);
+    let streams = [SimStream::new(), SimStream::new()];
+    trace::start(TraceConfig::default()).unwrap();
+    let mut live = Vec::new();
+    for i in 0..200usize {
+        live.push(pool.alloc(256 + (i * 7919) % (3 << 20), &streams[i % 2]).unwrap());
+        if i % 3 == 2 {
+            live.remove((i * 31) % live.len());
+        }
+    }
+    drop(live);
+    let t = trace::stop();
+    let e: Vec<&Event> = events_of(&t, name)
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.action,
+                Action::Alloc | Action::FreeRequested | Action::FreeCompleted
+            )
+        })
+        .collect();
+    assert_eq!(e.iter().filter(|e| e.action == Action::Alloc).count(), 200);
+    let recorded = device_trace(&e);
+    let plan = Plan::new(&recorded, &ReplayOptions::default()).unwrap();
+    assert_eq!(plan.peak_requested(), peak_requested(&e));
+    let r = plan.replay(SimTarget::new(256 << 20)).unwrap();
+    assert_eq!((r.allocations, r.frees, r.failures), (200, 200, 0));
+    assert_eq!(r.peak_requested, peak_requested(&e));
+    assert_eq!(r.streams, 2);
+}
+
+#[test]
+fn a_device_pool_records_allocs_and_frees_on_two_streams() {
+    gpu!();
+    let Some(_g) = serial() else { return };
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
+    let (s1, s2) = (Stream::new(0).unwrap(), Stream::new(0).unwrap());
+    let ids = [s1.id().get(), s2.id().get()];
+    trace::start(TraceConfig::default()).unwrap();
+    let a = pool.alloc::<u8>(1000, &s1).unwrap();
+    let addr = a.device_ptr();
+    let mut b = pool.alloc::<u32>(1 << 20, &s2).unwrap();
+    let b_addr = b.device_ptr();
+    drop(a);
+    let a2 = pool.alloc::<u8>(1000, &s1).unwrap(); // a hit
+    assert_eq!(a2.device_ptr(), addr);
+    b.record_use(&s1);
+    drop(b); // completes once s1's work has: at the trim
+    drop(a2);
+    s1.synchronize().unwrap();
+    s2.synchronize().unwrap();
+    pool.trim();
+    let t = trace::stop();
+    let e = on_streams(&t, "DevicePool(0)", &ids);
+    let brief: Vec<(&str, u64, u64, u64)> = e
+        .iter()
+        .map(|e| (e.action.torch_name(), e.addr, e.size, e.stream))
+        .collect();
+    let (one, two) = (ids[0], ids[1]);
+    assert_eq!(
+        brief,
+        [
+            ("alloc", addr, 1000, one),
+            ("alloc", b_addr, 4 << 20, two),
+            ("free_requested", addr, 1000, one),
+            ("free_completed", addr, 1000, one),
+            ("alloc", addr, 1000, one),
+            ("free_requested", b_addr, 4 << 20, two),
+            ("free_requested", addr, 1000, one),
+            ("free_completed", addr, 1000, one),
+            ("free_completed", b_addr, 4 << 20, two),
+        ],
+        "{e:#?}"
+    );
+    for e in e.iter().filter(|e| e.action == Action::Alloc) {
+        assert!(e.given >= e.size && e.given % 256 == 0 && e.align == 256, "{e:?}");
+    }
+    assert!(
+        t.allocators
+            .iter()
+            .any(|a| a.name == "DevicePool(0)" && a.memory == TraceMemory::Device),
+        "{:?}",
+        t.allocators
+    );
+}
+
+#[test]
+fn a_device_pool_records_an_out_of_memory_error() {
+    gpu!();
+    let Some(_g) = serial() else { return };
+    let pool = DevicePool::new(0, DevicePoolConfig::default().with_limit(64 << 20)).unwrap();
+    let s = Stream::new(0).unwrap();
+    trace::start(TraceConfig::default()).unwrap();
+    let err = pool.alloc::<u8>(128 << 20, &s).err().unwrap();
+    let t = trace::stop();
+    assert!(matches!(err, cudalloc::Error::DeviceOutOfMemory { .. }), "{err}");
+    let e = on_streams(&t, "DevicePool(0)", &[s.id().get()]);
+    assert_eq!(e.len(), 2, "{e:#?}");
+    assert_eq!(e[1].action, Action::OutOfMemory);
+    match &e[0].action {
+        // The recorder keeps a message's first 200 bytes.
+        Action::Failure(msg) => assert!(
+            !msg.is_empty() && err.to_string().starts_with(msg.as_ref()),
+            "{msg} / {err}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e[0].size, 128 << 20);
+}
+
+#[test]
+fn a_device_arena_records_its_slices_chunks_and_resets() {
+    gpu!();
+    let Some(_g) = serial() else { return };
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
+    let s = Stream::new(0).unwrap();
+    let id = s.id().get();
+    trace::start(TraceConfig::default()).unwrap();
+    let mut arena = DeviceArena::with_chunk_size(&pool, &s, 1 << 20).unwrap();
+    let x = arena.alloc::<u8>(1000).unwrap().device_ptr();
+    let y = arena.alloc::<u64>(100).unwrap().device_ptr();
+    let mark = arena.checkpoint();
+    let z = arena.alloc::<u8>(4096).unwrap().device_ptr();
+    arena.rewind(mark).unwrap();
+    arena.reset();
+    let chunk = arena.stats().capacity_bytes as u64;
+    drop(arena);
+    let t = trace::stop();
+    let e = on_streams(&t, "DeviceArena(0)", &[id]);
+    let brief: Vec<(&str, u64, u64)> = e
+        .iter()
+        .map(|e| (e.action.torch_name(), e.addr, e.size))
+        .collect();
+    assert_eq!(
+        brief,
+        [
+            ("segment_alloc", x, chunk),
+            ("alloc", x, 1000),
+            ("alloc", y, 800),
+            ("alloc", z, 4096),
+            ("free_requested", z, 4096),
+            ("free_completed", z, 4096),
+            ("free_requested", x, 1000),
+            ("free_completed", x, 1000),
+            ("free_requested", y, 800),
+            ("free_completed", y, 800),
+            ("segment_free", x, chunk),
+        ],
+        "{e:#?}"
+    );
+    assert_eq!((e[1].given, e[1].align), (1024, 256));
+    // The chunk itself is a buffer of the pool.
+    let p = on_streams(&t, "DevicePool(0)", &[id]);
+    assert_eq!(actions(&p)[..1], ["alloc"]);
+    assert_eq!((p[0].addr, p[0].size), (x, chunk));
+}
+
+#[test]
+fn a_recorded_device_trace_replays_on_the_gpu_to_the_same_peak() {
+    gpu!();
+    let Some(_g) = serial() else { return };
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
+    let streams = [Stream::new(0).unwrap(), Stream::new(0).unwrap()];
+    let ids: Vec<u64> = streams.iter().map(|s| s.id().get()).collect();
+    trace::start(TraceConfig::default()).unwrap();
+    let mut live = Vec::new();
+    for i in 0..300usize {
+        live.push(
+            pool.alloc::<u8>(256 + (i * 7919) % (6 << 20), &streams[i % 2])
+                .unwrap(),
+        );
+        if i % 3 == 2 {
+            live.remove((i * 31) % live.len());
+        }
+    }
+    drop(live);
+    let t = trace::stop();
+    let e: Vec<&Event> = on_streams(&t, "DevicePool(0)", &ids)
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.action,
+                Action::Alloc | Action::FreeRequested | Action::FreeCompleted
+            )
+        })
+        .collect();
+    assert_eq!(e.iter().filter(|e| e.action == Action::Alloc).count(), 300);
+    let recorded = device_trace(&e);
+    let plan = Plan::new(&recorded, &ReplayOptions::default()).unwrap();
+    assert_eq!(plan.peak_requested(), peak_requested(&e));
+    let target = DevicePoolTarget::new("replayed", 0, DevicePoolConfig::default()).unwrap();
+    let r = plan.replay(target).unwrap();
+    assert_eq!((r.allocations, r.frees, r.failures), (300, 300, 0), "{r:?}");
+    assert_eq!(r.peak_requested, peak_requested(&e));
+    assert_eq!(r.streams, 2);
+    assert!(r.peak_held >= r.peak_requested, "{r:?}");
+    // The same through `replay::replay`, on the trace as recorded.
+    let again = replay::replay(
+        &recorded,
+        DevicePoolTarget::uncached("uncached", 0).unwrap(),
+        &ReplayOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(again.peak_requested, r.peak_requested);
+}

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use super::{collect, Inside, TraceConfig, ENV_PENDING, STATE};
 use crate::sync::global::{AtomicBool, OnceLock, Ordering};
-use crate::trace::{Action, Trace};
+use crate::trace::{format, Trace};
 
 /// The file `CUDALLOC_TRACE` names, once it was read and its recording started.
 static FILE: OnceLock<PathBuf> = OnceLock::new();
@@ -90,48 +90,31 @@ pub(super) fn on_out_of_memory() {
     }
 }
 
+/// Writes `trace` to `path` in the format its extension names: `.pickle` / `.pkl`
+/// PyTorch's memory snapshot, `.svg` the timeline, anything else RMM's CSV log.
 fn write_file(path: &Path, trace: &Trace) -> io::Result<()> {
     let mut out = io::BufWriter::new(std::fs::File::create(path)?);
-    write_rmm_csv(trace, &mut out)?;
+    write_as(path, trace, &mut out)?;
     out.flush()
 }
 
-// MERGE: replace with format::rmm::write
-/// Writes `trace` as RMM's replay log: a header `Thread,Time,Action,Pointer,Size,Stream`
-/// and a row per allocation (`allocate`), free (`free`, when the owner freed it) and
-/// failure (`allocate failure`, pointer `(nil)`); pointers and streams in hex, the time
-/// since the recording started as `HH:MM:SS.ffffff`. Other events have no row.
-pub(super) fn write_rmm_csv(trace: &Trace, out: &mut impl io::Write) -> io::Result<()> {
-    writeln!(out, "Thread,Time,Action,Pointer,Size,Stream")?;
-    for e in &trace.events {
-        let action = match e.action {
-            Action::Alloc => "allocate",
-            Action::FreeRequested => "free",
-            Action::Failure(_) => "allocate failure",
-            _ => continue,
-        };
-        let us = e.time_ns / 1000;
-        let (h, m, s, f) = (
-            us / 3_600_000_000,
-            us / 60_000_000 % 60,
-            us / 1_000_000 % 60,
-            us % 1_000_000,
-        );
-        write!(out, "{},{h:02}:{m:02}:{s:02}.{f:06},{action},", e.thread)?;
-        if matches!(e.action, Action::Failure(_)) {
-            write!(out, "(nil)")?;
-        } else {
-            write!(out, "{:#x}", e.addr)?;
-        }
-        writeln!(out, ",{},{:#x}", e.size, e.stream)?;
+/// Writes `trace` to `out` in the format `path`'s extension names.
+fn write_as(path: &Path, trace: &Trace, out: &mut impl io::Write) -> io::Result<()> {
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
+    match ext.as_deref() {
+        Some("pickle" | "pkl") => format::torch::write(trace, out),
+        Some("svg") => out.write_all(format::svg::timeline(trace).as_bytes()),
+        _ => format::rmm::write(trace, out).map(|_| ()),
     }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::Event;
+    use crate::trace::{Action, Event};
     use std::borrow::Cow;
 
     #[test]
@@ -146,7 +129,7 @@ mod tests {
         fail.stream = 0x10;
         t.events = vec![a, f, done, fail];
         let mut out = Vec::new();
-        write_rmm_csv(&t, &mut out).unwrap();
+        write_as(Path::new("trace.csv"), &t, &mut out).unwrap();
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "Thread,Time,Action,Pointer,Size,Stream\n\
@@ -154,5 +137,23 @@ mod tests {
              0,00:00:00.000000,free,0x7f001000,256,0x0\n\
              0,00:00:00.000000,allocate failure,(nil),1099511627776,0x10\n"
         );
+    }
+
+    #[test]
+    fn the_extension_chooses_the_format() {
+        let mut t = Trace::default();
+        t.events.push(Event::new(Action::Alloc, 0x7f00_1000, 256));
+        let written = |name: &str| {
+            let mut out = Vec::new();
+            write_as(Path::new(name), &t, &mut out).unwrap();
+            out
+        };
+        let pickle = written("dump.pickle");
+        assert_eq!(&pickle[..2], b"\x80\x03");
+        assert_eq!(format::torch::read(&pickle).unwrap().events.len(), 1);
+        assert_eq!(written("dump.PKL"), pickle);
+        assert!(written("dump.svg").starts_with(b"<svg"));
+        assert!(written("dump").starts_with(b"Thread,Time,Action"));
+        assert!(written("dump.log").starts_with(b"Thread,Time,Action"));
     }
 }

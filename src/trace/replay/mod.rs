@@ -32,7 +32,9 @@
 mod targets;
 mod workload;
 
-pub use targets::{targets, DevicePoolTarget, HostTarget, SimTarget, Target};
+#[cfg(any(test, feature = "sim"))]
+pub use targets::SimTarget;
+pub use targets::{targets, DevicePoolTarget, HostTarget, Target};
 pub use workload::{random_workload, RandomWorkload};
 
 use std::collections::HashMap;
@@ -478,7 +480,7 @@ fn percentiles(v: &mut [u64]) -> (u64, u64) {
 }
 
 /// An allocator a trace replays on. [`HostTarget`] adapts any allocator-api2 allocator;
-/// [`DevicePoolTarget`] and [`SimTarget`] the device pools.
+/// [`DevicePoolTarget`] and `SimTarget` (with the `sim` feature) the device pools.
 ///
 /// ```
 /// use cudalloc::trace::replay::ReplayTarget;

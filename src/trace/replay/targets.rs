@@ -10,6 +10,7 @@ use super::{Plan, ReplayReport, ReplayTarget};
 use crate::cuda::async_memory::AsyncDeviceMemory;
 use crate::cuda::memory::DeviceMemory;
 use crate::cuda::{self, HostAllocFlags, Stream};
+#[cfg(any(test, feature = "sim"))]
 use crate::device::sim::{SimBuffer, SimPool, SimStream};
 use crate::device::{Backing, DeviceBuffer, DevicePool, DevicePoolConfig, PageTuning};
 use crate::pool::{Pool, PoolConfig};
@@ -195,7 +196,8 @@ fn make_streams(device: usize, n: usize) -> Result<Vec<Stream>, String> {
 }
 
 /// The device pool's cache on the simulated GPU ([`crate::device::sim`]): for machines
-/// without one. Times are the cache's and the simulated driver's, not a GPU's.
+/// without one. Times are the cache's and the simulated driver's, not a GPU's. Only with
+/// the `sim` feature (the crate's own tests, benches and examples have it).
 ///
 /// ```
 /// use cudalloc::trace::replay::{self, SimTarget};
@@ -205,12 +207,14 @@ fn make_streams(device: usize, n: usize) -> Result<Vec<Stream>, String> {
 /// let r = replay::replay(&t, SimTarget::new(256 << 20), &Default::default()).unwrap();
 /// assert!(r.note.unwrap().contains("simulated"));
 /// ```
+#[cfg(any(test, feature = "sim"))]
 pub struct SimTarget {
     name: String,
     pool: SimPool,
     streams: Vec<SimStream>,
 }
 
+#[cfg(any(test, feature = "sim"))]
 impl SimTarget {
     /// A simulated pool with thread caches of `thread_cache_bytes` (0: none).
     pub fn new(thread_cache_bytes: usize) -> Self {
@@ -226,6 +230,7 @@ impl SimTarget {
     }
 }
 
+#[cfg(any(test, feature = "sim"))]
 impl ReplayTarget for SimTarget {
     type Block = SimBuffer;
 
@@ -440,7 +445,8 @@ fn host<A: Allocator + Sync>(t: HostTarget<A>, plan: &Plan) -> Result<ReplayRepo
 /// Device, with a driver: `DevicePool` on each [`Backing`] (`Auto`, `DriverPool`,
 /// `PhysicalPages` with each [`PageTuning`] preset), all limitable, the uncached driver
 /// pool, raw `cuMemAllocAsync` and raw `cuMemAlloc`; without one, the device pool's
-/// cache on the simulated GPU ([`SimTarget`]), with and without thread caches.
+/// cache on the simulated GPU (`SimTarget`, with the `sim` feature; none without it), with
+/// and without thread caches.
 ///
 /// ```
 /// use cudalloc::trace::{replay::targets, TraceMemory};
@@ -533,6 +539,7 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
                 p.replay(RawAlloc { device: 0 })
             }));
         }
+        #[cfg(any(test, feature = "sim"))]
         TraceMemory::Device => {
             v.push(Target::new("DevicePool (simulated GPU)", false, |p, _| {
                 p.replay(SimTarget::new(DevicePoolConfig::default().thread_cache_bytes))
@@ -543,6 +550,8 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
                 |p, _| p.replay(SimTarget::new(0)),
             ));
         }
+        #[cfg(not(any(test, feature = "sim")))]
+        TraceMemory::Device => {}
     }
     v
 }
