@@ -3,14 +3,14 @@
 //! keeps for reuse as leaked unless the program releases it, and users run the sanitizer
 //! on programs they did not write for it.
 //!
-//! **The sign.** compute-sanitizer starts the program with `CUDA_INJECTION64_PATH` set to
-//! its collection library (`.../compute-sanitizer/libsanitizer-collection.so` on Linux,
-//! `sanitizer-collection.dll` on Windows), which the driver loads at `cuInit`: without it
-//! the sanitizer sees nothing, so it is always set under the sanitizer. Other tools inject
-//! through the same variable (Nsight Systems, Nsight Compute: `libToolsInjection64.so`),
-//! so the sign is that its value names `sanitizer` (any case). The `NV_SANITIZER_*`
-//! variables are not used: they are options a user may set (the injection's port range,
-//! for one), not a sign that the sanitizer runs, and may be left in a shell's profile.
+//! **The sign.** Measured on the H200 machine (compute-sanitizer 2025.3.1, driver 580): the
+//! program it starts sees `NV_SANITIZER_INJECTION_TRANSPORT_TYPE` (`uds`), with
+//! `NV_SANITIZER_INJECTION_PORT_BASE` and the port range: the settings by which the
+//! sanitizer's injected library reaches the tool, which the tool sets for each run; it did
+//! not see `CUDA_INJECTION64_PATH`. So the sign is the transport variable, or
+//! `CUDA_INJECTION64_PATH` naming `sanitizer` (any case) where a version injects through
+//! the driver's variable (other tools inject through it too, Nsight Systems and Nsight
+//! Compute with `libToolsInjection64.so`, hence the name check).
 //! `CUDALLOC_RELEASE_AT_EXIT=1` (or `true`, `on`) forces the release on, `=0` (`false`,
 //! `off`) forces it off, whatever the sign says.
 //!
@@ -30,17 +30,20 @@ use crate::sync::global::{lock, AtomicU64, Mutex, OnceLock, Ordering};
 pub(crate) const FORCE_VAR: &str = "CUDALLOC_RELEASE_AT_EXIT";
 /// The variable through which the driver loads a tool's injection library.
 pub(crate) const INJECTION_VAR: &str = "CUDA_INJECTION64_PATH";
+/// The variable compute-sanitizer sets for its injected library's connection to the tool.
+pub(crate) const TRANSPORT_VAR: &str = "NV_SANITIZER_INJECTION_TRANSPORT_TYPE";
 
-/// Whether cached memory is released at exit, from the values of [`FORCE_VAR`] and
-/// [`INJECTION_VAR`] (`None`: unset). A forcing value that is neither on nor off is
-/// ignored (the sign decides).
-pub(crate) fn wants_release(force: Option<&str>, injection: Option<&str>) -> bool {
+/// Whether cached memory is released at exit, from the values of [`FORCE_VAR`],
+/// [`INJECTION_VAR`] and [`TRANSPORT_VAR`] (`None`: unset). A forcing value that is
+/// neither on nor off is ignored (the sign decides).
+pub(crate) fn wants_release(force: Option<&str>, injection: Option<&str>, transport: Option<&str>) -> bool {
     match force.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
         Some("1" | "true" | "on" | "yes") => return true,
         Some("0" | "false" | "off" | "no") => return false,
         _ => {}
     }
-    injection.is_some_and(|p| p.to_ascii_lowercase().contains("sanitizer"))
+    transport.is_some_and(|t| !t.is_empty())
+        || injection.is_some_and(|p| p.to_ascii_lowercase().contains("sanitizer"))
 }
 
 /// [`wants_release`] over this process's environment, read once.
@@ -49,7 +52,8 @@ fn wanted() -> bool {
     *WANTED.get_or_init(|| {
         let force = std::env::var(FORCE_VAR).ok();
         let injection = std::env::var(INJECTION_VAR).ok();
-        let wanted = wants_release(force.as_deref(), injection.as_deref());
+        let transport = std::env::var(TRANSPORT_VAR).ok();
+        let wanted = wants_release(force.as_deref(), injection.as_deref(), transport.as_deref());
         if wanted {
             log::info!("cudalloc: cached memory will be released at exit ({FORCE_VAR}, {INJECTION_VAR})");
         }
@@ -121,15 +125,19 @@ mod tests {
     fn the_sanitizers_injection_library_is_the_sign() {
         let linux = "/usr/local/cuda-13.0/compute-sanitizer/libsanitizer-collection.so";
         let windows = r"C:\Program Files\NVIDIA GPU Computing Toolkit\CUDA\v13.0\compute-sanitizer\sanitizer-collection.dll";
-        assert!(wants_release(None, Some(linux)));
-        assert!(wants_release(None, Some(windows)));
-        assert!(wants_release(None, Some("/opt/LIBSANITIZER-COLLECTION.SO")));
+        assert!(wants_release(None, Some(linux), None));
+        assert!(wants_release(None, Some(windows), None));
+        assert!(wants_release(None, Some("/opt/LIBSANITIZER-COLLECTION.SO"), None));
+        // What the sanitizer sets on the H200 machine (2025.3.1): the transport.
+        assert!(wants_release(None, None, Some("uds")));
+        assert!(!wants_release(None, None, Some("")));
         // Not the sanitizer: no injection, or a profiler's.
-        assert!(!wants_release(None, None));
-        assert!(!wants_release(None, Some("")));
+        assert!(!wants_release(None, None, None));
+        assert!(!wants_release(None, Some(""), None));
         assert!(!wants_release(
             None,
-            Some("/opt/nvidia/nsight-systems/2025.1/target-linux-x64/libToolsInjection64.so")
+            Some("/opt/nvidia/nsight-systems/2025.1/target-linux-x64/libToolsInjection64.so"),
+            None
         ));
     }
 
@@ -137,14 +145,14 @@ mod tests {
     fn the_variable_forces_it_on_or_off() {
         let sanitizer = Some("/cuda/compute-sanitizer/libsanitizer-collection.so");
         for on in ["1", "true", "ON", " yes "] {
-            assert!(wants_release(Some(on), None), "{on}");
+            assert!(wants_release(Some(on), None, None), "{on}");
         }
         for off in ["0", "false", "Off", "no"] {
-            assert!(!wants_release(Some(off), sanitizer), "{off}");
+            assert!(!wants_release(Some(off), sanitizer, None), "{off}");
         }
         // Anything else: the sign decides.
-        assert!(wants_release(Some("maybe"), sanitizer));
-        assert!(!wants_release(Some(""), None));
+        assert!(wants_release(Some("maybe"), sanitizer, None));
+        assert!(!wants_release(Some(""), None, None));
     }
 
     #[test]
