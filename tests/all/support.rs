@@ -86,24 +86,7 @@ pub fn release_cached_memory_at_exit() {
 /// errors are not disturbed; in that child, or without a driver (where no test asserts
 /// that), returns false: the caller runs the test body.
 pub fn in_a_child_process_with_a_driver(name: &str) -> bool {
-    const CHILD: &str = "CUDALLOC_TEST_CHILD";
-    if std::env::var_os(CHILD).is_some() || !cudalloc::cuda::driver_available() {
-        return false;
-    }
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let out = std::process::Command::new(exe)
-        .args([name, "--exact", "--test-threads=1"])
-        .env(CHILD, "1")
-        .output()
-        .expect("run the test in a child process");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "{name} in a child process: {}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    true
+    cudalloc::cuda::driver_available() && in_a_child_process(name)
 }
 
 /// For tests that change process-wide settings (the pinned cap): runs the test `name`
