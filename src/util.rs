@@ -103,6 +103,34 @@ pub(crate) fn env_var<T>(name: &str, expected: &str, parse: impl FnOnce(&str) ->
     parsed
 }
 
+/// Fills `ips` with the return addresses of the calling stack, innermost first; returns
+/// how many it wrote. Takes no lock of std's and allocates nothing, so the counting
+/// allocator and the trace recorder call it inside an allocation (feature `backtrace`).
+#[cfg(feature = "backtrace")]
+pub(crate) fn capture_stack(ips: &mut [usize]) -> usize {
+    let mut depth = 0;
+    let mut push = |frame: &backtrace::Frame| {
+        if let Some(slot) = ips.get_mut(depth) {
+            *slot = frame.ip() as usize;
+            depth += 1;
+        }
+        depth < ips.len()
+    };
+    // 32-bit Windows walks the stack with dbghelp, which is not thread-safe.
+    #[cfg(all(windows, target_arch = "x86"))]
+    backtrace::trace(&mut push);
+    #[cfg(not(all(windows, target_arch = "x86")))]
+    // SAFETY: `trace_unsynchronized` is unsafe only because some stack walkers are not
+    // thread-safe (dbghelp's, used on 32-bit Windows, which takes the synchronized path
+    // above); elsewhere it calls the platform unwinder (`_Unwind_Backtrace`, or
+    // `RtlVirtualUnwind` on 64-bit Windows), which is. The callback neither panics nor
+    // allocates.
+    unsafe {
+        backtrace::trace_unsynchronized(&mut push)
+    };
+    depth
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -145,30 +145,10 @@ fn capture(_frames: &mut [usize; FRAMES]) -> usize {
 }
 
 /// Fills `frames` with the return addresses of the calling stack, innermost first;
-/// returns how many it wrote. Takes no lock of std's and allocates nothing.
+/// returns how many it wrote.
 #[cfg(feature = "backtrace")]
 fn capture(frames: &mut [usize; FRAMES]) -> usize {
-    let mut depth = 0;
-    let mut push = |frame: &backtrace::Frame| {
-        if let Some(slot) = frames.get_mut(depth) {
-            *slot = frame.ip() as usize;
-            depth += 1;
-        }
-        depth < FRAMES
-    };
-    // 32-bit Windows walks the stack with dbghelp, which is not thread-safe.
-    #[cfg(all(windows, target_arch = "x86"))]
-    backtrace::trace(&mut push);
-    #[cfg(not(all(windows, target_arch = "x86")))]
-    // SAFETY: `trace_unsynchronized` is unsafe only because some stack walkers are not
-    // thread-safe (dbghelp's, used on 32-bit Windows, which takes the synchronized path
-    // above); elsewhere it calls the platform unwinder (`_Unwind_Backtrace`, or
-    // `RtlVirtualUnwind` on 64-bit Windows), which is. The callback neither panics nor
-    // allocates.
-    unsafe {
-        backtrace::trace_unsynchronized(&mut push)
-    };
-    depth
+    crate::util::capture_stack(frames)
 }
 
 fn insert(key: (usize, usize), entry: Entry) {

@@ -8,28 +8,9 @@ use core::ffi::c_void;
 use crate::trace::Frame;
 
 /// Fills `ips` with the return addresses of the calling stack, innermost first; returns
-/// how many it wrote.
+/// how many it wrote (the crate's one stack walker, shared with `count::sites`).
 pub(super) fn capture(ips: &mut [usize]) -> usize {
-    let mut depth = 0;
-    let mut push = |frame: &backtrace::Frame| {
-        if let Some(slot) = ips.get_mut(depth) {
-            *slot = frame.ip() as usize;
-            depth += 1;
-        }
-        depth < ips.len()
-    };
-    // 32-bit Windows walks the stack with dbghelp, which is not thread-safe.
-    #[cfg(all(windows, target_arch = "x86"))]
-    backtrace::trace(&mut push);
-    #[cfg(not(all(windows, target_arch = "x86")))]
-    // SAFETY: `trace_unsynchronized` is unsafe only because some stack walkers are not
-    // thread-safe (dbghelp's, used on 32-bit Windows, which takes the synchronized path
-    // above); elsewhere it calls the platform unwinder, which is. The callback neither
-    // panics nor allocates.
-    unsafe {
-        backtrace::trace_unsynchronized(&mut push)
-    };
-    depth
+    crate::util::capture_stack(ips)
 }
 
 /// The frames at `ips` (inlined functions included), the recorder's and the
