@@ -21,6 +21,10 @@
 //!   cache on the driver pool (`Backing::DriverPool`); the memory line `pages_fast` the
 //!   default with `PageTuning::FAST`, and `PAGE_TUNINGS="8:32,16:64"` adds memory lines
 //!   of other tunings (chunk MiB : idle divisor).
+//! - `device_threads`: 16 threads, each on its own stream, allocating and freeing blocks
+//!   of 4..64 MiB at once (at most 8 live each): the default pool, the cache on the
+//!   driver pool and `cuMemAllocAsync`, three runs each, median time and peak reserved /
+//!   peak requested (printed).
 //! - `device_page_miss`: what a miss of the cache costs on physical pages: an alloc +
 //!   free pair of 32 MiB on an uncached pool, `pages` (the page heap takes the freed run,
 //!   still mapped; the free records an event) vs `driver_pool`
@@ -291,14 +295,22 @@ fn device_random(c: &mut Criterion) {
                 DevicePoolConfig::default().with_backing(Backing::DriverPool),
             ),
         ];
-        // More page tunings to compare: `PAGE_TUNINGS="8:32,16:64"` (chunk MiB : idle divisor).
+        // More page tunings to compare: `PAGE_TUNINGS="8:32,16:64,16:128:nocache"` (chunk
+        // MiB : idle divisor, and `nocache` for a pool without the size-class cache, `small`
+        // for one caching only blocks below the page heap's threshold).
         for t in std::env::var("PAGE_TUNINGS").unwrap_or_default().split(',') {
-            if let Some((mib, div)) = t.split_once(':') {
+            let mut f = t.split(':');
+            if let (Some(mib), Some(div)) = (f.next(), f.next()) {
                 let (mib, div) = (mib.parse::<usize>().expect("MiB"), div.parse().expect("divisor"));
-                configs.push((
-                    format!("pages_{mib}mib_1/{div}"),
-                    paged.with_pages(PageTuning::new(mib << 20, div)),
-                ));
+                let how = f.next().unwrap_or("");
+                let mut config = paged.with_pages(PageTuning::new(mib << 20, div));
+                match how {
+                    "nocache" => config = config.with_cache(false),
+                    // Only the blocks below the page heap's threshold cached.
+                    "small" => config = config.with_max_cached_block((4 << 20) - 1),
+                    _ => {}
+                }
+                configs.push((format!("pages_{mib}mib_1/{div}_{how}"), config));
             }
         }
         for (name, config) in configs {
@@ -385,6 +397,116 @@ fn device_random(c: &mut Criterion) {
     // The process-wide pool keeps what the runs cached; give it back for later groups.
     pool.trim();
     driver.trim();
+}
+
+/// Threads of `device_threads`, allocations each, blocks live at most per thread.
+const THREADS: usize = 16;
+
+/// One run of `device_threads`: `THREADS` threads, each on its own stream, allocating
+/// blocks of 4..64 MiB (keeping at most 8 live, freeing a random one when full or at
+/// random) with `alloc`; the wall time of the whole and the peak of the bytes requested
+/// by all threads together.
+fn threads_run<T>(
+    alloc: impl Fn(usize, usize) -> T + Sync,
+    per_thread: usize,
+    streams: &[Stream],
+) -> (Duration, usize) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (live, peak) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let barrier = std::sync::Barrier::new(streams.len() + 1);
+    let t0 = std::thread::scope(|s| {
+        for t in 0..streams.len() {
+            let (alloc, live, peak, barrier) = (&alloc, &live, &peak, &barrier);
+            s.spawn(move || {
+                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1));
+                let mut mine: Vec<(T, usize)> = Vec::with_capacity(8);
+                barrier.wait();
+                for _ in 0..per_thread {
+                    if mine.len() == 8 || (!mine.is_empty() && rng.below(3) == 0) {
+                        let i = rng.below(mine.len() as u64) as usize;
+                        let (b, size) = mine.swap_remove(i);
+                        drop(b);
+                        live.fetch_sub(size, Ordering::Relaxed);
+                    }
+                    let size = (4 << 20) + rng.below(60 << 20) as usize;
+                    mine.push((alloc(size, t), size));
+                    let now = live.fetch_add(size, Ordering::Relaxed) + size;
+                    peak.fetch_max(now, Ordering::Relaxed);
+                }
+                for (b, size) in mine.drain(..) {
+                    drop(b);
+                    live.fetch_sub(size, Ordering::Relaxed);
+                }
+            });
+        }
+        barrier.wait();
+        Instant::now()
+    });
+    let elapsed = t0.elapsed();
+    streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
+    (elapsed, peak.load(Ordering::Relaxed))
+}
+
+/// 16 threads allocating and freeing large blocks of changing sizes at once, each on its
+/// own stream: the default pool (a fresh one per run), the cache on the driver pool and
+/// `cuMemAllocAsync`, alternating, three runs each; the median time and the peak
+/// reserved / peak requested of each. Printed, not a criterion group (each run is a
+/// whole workload). `cargo bench --bench device -- device_threads`
+fn device_threads() {
+    if !wanted("device_threads") {
+        return;
+    }
+    let per_thread = if quick() { 500 } else { 4000 };
+    let streams: Vec<Stream> = (0..THREADS).map(|_| Stream::new(0).expect("stream")).collect();
+    let mut times: [Vec<f64>; 3] = Default::default();
+    let mut ratios = [0.0f64; 3];
+    for _ in 0..3 {
+        for (i, config) in [
+            Some(DevicePoolConfig::default()),
+            Some(DevicePoolConfig::default().with_backing(Backing::DriverPool)),
+            None,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (elapsed, peak, reserved) = match config {
+                Some(config) => {
+                    let pool = DevicePool::new(0, config).expect("pool");
+                    let (elapsed, peak) = threads_run(
+                        |size, t| pool.alloc::<u8>(size, &streams[t]).expect("pool"),
+                        per_thread,
+                        &streams,
+                    );
+                    let reserved = pool.stats().peak_reserved_bytes;
+                    pool.trim();
+                    (elapsed, peak, reserved as f64)
+                }
+                None => {
+                    let _ = default_pool_reserved(0, true);
+                    let (elapsed, peak) = threads_run(
+                        |size, t| AsyncDeviceMemory::new(size, &streams[t]).expect("cuMemAllocAsync"),
+                        per_thread,
+                        &streams,
+                    );
+                    let high = default_pool_reserved(0, false).map_or(0, |(_, h)| h);
+                    (elapsed, peak, high as f64)
+                }
+            };
+            times[i].push(elapsed.as_secs_f64() * 1e3);
+            ratios[i] = reserved / peak as f64;
+        }
+    }
+    for (i, name) in ["default pool", "driver pool", "cu_mem_alloc_async"]
+        .iter()
+        .enumerate()
+    {
+        times[i].sort_by(f64::total_cmp);
+        println!(
+            "device_threads {name}: {THREADS} threads x {per_thread} allocations of 4..64 MiB: \
+             median {:.1} ms (runs {:.1?}); peak reserved / peak requested {:.3}",
+            times[i][1], times[i], ratios[i]
+        );
+    }
 }
 
 /// What a miss costs on physical pages (see the module docs).
@@ -560,6 +682,7 @@ fn main() {
     device_cross_stream(&mut c, &stream);
     device_random(&mut c);
     device_page_miss(&mut c, &stream);
+    device_threads();
     device_scratch(&mut c, &stream);
     device_peer_copy(&mut c);
     c.final_summary();

@@ -154,6 +154,10 @@ impl StreamOrder for CudaBackend {
         mark.synchronize()
     }
 
+    fn is_idle(&self, stream: &Stream) -> Result<bool> {
+        stream.is_idle()
+    }
+
     fn synchronize(&self, stream: &Stream) -> Result<()> {
         stream.synchronize()
     }

@@ -262,6 +262,8 @@ pub(crate) struct FakeBackend {
     pub(crate) allocs: AtomicU64,
     pub(crate) frees: AtomicU64,
     pub(crate) syncs: AtomicU64,
+    /// Times the heap asked whether a stream is idle.
+    pub(crate) idle_queries: AtomicU64,
     pub(crate) trims: AtomicU64,
     /// The simulated pool's events, named `SimPool(0)`.
     trace: Tag,
@@ -287,6 +289,7 @@ impl FakeBackend {
             allocs: AtomicU64::new(0),
             frees: AtomicU64::new(0),
             syncs: AtomicU64::new(0),
+            idle_queries: AtomicU64::new(0),
             trims: AtomicU64::new(0),
             trace: Tag::for_device(sim_pool_name, 0),
         }
@@ -398,6 +401,18 @@ impl StreamOrder for FakeBackend {
         mark.lane.completed.fetch_max(mark.pos, Ordering::SeqCst);
         registry::complete_through(&mark.clock);
         Ok(())
+    }
+
+    fn is_idle(&self, stream: &FakeStream) -> Result<bool> {
+        self.idle_queries.fetch_add(1, Ordering::SeqCst);
+        // As `complete_all` reads them: the waits first, then the work queued.
+        let clock = lock(&stream.lane.clock).clone();
+        let idle = stream.completed() >= stream.lane.queued.load(Ordering::SeqCst);
+        if idle {
+            // What the stream waited for completed before it did.
+            registry::complete_through(&clock);
+        }
+        Ok(idle)
     }
 
     fn synchronize(&self, stream: &FakeStream) -> Result<()> {

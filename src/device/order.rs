@@ -26,6 +26,9 @@ pub(crate) trait StreamOrder: Send + Sync + 'static {
     fn is_complete(&self, mark: &Self::Mark) -> Result<bool>;
     /// Blocks the host until the work before `mark` has completed.
     fn wait_host(&self, mark: &Self::Mark) -> Result<()>;
+    /// Whether all work queued on `stream` so far has completed (never blocks; an error
+    /// counts as "not known").
+    fn is_idle(&self, stream: &Self::Stream) -> Result<bool>;
     /// Blocks the host until all work queued on `stream` has completed.
     fn synchronize(&self, stream: &Self::Stream) -> Result<()>;
     /// The pool's trace tag: the cache, the hot path and the page heap record through it.

@@ -66,7 +66,7 @@
 //! [`StreamOrder`] (its marks), so CPU tests drive it with `device/fake.rs`, whose fake
 //! physical memory checks every mapping, unmapping and use against the simulated streams.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::marker::PhantomData;
 
 use super::config::PageTuning;
@@ -75,7 +75,7 @@ use super::phys::Phys;
 use super::reserve::Reservations;
 use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
-use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
+use crate::sync::{lock, Arc, Mutex};
 use crate::trace::Code;
 
 /// The most bytes of one step of the address index (blocks are multiples of it; less on
@@ -89,6 +89,9 @@ const RECLAIM_TRIES: usize = 8;
 const PLACE_TRIES: usize = 16;
 /// Retired chunks polled per call.
 const POLL: usize = 16;
+/// Clocks of streams with nothing pending kept (so that a stream that frees again need
+/// not clone its handle again); beyond it they go.
+const MAX_CLOCKS: usize = 16;
 
 /// Idle chunks tolerated at least before one is moved rather than new memory made (the
 /// tuning's `idle_divisor` sets the allowance above this floor).
@@ -103,96 +106,59 @@ enum Reclaim {
     Retire,
 }
 
-/// A mark recorded at a free, shared by the free runs that hold the freed units.
-struct Stamp<M> {
+/// Frees of units by one stream, as a free run remembers them: the sequence number of
+/// the latest (under the heap's lock, so in the stream's order) and the hull of the units
+/// the frees it stands for touched. No driver call is made at a free: a mark (an event)
+/// is recorded on the stream only when another stream takes the units while the work may
+/// be pending, and one mark then covers every free of the stream so far ([`Clock`]).
+#[derive(Clone, Copy, Debug)]
+struct Freed {
     stream: StreamId,
-    /// Order of recording (under the heap's lock): on one stream, a later stamp's mark
-    /// completes after an earlier one's.
     seq: u64,
-    /// `None`: the stream was synchronized instead (complete).
-    mark: Option<M>,
-    done: AtomicBool,
-}
-
-impl<M> Stamp<M> {
-    /// Whether the work before the mark has completed (queried once it has, never again).
-    fn complete<B: StreamOrder<Mark = M>>(&self, b: &B) -> bool {
-        if self.done.load(Ordering::Relaxed) {
-            return true;
-        }
-        let done = match &self.mark {
-            None => true,
-            Some(m) => matches!(b.is_complete(m), Ok(true)),
-        };
-        if done {
-            self.done.store(true, Ordering::Relaxed);
-        }
-        done
-    }
-
-    /// Waits on the host; whether it completed.
-    fn wait_host<B: StreamOrder<Mark = M>>(&self, b: &B) -> bool {
-        if self.complete(b) {
-            return true;
-        }
-        let ok = self.mark.as_ref().is_none_or(|m| match b.wait_host(m) {
-            Ok(()) => true,
-            Err(e) => {
-                record_drop_error("waiting for a page's mark", e);
-                false
-            }
-        });
-        if ok {
-            self.done.store(true, Ordering::Relaxed);
-        }
-        ok
-    }
-}
-
-/// A stamp with the units its stream's frees touched: the hull of the ranges of the
-/// frees it stands for (itself and the earlier stamps of its stream it replaced).
-struct Tagged<M> {
-    stamp: Arc<Stamp<M>>,
     lo: usize,
     hi: usize,
 }
 
-impl<M> Clone for Tagged<M> {
-    fn clone(&self) -> Self {
-        Self {
-            stamp: self.stamp.clone(),
-            lo: self.lo,
-            hi: self.hi,
-        }
-    }
+/// The frees a free run remembers: the latest of each stream not known to have completed.
+type Stamps = Vec<Freed>;
+
+/// What the heap knows of one stream's frees: which completed, and the marks recorded on
+/// it that cover the others.
+struct Clock<B: StreamOrder> {
+    /// A live handle, to record marks on and to ask whether its work completed.
+    stream: B::Stream,
+    /// The latest free on the stream.
+    freed: u64,
+    /// Every free of the stream numbered up to this has completed.
+    done: u64,
+    /// Marks recorded on the stream, oldest first, each after every free up to its
+    /// number.
+    marks: VecDeque<(u64, B::Mark)>,
+    /// The heap operation that last asked the driver about this stream (at most once an
+    /// operation).
+    asked: u64,
 }
 
-impl<M> core::ops::Deref for Tagged<M> {
-    type Target = Stamp<M>;
-    fn deref(&self) -> &Stamp<M> {
-        &self.stamp
-    }
+/// One rule for a failed query (of a mark, or of a stream's work): the work counts as
+/// pending, so the memory it may touch is never handed out or unmapped on that answer.
+fn completed<B: StreamOrder>(clocks: &HashMap<StreamId, Clock<B>>, f: &Freed) -> bool {
+    // A stream without a clock has no free pending: clocks go only once all completed.
+    clocks.get(&f.stream).is_none_or(|c| f.seq <= c.done)
 }
 
-/// The marks of a free run: the latest of each stream not known to have completed, each
-/// with the units the frees it stands for touched.
-type Stamps<M> = Vec<Tagged<M>>;
-
-/// Adds `from` to `into`, keeping the latest stamp of each stream (with the hull of both
-/// ranges: waiting for the later mark waits for the earlier) and dropping those known
+/// Adds `from` to `into`, keeping the latest free of each stream (with the hull of both
+/// ranges: waiting for the later free waits for the earlier) and dropping those known
 /// complete.
-fn merge<M>(into: &mut Stamps<M>, from: Stamps<M>) {
-    into.retain(|s| !s.done.load(Ordering::Relaxed));
+fn merge<B: StreamOrder>(clocks: &HashMap<StreamId, Clock<B>>, into: &mut Stamps, from: Stamps) {
+    into.retain(|s| !completed(clocks, s));
     for s in from {
-        if s.done.load(Ordering::Relaxed) {
+        if completed(clocks, &s) {
             continue;
         }
         match into.iter_mut().find(|t| t.stream == s.stream) {
             Some(t) => {
                 let (lo, hi) = (t.lo.min(s.lo), t.hi.max(s.hi));
-                if t.seq < s.seq {
-                    *t = s;
-                }
+                t.seq = t.seq.max(s.seq);
                 (t.lo, t.hi) = (lo, hi);
             }
             None => into.push(s),
@@ -201,16 +167,16 @@ fn merge<M>(into: &mut Stamps<M>, from: Stamps<M>) {
 }
 
 /// The stamps of `stamps` whose frees touched units `lo..hi`.
-fn touching<M>(stamps: &Stamps<M>, lo: usize, hi: usize) -> Stamps<M> {
+fn touching(stamps: &Stamps, lo: usize, hi: usize) -> Stamps {
     stamps
         .iter()
         .filter(|s| s.lo < hi && s.hi > lo)
-        .cloned()
+        .copied()
         .collect()
 }
 
 /// `stamps` taken to stand for frees of units `lo..hi` (where their work may now touch).
-fn retag<M>(mut stamps: Stamps<M>, lo: usize, hi: usize) -> Stamps<M> {
+fn retag(mut stamps: Stamps, lo: usize, hi: usize) -> Stamps {
     for s in &mut stamps {
         (s.lo, s.hi) = (lo, hi);
     }
@@ -218,9 +184,9 @@ fn retag<M>(mut stamps: Stamps<M>, lo: usize, hi: usize) -> Stamps<M> {
 }
 
 /// A maximal run of free units.
-struct Run<M> {
+struct Run {
     len: usize,
-    stamps: Stamps<M>,
+    stamps: Stamps,
 }
 
 /// One chunk of a region's units.
@@ -257,6 +223,8 @@ pub(crate) struct PageStats {
     pub(crate) unmaps: u64,
     pub(crate) range_reserves: u64,
     pub(crate) waits: u64,
+    /// Marks recorded (for another stream taking units whose frees may be pending).
+    pub(crate) marks: u64,
     /// `cuMemSetAccess` calls.
     pub(crate) accesses: u64,
     /// Nanoseconds in the driver's create, map, set-access, unmap and release calls (by
@@ -283,7 +251,7 @@ fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
     r
 }
 
-struct State<M> {
+struct State<B: StreamOrder> {
     regions: Vec<Region>,
     /// The first unit index of the next region (regions are a chunk apart in the index
     /// space, so that no free run reaches from one into the next).
@@ -291,7 +259,7 @@ struct State<M> {
     /// By chunk index (unit index / units per chunk).
     chunks: Vec<Chunk>,
     /// Free runs by first unit, and by (length, first unit) for the best fit.
-    free: BTreeMap<usize, Run<M>>,
+    free: BTreeMap<usize, Run>,
     by_len: BTreeSet<(usize, usize)>,
     /// Mapped chunks with no unit in a block (and not stuck).
     idle: BTreeSet<usize>,
@@ -300,22 +268,36 @@ struct State<M> {
     /// Chunks whose handle was mapped elsewhere while their last frees' marks were
     /// pending: the old mapping stays (their units out of the free runs) until the marks
     /// complete.
-    retired: Vec<(usize, Stamps<M>)>,
+    retired: Vec<(usize, Stamps)>,
     /// Live blocks by address: (first unit, units).
     live: HashMap<u64, (usize, usize)>,
     /// Other devices that may access every mapping (`enable_peer`).
     peers: Vec<usize>,
-    /// The next stamp's sequence number.
+    /// The latest free's sequence number.
     seq: u64,
+    /// The streams that freed here with work that may be pending.
+    clocks: HashMap<StreamId, Clock<B>>,
+    /// Heap operations so far (a stream is asked about at most once in one).
+    op: u64,
+    /// Handles of streams whose clocks went, dropped after the lock (the last handle of
+    /// an owned stream destroys it: a driver call).
+    dead: Vec<B::Stream>,
     stats: PageStats,
 }
 
-/// Blocks of at least this many granules go to the page heap (when there is one): 2
-/// granules (4 MiB on the H200). Smaller blocks stay on the driver pool, which packs them
-/// into its chunks; the threshold is low because the driver pool fragments under blocks of
-/// mixed sizes (`page_thresholds_compared` in `device::tests` measures it on the
-/// simulated pool).
-pub(crate) const PAGE_MIN_GRANULES: usize = 2;
+/// Blocks of at least this many granules go to the page heap (when there is one): one
+/// granule (2 MiB on the H200). Smaller blocks stay on the driver pool, which packs them
+/// into its chunks, and are cached by size class. The threshold is low because the
+/// driver pool fragments under blocks of mixed sizes and the class cache holds memory
+/// only its class can use (`page_thresholds_compared` in `device::tests` measures it on
+/// the simulated pool: RMM's random workload reserves 1.108x the peak request from 1
+/// granule, 1.115x from 2, 1.145x from 4, 1.181x from 8).
+pub(crate) const PAGE_MIN_GRANULES: usize = 1;
+
+/// The smallest block a page heap on a device of `granule` bytes serves.
+pub(crate) const fn page_threshold(granule: usize) -> usize {
+    granule * PAGE_MIN_GRANULES
+}
 
 /// Large blocks on physical pages. See the [module docs](self).
 pub(crate) struct PageHeap<P: Phys, B: StreamOrder> {
@@ -334,7 +316,7 @@ pub(crate) struct PageHeap<P: Phys, B: StreamOrder> {
     /// The pool's reservations: every handle is charged there before it is made, so that
     /// the pool's limit holds for the heap and the driver pool together.
     reservations: Arc<Reservations>,
-    state: Mutex<State<B::Mark>>,
+    state: Mutex<State<B>>,
     _backend: PhantomData<fn() -> B>,
 }
 
@@ -360,7 +342,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             chunk_units: tuning.chunk_granules(granule) * (granule / unit),
             idle_divisor: tuning.idle_divisor.max(1) as usize,
             region_bytes: REGION_BYTES,
-            min_block: granule * PAGE_MIN_GRANULES,
+            min_block: page_threshold(granule),
             reservations: Arc::new(Reservations::new(None)),
             state: Mutex::new(State {
                 regions: Vec::new(),
@@ -374,6 +356,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 live: HashMap::new(),
                 peers: Vec::new(),
                 seq: 0,
+                clocks: HashMap::new(),
+                op: 0,
+                dead: Vec::new(),
                 stats: PageStats::default(),
             }),
             _backend: PhantomData,
@@ -494,7 +479,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// The address of unit `g` (in a region).
-    fn va_of(&self, st: &State<B::Mark>, g: usize) -> u64 {
+    fn va_of(&self, st: &State<B>, g: usize) -> u64 {
         let i = st.regions.partition_point(|r| r.first <= g) - 1;
         let r = &st.regions[i];
         debug_assert!(g < r.first + r.units);
@@ -515,6 +500,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         let n = bytes.div_ceil(g).max(1);
         let len = n.checked_mul(g).ok_or(Error::OutOfMemory { requested: bytes })?;
         let mut st = lock(&self.state);
+        st.op += 1;
         self.poll(&mut st, b, POLL, false);
         let start = match self.place(&st, n) {
             Some(start) => start,
@@ -535,13 +521,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         let mut after = touching(&run.stamps, start, start + n);
         let ordered = self.map_chunks(&mut st, b, start, n, &mut after).and_then(|()| {
             let me = B::stream_id(stream);
-            for s in &after {
-                if s.stream != me && !s.complete(b) {
-                    if let Some(m) = &s.mark {
-                        b.wait(stream, m)?;
-                        st.stats.waits += 1;
-                    }
-                }
+            for s in after.iter().filter(|s| s.stream != me) {
+                self.order_after(&mut st, b, stream, s)?;
             }
             Ok(())
         });
@@ -559,7 +540,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Where a block of `n` units goes: the smallest free run that fits whose first `n`
     /// units are all mapped, among the [`PLACE_TRIES`] smallest that fit; else the one of
     /// those with the fewest chunks to map (the smallest among equals).
-    fn place(&self, st: &State<B::Mark>, n: usize) -> Option<usize> {
+    fn place(&self, st: &State<B>, n: usize) -> Option<usize> {
         let mut best: Option<(usize, usize)> = None;
         for &(_, start) in st.by_len.range((n, 0)..).take(PLACE_TRIES) {
             let unmapped = self
@@ -578,14 +559,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 
     /// Maps every chunk of the run of `n` units from `start` that is not mapped,
     /// adding to `after` the marks of handles taken from chunks whose work is pending.
-    fn map_chunks(
-        &self,
-        st: &mut State<B::Mark>,
-        b: &B,
-        start: usize,
-        n: usize,
-        after: &mut Stamps<B::Mark>,
-    ) -> Result<()> {
+    fn map_chunks(&self, st: &mut State<B>, b: &B, start: usize, n: usize, after: &mut Stamps) -> Result<()> {
         let cb = self.chunk_bytes();
         // The chunks the run touches: consecutive indices.
         let (mut i, end) = (start / self.chunk_units, (start + n).div_ceil(self.chunk_units));
@@ -612,7 +586,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                     // of the chunk pass its marks on too.
                     let pending = retag(pending, first, first + self.chunk_units);
                     self.stamp_free(st, first, first + self.chunk_units, &pending);
-                    merge(after, pending);
+                    merge(&st.clocks, after, pending);
                 }
                 let va = self.va_of(st, first);
                 // SAFETY: the chunk lies in a reserved region, and nothing is mapped there
@@ -666,7 +640,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Adds `stamps` to the free runs overlapping units `lo..hi`.
-    fn stamp_free(&self, st: &mut State<B::Mark>, lo: usize, hi: usize, stamps: &Stamps<B::Mark>) {
+    fn stamp_free(&self, st: &mut State<B>, lo: usize, hi: usize, stamps: &Stamps) {
         let starts: Vec<usize> = st
             .free
             .range(..hi)
@@ -676,7 +650,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             .collect();
         for s in starts {
             if let Some(run) = st.free.get_mut(&s) {
-                merge(&mut run.stamps, stamps.clone());
+                merge(&st.clocks, &mut run.stamps, stamps.clone());
             }
         }
     }
@@ -685,7 +659,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// after: a spare one, one unmapped from an idle chunk whose work completed, a new
     /// one, or (when none can be made) one of an idle chunk whose work is pending, mapped
     /// anew while its old mapping is retired.
-    fn handle(&self, st: &mut State<B::Mark>, b: &B) -> Result<(u64, Stamps<B::Mark>)> {
+    fn handle(&self, st: &mut State<B>, b: &B) -> Result<(u64, Stamps)> {
         if let Some(h) = st.spare.pop() {
             return Ok((h, Vec::new()));
         }
@@ -726,13 +700,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 
     /// Takes the handle of an idle chunk (trying at most `tries`, from the highest
     /// address), as `how` says, with the marks to order its next use after.
-    fn reclaim(
-        &self,
-        st: &mut State<B::Mark>,
-        b: &B,
-        tries: usize,
-        how: Reclaim,
-    ) -> Option<(u64, Stamps<B::Mark>)> {
+    fn reclaim(&self, st: &mut State<B>, b: &B, tries: usize, how: Reclaim) -> Option<(u64, Stamps)> {
         let mut below = usize::MAX;
         let mut pending = None;
         for _ in 0..tries {
@@ -745,14 +713,11 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 continue;
             };
             let last = first + self.chunk_units;
-            let done = run
-                .stamps
-                .iter()
-                .filter(|s| s.lo < last && s.hi > first)
-                .all(|s| match how {
-                    Reclaim::Wait => s.wait_host(b),
-                    Reclaim::Retire => s.complete(b),
-                });
+            let frees = touching(&run.stamps, first, last);
+            let done = frees.iter().all(|s| match how {
+                Reclaim::Wait => self.wait_done(st, b, s),
+                Reclaim::Retire => self.settle(st, b, s),
+            });
             if !done {
                 pending = pending.or(Some((c, rs)));
                 continue;
@@ -803,15 +768,19 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 
     /// Unmaps retired chunks whose marks completed (querying at most `max` chunks; with
     /// `wait`, after waiting on the host), and frees their units.
-    fn poll(&self, st: &mut State<B::Mark>, b: &B, max: usize, wait: bool) {
+    fn poll(&self, st: &mut State<B>, b: &B, max: usize, wait: bool) {
         let mut i = 0;
         let mut seen = 0;
         while i < st.retired.len() && seen < max {
             seen += 1;
-            let done = st.retired[i]
-                .1
-                .iter()
-                .all(|s| if wait { s.wait_host(b) } else { s.complete(b) });
+            let frees = st.retired[i].1.clone();
+            let done = frees.iter().all(|s| {
+                if wait {
+                    self.wait_done(st, b, s)
+                } else {
+                    self.settle(st, b, s)
+                }
+            });
             if !done {
                 i += 1;
                 continue;
@@ -843,7 +812,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 
     /// Reserves a region for at least `n` units; returns its first unit (a free run
     /// of the whole region).
-    fn add_region(&self, st: &mut State<B::Mark>, n: usize) -> Result<usize> {
+    fn add_region(&self, st: &mut State<B>, n: usize) -> Result<usize> {
         let cu = self.chunk_units;
         let too_large = || Error::OutOfMemory {
             requested: n.saturating_mul(self.unit),
@@ -864,21 +833,21 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Removes the free run starting at `start`.
-    fn take_run(&self, st: &mut State<B::Mark>, start: usize) -> Run<B::Mark> {
+    fn take_run(&self, st: &mut State<B>, start: usize) -> Run {
         let run = st.free.remove(&start).expect("a free run from the index");
         st.by_len.remove(&(run.len, start));
         run
     }
 
     /// Inserts a free run as it is (its neighbours are not free).
-    fn put_run(&self, st: &mut State<B::Mark>, start: usize, len: usize, stamps: Stamps<B::Mark>) {
+    fn put_run(&self, st: &mut State<B>, start: usize, len: usize, stamps: Stamps) {
         st.by_len.insert((len, start));
         st.free.insert(start, Run { len, stamps });
     }
 
     /// Frees units `start..start + n` (of a block or a failed allocation) with
     /// `stamps`: coalesced with the free runs around them, their chunks idle if wholly free.
-    fn give_back(&self, st: &mut State<B::Mark>, start: usize, n: usize, mut stamps: Stamps<B::Mark>) {
+    fn give_back(&self, st: &mut State<B>, start: usize, n: usize, mut stamps: Stamps) {
         for (c, k) in self.chunks_of(start, n) {
             let ch = &mut st.chunks[c];
             ch.used -= k;
@@ -890,15 +859,15 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         let before = st.free.range(..start).next_back().map(|(&s, r)| (s, r.len));
         if let Some((s, l)) = before.filter(|&(s, l)| s + l == start) {
             let run = self.take_run(st, s);
-            merge(&mut stamps, run.stamps);
+            merge(&st.clocks, &mut stamps, run.stamps);
             (start, len) = (s, len + l);
         }
         if st.free.contains_key(&(start + len)) {
             let run = self.take_run(st, start + len);
             len += run.len;
-            merge(&mut stamps, run.stamps);
+            merge(&st.clocks, &mut stamps, run.stamps);
         }
-        merge(&mut stamps, Vec::new());
+        merge(&st.clocks, &mut stamps, Vec::new());
         self.put_run(st, start, len, stamps);
     }
 
@@ -916,34 +885,139 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 Error::InvalidArgument("not a live block of the page heap"),
             );
         };
-        // Recorded under the lock: stamps of one stream are numbered in its order.
-        let mark = match b.mark(stream) {
-            Ok(m) => Some(m),
-            Err(e) => {
-                record_drop_error("recording a page block's free", e);
-                if let Err(e) = b.synchronize(stream) {
-                    // Never reused: the units stay out of the free runs, their chunks
-                    // mapped.
-                    record_drop_error("synchronizing a page block's free", e);
-                    return;
-                }
-                None
-            }
-        };
+        // Numbered under the lock: the frees of one stream are numbered in its order. No
+        // mark is recorded: another stream that takes these units first asks whether the
+        // work completed, and records one only if it may not have (`order_after`).
+        st.op += 1;
         st.stats.block_bytes -= n * self.unit;
         st.seq += 1;
-        let stamp = Tagged {
-            stamp: Arc::new(Stamp {
-                stream: B::stream_id(stream),
-                seq: st.seq,
-                done: AtomicBool::new(mark.is_none()),
-                mark,
-            }),
+        let seq = st.seq;
+        let id = B::stream_id(stream);
+        st.clocks
+            .entry(id)
+            .or_insert_with(|| Clock {
+                stream: stream.clone(),
+                freed: seq,
+                // A stream without a clock has no free pending (see `completed`).
+                done: seq - 1,
+                marks: VecDeque::new(),
+                asked: 0,
+            })
+            .freed = seq;
+        let freed = Freed {
+            stream: id,
+            seq,
             lo: start,
             hi: start + n,
         };
-        self.give_back(&mut st, start, n, vec![stamp]);
+        self.give_back(&mut st, start, n, vec![freed]);
         self.poll(&mut st, b, POLL, false);
+        self.forget_clocks(&mut st, MAX_CLOCKS);
+        let dead = core::mem::take(&mut st.dead);
+        drop(st);
+        drop(dead);
+    }
+
+    /// Whether the frees `f` stands for are known to have completed, asking the driver
+    /// (the stream's oldest marks; without a pending mark, whether the stream is idle) at
+    /// most once per stream and heap operation. A failed query counts as pending.
+    fn settle(&self, st: &mut State<B>, b: &B, f: &Freed) -> bool {
+        if completed(&st.clocks, f) {
+            return true;
+        }
+        let op = st.op;
+        let Some(c) = st.clocks.get_mut(&f.stream) else {
+            return true;
+        };
+        if c.asked == op {
+            return false;
+        }
+        c.asked = op;
+        // Marks of one stream complete in order.
+        while let Some((seq, m)) = c.marks.front() {
+            if !matches!(b.is_complete(m), Ok(true)) {
+                break;
+            }
+            c.done = c.done.max(*seq);
+            c.marks.pop_front();
+        }
+        // A pending mark means pending work: only without one is the stream asked.
+        if f.seq > c.done && c.marks.is_empty() && matches!(b.is_idle(&c.stream), Ok(true)) {
+            c.done = c.freed;
+        }
+        f.seq <= c.done
+    }
+
+    /// Makes work queued on `stream` from now on run after the work of the frees `f`
+    /// stands for: nothing if it completed, else a wait (no host wait) for the first mark
+    /// recorded after them, recorded now if there is none (it covers every free of its
+    /// stream so far).
+    fn order_after(&self, st: &mut State<B>, b: &B, stream: &B::Stream, f: &Freed) -> Result<()> {
+        if self.settle(st, b, f) {
+            return Ok(());
+        }
+        let Some(c) = st.clocks.get_mut(&f.stream) else {
+            return Ok(());
+        };
+        let i = match c.marks.iter().position(|&(seq, _)| seq >= f.seq) {
+            Some(i) => i,
+            None => {
+                c.marks.push_back((c.freed, b.mark(&c.stream)?));
+                st.stats.marks += 1;
+                c.marks.len() - 1
+            }
+        };
+        b.wait(stream, &c.marks[i].1)?;
+        st.stats.waits += 1;
+        Ok(())
+    }
+
+    /// Waits on the host until the work of the frees `f` stands for completed (the first
+    /// mark after them, else the whole stream); whether it did (a failed wait is counted
+    /// and the work stays pending).
+    fn wait_done(&self, st: &mut State<B>, b: &B, f: &Freed) -> bool {
+        if self.settle(st, b, f) {
+            return true;
+        }
+        let Some(c) = st.clocks.get_mut(&f.stream) else {
+            return true;
+        };
+        let waited = match c.marks.iter().position(|&(seq, _)| seq >= f.seq) {
+            Some(i) => b.wait_host(&c.marks[i].1).map(|()| c.marks[i].0),
+            None => b.synchronize(&c.stream).map(|()| c.freed),
+        };
+        match waited {
+            Ok(seq) => {
+                c.done = c.done.max(seq);
+                while c.marks.front().is_some_and(|&(s, _)| s <= c.done) {
+                    c.marks.pop_front();
+                }
+                true
+            }
+            Err(e) => {
+                record_drop_error("waiting for a page block's frees", e);
+                false
+            }
+        }
+    }
+
+    /// Forgets the clocks of streams whose frees all completed while there are more than
+    /// `keep` clocks (their handles go to `dead`, dropped after the lock).
+    fn forget_clocks(&self, st: &mut State<B>, keep: usize) {
+        if st.clocks.len() <= keep {
+            return;
+        }
+        let gone: Vec<StreamId> = st
+            .clocks
+            .iter()
+            .filter(|(_, c)| c.done >= c.freed && c.marks.is_empty())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            if let Some(c) = st.clocks.remove(&id) {
+                st.dead.push(c.stream);
+            }
+        }
     }
 
     /// Releases spare handles, then idle chunks from the highest address (waiting on the
@@ -951,6 +1025,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// can, and the regions left empty are freed).
     pub(crate) fn trim_to(&self, b: &B, keep: usize) {
         let mut st = lock(&self.state);
+        st.op += 1;
         let all = keep == 0;
         let keep = keep.max(1);
         self.poll(&mut st, b, usize::MAX, true);
@@ -983,10 +1058,14 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         if all {
             self.free_empty_regions(&mut st);
         }
+        self.forget_clocks(&mut st, if all { 0 } else { MAX_CLOCKS });
+        let dead = core::mem::take(&mut st.dead);
+        drop(st);
+        drop(dead);
     }
 
     /// Frees the regions with no block and no mapping.
-    fn free_empty_regions(&self, st: &mut State<B::Mark>) {
+    fn free_empty_regions(&self, st: &mut State<B>) {
         let cu = self.chunk_units;
         let mut i = 0;
         while i < st.regions.len() {
@@ -1014,6 +1093,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     pub(crate) fn shutdown(&self, b: &B) {
         self.trim_to(b, 0);
         let mut st = lock(&self.state);
+        let st = &mut *st;
+        st.dead.extend(st.clocks.drain().map(|(_, c)| c.stream));
         // A handle may be mapped at two chunks (its own and a retired one): released once.
         let mut handles: std::collections::BTreeSet<u64> = st.spare.drain(..).collect();
         handles.extend(st.chunks.iter_mut().filter_map(|c| c.handle.take()));

@@ -7,6 +7,7 @@ use super::backend::CudaBackend;
 use super::cache::{Cache, Settings};
 use super::config::{Backing, DevicePoolConfig};
 use super::local::{self, Core, LocalCache, PoolHandle};
+use super::pages::page_threshold;
 use super::report::{DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
 use crate::cuda::mem_pool::MemPool;
 use crate::cuda::vmm::Vmm;
@@ -110,7 +111,13 @@ impl DevicePool {
         // Under compute-sanitizer, the process-wide pools' cached memory goes back at exit.
         crate::cuda::exit::release_at_exit(release_process_pools);
         let settings = if config.cache {
-            Settings::new(config.max_cached_block, config.thread_cache_bytes, config.limit)
+            // The page heap's blocks are not cached by size class: freed, they serve
+            // blocks of any size at once (a class cache holds memory only its class can
+            // use, and rounds each block up to its class).
+            let max_cached = pages.as_ref().map_or(config.max_cached_block, |v| {
+                config.max_cached_block.min(page_threshold(v.granule()) - 1)
+            });
+            Settings::new(max_cached, config.thread_cache_bytes, config.limit)
         } else {
             Settings::new(0, 0, config.limit)
         };
