@@ -93,6 +93,10 @@ pub(crate) struct Settings {
     pub(crate) limit: usize,
     /// Idle bytes a miss always tolerates (64 MiB by default).
     pub(crate) idle_floor: usize,
+    /// Blocks not cached by class up to this many bytes are kept in the thread caches'
+    /// large slots for reuse at the same size (0, the default: none; the page heap's
+    /// blocks on a pool with physical pages).
+    pub(crate) max_large_bytes: usize,
     /// Whether releases trim the backend's idle reservations (off: on the H200 it cost
     /// time and saved nothing; the simulated-pool tests show the mechanism).
     pub(crate) trim_backend: bool,
@@ -134,6 +138,7 @@ impl Settings {
             thread_cache_bytes,
             limit: limit.unwrap_or(usize::MAX),
             idle_floor: 64 << 20,
+            max_large_bytes: 0,
             trim_backend: false,
         }
     }
@@ -390,6 +395,13 @@ impl<B: Backend> Cache<B> {
         }
     }
 
+    /// Whether a block of `bytes` (rounded, not cached by class) is kept in the thread
+    /// caches' large slots when freed.
+    #[inline(always)]
+    pub(crate) fn is_large(&self, bytes: usize) -> bool {
+        bytes <= self.settings.max_large_bytes && bytes > self.settings.max_cached_bytes
+    }
+
     /// The class serving `bytes` (nonzero), or `None`: not cached.
     #[inline(always)]
     pub(crate) fn class_for(&self, bytes: usize) -> Option<usize> {
@@ -461,6 +473,7 @@ impl<B: Backend> Cache<B> {
 
     fn give_evicted(&self, evicted: impl IntoIterator<Item = Evicted<B>>) {
         let mut handles = Vec::new();
+        let mut large = Vec::new();
         {
             let mut sh = lock(&self.shared);
             for ev in evicted {
@@ -470,11 +483,28 @@ impl<B: Backend> Cache<B> {
                         sh.push_free(i, class, blocks);
                     }
                 }
+                if !ev.large.is_empty() {
+                    large.push((ev.stream.clone(), ev.large));
+                }
                 handles.push(ev.stream);
             }
             self.mirror(&sh);
         }
+        // Large blocks go back to the backend (the page heap serves them to any size).
+        for (stream, blocks) in large {
+            for (ptr, bytes) in blocks {
+                self.give_back(ptr, bytes, &stream);
+            }
+        }
         drop(handles);
+    }
+
+    /// Gives this thread's large blocks back to the backend (at a large allocation they
+    /// do not serve: they hold memory only between a free and the thread's next miss).
+    fn give_large<P>(&self, tc: &mut ThreadCache<B, P>) {
+        for (stream, ptr, bytes) in tc.take_large(None) {
+            self.give_back(ptr, bytes, &stream);
+        }
     }
 
     /// Adds free blocks of `class` to `stream`'s shared list.
@@ -524,6 +554,12 @@ impl<B: Backend> Cache<B> {
                 requested: bytes,
                 limit: MAX_CLASS_SIZE,
             })?;
+            if let Some(t) = tc.as_deref_mut() {
+                if t.reclaim_requested() {
+                    self.flush_thread(t);
+                }
+                self.give_large(t);
+            }
             return self.alloc_backend(tc, rounded, stream);
         };
         if let Some(t) = tc.as_deref_mut() {
@@ -897,6 +933,24 @@ impl<B: Backend> Cache<B> {
         let home = B::stream_id(&stream);
         let Some(class) = self.class_for(bytes) else {
             let rounded = round_to_granule(bytes).unwrap_or(bytes);
+            if let (Some(t), true) = (tc, uses.is_empty() && self.is_large(rounded)) {
+                // A large block whose slots were full or whose stream had no slot.
+                if t.reclaim_requested() {
+                    self.flush_thread(t);
+                }
+                let (_, evicted) = t.entry(&stream);
+                if let Some(ev) = evicted {
+                    self.give_evicted([ev]);
+                }
+                if t.large_full() {
+                    self.give_large(t);
+                }
+                if t.push_large(home, rounded, ptr, None).is_err() {
+                    self.give_back(ptr, rounded, &stream);
+                }
+                drop((stream, pool));
+                return;
+            }
             return self.free_uncached(ptr, rounded, stream, uses);
         };
         if self.guarded() && uses.iter().any(|u| B::stream_id(u) != home) {

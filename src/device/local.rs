@@ -114,7 +114,9 @@ pub(crate) fn try_alloc_fast<P: PoolHandle>(
 ) -> Option<Owned<P>> {
     let core = pool.core();
     let slot = core.slot?;
-    let class = core.cache.class_for(bytes)?;
+    let Some(class) = core.cache.class_for(bytes) else {
+        return try_alloc_large(pool, bytes, stream);
+    };
     let id = P::B::stream_id(stream);
     let mut e = local_cache::<P>(slot, core.uid)?;
     // SAFETY: the entry is this thread's and stays in its table during this call (see
@@ -135,6 +137,41 @@ pub(crate) fn try_alloc_fast<P: PoolHandle>(
     })
 }
 
+/// The allocation hit of a large block (not cached by class): one of the same block size
+/// freed on `stream`, from this thread's large slots. `None` on a miss.
+#[inline(always)]
+fn try_alloc_large<P: PoolHandle>(pool: &P, bytes: usize, stream: &StreamOf<P>) -> Option<Owned<P>> {
+    let core = pool.core();
+    let slot = core.slot?;
+    let rounded = large_bytes(bytes)?;
+    if !core.cache.is_large(rounded) {
+        return None;
+    }
+    let id = P::B::stream_id(stream);
+    let mut e = local_cache::<P>(slot, core.uid)?;
+    // SAFETY: as in `try_alloc_fast`: the entry stays in its table during this call, this
+    // is the only reference to it, and `pop_large` drops nothing.
+    let (ptr, handles) = unsafe { e.as_mut() }.cache.pop_large(id, rounded)?;
+    core.cache.backend.trace().event(|| Note {
+        given: rounded,
+        ..alloc_note(ptr, bytes, id)
+    });
+    let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
+    Some(Owned {
+        ptr,
+        class: LARGE,
+        stream: ManuallyDrop::new(stream),
+        pool: ManuallyDrop::new(pool),
+        uses: ManuallyDrop::new(None),
+    })
+}
+
+/// The block size of a request not cached by class (rounded to [`BLOCK_ALIGN`]).
+#[inline(always)]
+fn large_bytes(bytes: usize) -> Option<usize> {
+    Some(bytes.checked_add(BLOCK_ALIGN - 1)? & !(BLOCK_ALIGN - 1))
+}
+
 /// The allocation slow path: a block for `bytes` (nonzero) on `stream`, through this
 /// thread's cache (made if needed) and the shared cache.
 #[cold]
@@ -146,7 +183,11 @@ pub(crate) fn alloc_slow<P: PoolHandle>(
 ) -> crate::Result<Owned<P>> {
     let cache = &pool.core().cache;
     let ptr = with_thread_cache(pool, |tc| cache.alloc_slow(tc, bytes, stream))?;
-    let class = cache.class_for(bytes).unwrap_or(NOT_CACHED);
+    let class = match cache.class_for(bytes) {
+        Some(c) => c,
+        None if large_bytes(bytes).is_some_and(|b| cache.is_large(b)) => LARGE,
+        None => NOT_CACHED,
+    };
     cache.backend.trace().event(|| Note {
         given: cache.block_bytes(bytes).unwrap_or(bytes),
         ..alloc_note(ptr, bytes, P::B::stream_id(stream))
@@ -232,6 +273,9 @@ pub(crate) fn with_thread_cache<P: PoolHandle, R>(
 
 /// The class of a block that no thread cache holds (too large to cache, or empty).
 const NOT_CACHED: usize = usize::MAX;
+/// The class of a large block: not cached by class, kept in the thread caches' large
+/// slots for reuse at the same size.
+const LARGE: usize = usize::MAX - 1;
 
 /// A block a buffer owns: its address and size class, the handles of its stream and its
 /// pool (taken by [`release`](Self::release), which hands them to the pool's cache with
@@ -332,6 +376,9 @@ impl<P: PoolHandle> Owned<P> {
         if crate::trace::on() {
             record_free::<P>(core, self.ptr, bytes, &stream, uses.is_none());
         }
+        if let (Some(slot), None, LARGE) = (core.slot, &uses, self.class) {
+            return release_large(pool, self.ptr, bytes, stream, slot);
+        }
         if let (Some(slot), None, true) = (core.slot, &uses, self.ptr != 0 && self.class != NOT_CACHED) {
             let id = P::B::stream_id(&stream);
             if let Some(mut e) = local_cache::<P>(slot, core.uid) {
@@ -349,6 +396,25 @@ impl<P: PoolHandle> Owned<P> {
             }
         }
         release_slow(pool, self.ptr, bytes, stream, uses);
+    }
+}
+
+/// The free of a large block: into this thread's large slots with its handles, else
+/// through the slow path.
+#[inline(always)]
+fn release_large<P: PoolHandle>(pool: P, ptr: u64, bytes: usize, stream: StreamOf<P>, slot: usize) {
+    let core = pool.core();
+    let (Some(rounded), Some(mut e)) = (large_bytes(bytes), local_cache::<P>(slot, core.uid)) else {
+        return release_slow(pool, ptr, bytes, stream, None);
+    };
+    let id = P::B::stream_id(&stream);
+    // SAFETY: as in `Owned::release`: the entry stays in its table during this statement,
+    // no other reference to it is live, and `push_large` drops nothing.
+    let pushed = unsafe { e.as_mut() }
+        .cache
+        .push_large(id, rounded, ptr, Some((stream, pool)));
+    if let Err(Some((stream, pool))) = pushed {
+        release_slow(pool, ptr, bytes, stream, None);
     }
 }
 

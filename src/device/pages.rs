@@ -75,7 +75,7 @@ use super::phys::Phys;
 use super::reserve::Reservations;
 use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
-use crate::sync::{lock, Arc, Mutex};
+use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
 use crate::trace::Code;
 
 /// The most bytes of one step of the address index (blocks are multiples of it; less on
@@ -317,6 +317,9 @@ pub(crate) struct PageHeap<P: Phys, B: StreamOrder> {
     /// the pool's limit holds for the heap and the driver pool together.
     reservations: Arc<Reservations>,
     state: Mutex<State<B>>,
+    /// Whether takers are ordered after other streams' frees (off only in negative
+    /// controls, `test-hooks`).
+    guard: AtomicBool,
     _backend: PhantomData<fn() -> B>,
 }
 
@@ -361,6 +364,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 dead: Vec::new(),
                 stats: PageStats::default(),
             }),
+            guard: AtomicBool::new(true),
             _backend: PhantomData,
         }
     }
@@ -411,6 +415,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     #[cfg(test)]
     pub(crate) fn phys(&self) -> &P {
         &self.phys
+    }
+
+    /// Turns the ordering of takers after other streams' frees off (negative controls
+    /// only) or on.
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
+    pub(crate) fn set_guard(&self, on: bool) {
+        self.guard.store(on, Ordering::Relaxed);
     }
 
     pub(crate) fn stats(&self) -> PageStats {
@@ -953,7 +964,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// recorded after them, recorded now if there is none (it covers every free of its
     /// stream so far).
     fn order_after(&self, st: &mut State<B>, b: &B, stream: &B::Stream, f: &Freed) -> Result<()> {
-        if self.settle(st, b, f) {
+        if !self.guard.load(Ordering::Relaxed) || self.settle(st, b, f) {
             return Ok(());
         }
         let Some(c) = st.clocks.get_mut(&f.stream) else {

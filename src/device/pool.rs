@@ -117,7 +117,14 @@ impl DevicePool {
             let max_cached = pages.as_ref().map_or(config.max_cached_block, |v| {
                 config.max_cached_block.min(page_threshold(v.granule()) - 1)
             });
-            Settings::new(max_cached, config.thread_cache_bytes, config.limit)
+            let mut settings = Settings::new(max_cached, config.thread_cache_bytes, config.limit);
+            if pages.is_some() {
+                // Freed page-heap blocks up to the cached size wait in the thread caches'
+                // large slots for an allocation of the same size until the thread's next
+                // large miss.
+                settings.max_large_bytes = config.max_cached_block;
+            }
+            settings
         } else {
             Settings::new(0, 0, config.limit)
         };
@@ -411,6 +418,9 @@ impl DevicePool {
     #[doc(hidden)]
     pub fn set_event_guard(&self, on: bool) {
         self.cache().set_guard(on);
+        if let Some(h) = &self.cache().backend.pages {
+            h.set_guard(on);
+        }
     }
 }
 

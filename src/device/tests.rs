@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use super::cache::{Cache, Settings};
 use super::fake::{FakeBackend, FakeStream};
-use super::size_class::{class_of, class_size};
+use super::size_class::{class_of, class_size, round_to_granule};
 use super::thread_cache::ThreadCache;
 use crate::error::Error;
 use crate::sync::{lock, Arc, Mutex, Ordering};
@@ -100,6 +100,12 @@ fn alloc(
             return Ok(p);
         }
     }
+    let rounded = round_to_granule(bytes).unwrap_or(bytes);
+    if let (Some(t), None, true) = (tc.as_deref_mut(), c.class_for(bytes), c.is_large(rounded)) {
+        if let Some((p, _)) = t.pop_large(s.id, rounded) {
+            return Ok(p);
+        }
+    }
     c.alloc_slow(tc, bytes, s)
 }
 
@@ -117,6 +123,12 @@ fn free(
             match t.push(s.id, class, ptr, s.clone(), ()) {
                 Ok(()) => return,
                 Err((stream, pool)) => return c.free_slow(tc, ptr, bytes, stream, Some(pool), uses),
+            }
+        }
+        let rounded = round_to_granule(bytes).unwrap_or(bytes);
+        if let (Some(t), None, true) = (tc.as_deref_mut(), c.class_for(bytes), c.is_large(rounded)) {
+            if t.push_large(s.id, rounded, ptr, Some((s.clone(), ()))).is_ok() {
+                return;
             }
         }
     }
@@ -1129,7 +1141,9 @@ struct PagedRun {
 fn random_reservations_paged(page_min: usize, tuning: PageTuning) -> PagedRun {
     let phys = FakePhys::new(GRANULE, usize::MAX);
     let backend = FakeBackend::paged(u64::MAX, phys.clone(), page_min, tuning);
-    let c = Cache::new(backend, Settings::new(page_min - 1, 256 << 20, None));
+    let mut settings = Settings::new(page_min - 1, 256 << 20, None);
+    settings.max_large_bytes = 1 << 30;
+    let c = Cache::new(backend, settings);
     let mut tc: Tc = c.new_thread_cache().unwrap();
     let (peak_requested, peak_held, violations) =
         random_workload(&c, &mut tc, 20_000, 64 << 20, 16_000 << 20, 4);
@@ -1188,6 +1202,56 @@ fn random_workload_on_physical_pages_reserves_at_most_15_percent_more_than_it_re
     let (requested, _, reserved) = random_reservations(false);
     let pool = reserved as f64 / requested as f64;
     assert!(pool > paged, "pages {paged:.3}, driver pool {pool:.3}");
+}
+
+#[test]
+fn large_blocks_are_reused_at_their_size_and_given_back_at_the_next_miss() {
+    let phys = FakePhys::new(GRANULE, usize::MAX);
+    let backend = FakeBackend::paged(u64::MAX, phys.clone(), GRANULE, PageTuning::default());
+    let mut settings = Settings::new(GRANULE - 1, 256 << 20, None);
+    settings.max_large_bytes = 1 << 30;
+    let c = Cache::new(backend, settings);
+    let mut tc: Tc = c.new_thread_cache().unwrap();
+    let (s, t) = (FakeStream::new(), FakeStream::new());
+    let a = alloc(&c, Some(&mut tc), 40 * MIB, &s).unwrap();
+    free(&c, Some(&mut tc), a, 40 * MIB, &s, Vec::new());
+    // Kept in the thread's large slots: the same size on the same stream takes it back,
+    // without the page heap.
+    let heap_allocs = || c.backend.pages.as_ref().unwrap().stats().block_bytes;
+    assert_eq!(c.snapshot().cached_bytes, 40 * MIB as u64);
+    assert_eq!(heap_allocs(), 40 * MIB, "still the heap's block");
+    let b = alloc(&c, Some(&mut tc), 40 * MIB, &s).unwrap();
+    assert_eq!(b, a, "the same block, from the slot");
+    assert_eq!(c.snapshot().hits, 1);
+    free(&c, Some(&mut tc), b, 40 * MIB, &s, Vec::new());
+    // Another stream, or another size, does not take it (no class rounding, no hand-over
+    // without the heap's ordering) ...
+    let other = alloc(&c, Some(&mut tc), 40 * MIB, &t).unwrap();
+    // ... and a large miss gives the slots back to the heap first, where the freed memory
+    // serves any size: the block on `t` was placed where `a` was (its frees on `s` were
+    // complete or ordered by the heap).
+    assert_eq!(c.snapshot().cached_bytes, 0, "given back at the miss");
+    assert_eq!(other, a, "the heap reused the freed run");
+    free(&c, Some(&mut tc), other, 40 * MIB, &t, Vec::new());
+    let d = alloc(&c, Some(&mut tc), 24 * MIB, &s).unwrap();
+    assert_eq!(d, a, "a smaller block in the same freed memory");
+    free(&c, Some(&mut tc), d, 24 * MIB, &s, Vec::new());
+    // Four slots at most; a fifth free gives them back.
+    let blocks: Vec<u64> = (0..5)
+        .map(|i| alloc(&c, Some(&mut tc), (8 + i) * MIB, &s).unwrap())
+        .collect();
+    for (i, p) in blocks.into_iter().enumerate() {
+        free(&c, Some(&mut tc), p, (8 + i) * MIB, &s, Vec::new());
+    }
+    assert!(c.snapshot().cached_blocks <= super::thread_cache::LARGE_SLOTS as u64);
+    assert_balanced(&c, 0);
+    // The thread's exit gives everything back.
+    c.retire_thread_cache(&mut tc);
+    assert_balanced(&c, 0);
+    assert_eq!(c.snapshot().cached_bytes, 0);
+    c.trim::<()>(None);
+    assert_eq!(c.backend.live_blocks(), 0);
+    assert_eq!(phys.violations(), 0);
 }
 
 #[test]

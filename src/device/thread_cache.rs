@@ -29,6 +29,9 @@ use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering};
 pub(crate) const MAX_STREAMS: usize = 8;
 /// The most blocks one bin keeps.
 const MAX_BIN: usize = 64;
+/// The most large blocks (not cached by class: the page heap's) a thread keeps for reuse
+/// at the same size.
+pub(crate) const LARGE_SLOTS: usize = 4;
 
 const _: () = assert!(MAX_STREAMS.is_power_of_two(), "slot indices are masked");
 
@@ -71,11 +74,26 @@ struct Bin<B: StreamOrder, P> {
     size: usize,
 }
 
-/// What a thread cache gives back to the shared cache: a stream's handle and its blocks
-/// by class.
+/// What a thread cache gives back to the shared cache: a stream's handle, its blocks by
+/// class, and its large blocks (address, bytes) for the backend.
 pub(crate) struct Evicted<B: StreamOrder> {
     pub(crate) stream: B::Stream,
     pub(crate) blocks: Vec<(usize, Vec<u64>)>,
+    pub(crate) large: Vec<(u64, usize)>,
+}
+
+/// A large block freed into the thread's cache: reused only by an allocation of the same
+/// block size on the same stream (no rounding to a class, so it holds no memory that its
+/// request did not ask for), and given back to the backend at the thread's next
+/// allocation of a large block that it does not serve, so that it holds memory only
+/// between a free and the next miss.
+struct Large<B: StreamOrder, P> {
+    ptr: u64,
+    bytes: usize,
+    /// The slot of its stream.
+    slot: usize,
+    /// The handles of the buffer that freed it (none from a slow path).
+    handles: Option<Handles<B, P>>,
 }
 
 /// One thread's cache of free blocks for one pool. `P` is the pool handle buffers own.
@@ -98,6 +116,9 @@ pub(crate) struct ThreadCache<B: StreamOrder, P> {
     streams: [Option<B::Stream>; MAX_STREAMS],
     /// The most blocks each class's bin keeps.
     caps: Box<[u32]>,
+    /// Large blocks, most recently freed last (at most [`LARGE_SLOTS`]); counted in their
+    /// slot's bytes and blocks like the bins'.
+    large: Vec<Large<B, P>>,
     // bytes == sum over bins of len * size == sum over slots of stats.slots[i].bytes;
     // bytes <= max_bytes
     bytes: usize,
@@ -119,6 +140,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             classes: caps.len(),
             streams: [const { None }; MAX_STREAMS],
             caps,
+            large: Vec::with_capacity(LARGE_SLOTS),
             bytes: 0,
             max_bytes,
             hits: 0,
@@ -249,6 +271,85 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         handles.map_or(Ok(()), Err)
     }
 
+    /// The allocation fast path of a large block: one of `bytes` freed on stream `id`,
+    /// with its buffer's handles. `None` on a miss, or when another thread asked for the
+    /// blocks.
+    #[inline(always)]
+    pub(crate) fn pop_large(&mut self, id: StreamId, bytes: usize) -> Option<(u64, Option<Handles<B, P>>)> {
+        if self.reclaim_requested() {
+            return None;
+        }
+        let i = self.find(id)?;
+        let k = self.large.iter().rposition(|l| l.bytes == bytes && l.slot == i)?;
+        let l = self.large.swap_remove(k);
+        self.count(i, -1, bytes);
+        self.hits += 1;
+        self.stats.hits.store(self.hits, Ordering::Relaxed);
+        Some((l.ptr, l.handles))
+    }
+
+    /// The free fast path of a large block of `bytes` of stream `id`: kept with the
+    /// buffer's handles (`None` from a slow path) while the stream has a slot, a large
+    /// slot is free and the budget has room; else the handles come back (the caller
+    /// takes the slow path).
+    #[inline(always)]
+    pub(crate) fn push_large(
+        &mut self,
+        id: StreamId,
+        bytes: usize,
+        ptr: u64,
+        handles: Option<Handles<B, P>>,
+    ) -> Result<(), Option<Handles<B, P>>> {
+        if self.reclaim_requested() || self.large.len() >= LARGE_SLOTS || bytes > self.max_bytes - self.bytes
+        {
+            return Err(handles);
+        }
+        let Some(i) = self.find(id) else {
+            return Err(handles);
+        };
+        self.large.push(Large {
+            ptr,
+            bytes,
+            slot: i,
+            handles,
+        });
+        self.count(i, 1, bytes);
+        Ok(())
+    }
+
+    /// Whether the large slots are all taken.
+    pub(crate) fn large_full(&self) -> bool {
+        self.large.len() >= LARGE_SLOTS
+    }
+
+    /// Takes the large blocks of slot `i` (every slot: `None`), dropping their handles;
+    /// each with a handle of its stream.
+    pub(crate) fn take_large(&mut self, i: Option<usize>) -> Vec<(B::Stream, u64, usize)> {
+        let mut out = Vec::new();
+        let mut k = 0;
+        while k < self.large.len() {
+            let slot = self.large[k].slot;
+            let stream = self.streams[slot].clone();
+            match stream {
+                Some(stream) if i.is_none_or(|i| slot == i) => {
+                    let l = self.large.remove(k);
+                    self.count(slot, -1, l.bytes);
+                    out.push((stream, l.ptr, l.bytes));
+                }
+                _ => k += 1,
+            }
+        }
+        out
+    }
+
+    /// The large blocks of slot `i`, as an eviction carries them.
+    fn evict_large(&mut self, i: usize) -> Vec<(u64, usize)> {
+        self.take_large(Some(i))
+            .into_iter()
+            .map(|(_, p, b)| (p, b))
+            .collect()
+    }
+
     /// Puts a block of `class` into the bins of slot `i`, taking `handles` with it, if its
     /// bin (allocated) and the budget have room; false (`handles` untouched) if not.
     #[inline(always)]
@@ -280,9 +381,17 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             None => {
                 let i = (0..MAX_STREAMS).min_by_key(|&i| self.slot_bytes(i)).unwrap_or(0);
                 let blocks = self.drain_where(i, |_| true);
+                let large = self.evict_large(i);
                 self.ids[i] = None;
                 let old = self.streams[i].take();
-                (i, old.map(|stream| Evicted { stream, blocks }))
+                (
+                    i,
+                    old.map(|stream| Evicted {
+                        stream,
+                        blocks,
+                        large,
+                    }),
+                )
             }
         };
         let made = (i + 1) * self.classes;
@@ -422,8 +531,13 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
                 continue;
             }
             let blocks = self.drain_where(i, |c| i != keep || c != class);
-            if let (false, Some(stream)) = (blocks.is_empty(), self.stream_of(i)) {
-                out.push(Evicted { stream, blocks });
+            let large = self.evict_large(i);
+            if let (false, Some(stream)) = (blocks.is_empty() && large.is_empty(), self.stream_of(i)) {
+                out.push(Evicted {
+                    stream,
+                    blocks,
+                    large,
+                });
             }
         }
         out
@@ -477,10 +591,15 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let mut out = Vec::new();
         for i in 0..MAX_STREAMS {
             let blocks = self.drain_where(i, |_| true);
+            let large = self.evict_large(i);
             self.ids[i] = None;
             self.stats.slots[i].id.store(0, Ordering::Relaxed);
             if let Some(stream) = self.streams[i].take() {
-                out.push(Evicted { stream, blocks });
+                out.push(Evicted {
+                    stream,
+                    blocks,
+                    large,
+                });
             }
         }
         self.last = 0;
@@ -498,6 +617,11 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
                 let (bytes, blocks) = bins.fold((0, 0), |(b, n), bin| {
                     (b + bin.entries.len() * bin.size, n + bin.entries.len())
                 });
+                let (bytes, blocks) = self
+                    .large
+                    .iter()
+                    .filter(|l| l.slot == i)
+                    .fold((bytes, blocks), |(b, n), l| (b + l.bytes, n + 1));
                 assert!(
                     self.ids[i].is_some() || blocks == 0,
                     "slot {i} is free but holds blocks"

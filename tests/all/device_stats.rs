@@ -128,17 +128,40 @@ fn a_thread_gives_its_cache_back_when_it_exits() {
     let s = stream();
     // `join` waits for the thread's locals to be destroyed (a scope may not).
     let (p, st) = (pool.clone(), s.clone());
+    // 1 MiB: a block cached by size class (below the page heap's blocks, which are not).
     std::thread::spawn(move || {
-        drop(p.alloc::<u8>(2 * MIB, &st).unwrap());
+        drop(p.alloc::<u8>(MIB, &st).unwrap());
         assert_eq!(p.stats().thread_caches, 1);
     })
     .join()
     .unwrap();
     let st = pool.stats();
-    assert_eq!((st.thread_caches, st.cached_bytes), (0, 2 * MIB as u64), "{st:?}");
+    assert_eq!((st.thread_caches, st.cached_bytes), (0, MIB as u64), "{st:?}");
     // This thread takes it from the shared list: same stream, no event.
-    let b = pool.alloc::<u8>(2 * MIB, &s).unwrap();
+    let b = pool.alloc::<u8>(MIB, &s).unwrap();
     let st = pool.stats();
     assert_eq!((st.misses, st.events), (1, 0), "{st:?}");
     drop(b);
+    // A large block the exiting thread kept for its size goes back to what it came from:
+    // on physical pages the heap, whose freed memory this thread's next block takes
+    // without reserving more.
+    let (p, st) = (pool.clone(), s.clone());
+    std::thread::spawn(move || {
+        drop(p.alloc::<u8>(24 * MIB, &st).unwrap());
+        assert!(p.stats().cached_bytes >= 24 * MIB as u64);
+    })
+    .join()
+    .unwrap();
+    let st = pool.stats();
+    assert_eq!(st.thread_caches, 0, "{st:?}");
+    let reserved = st.reserved_bytes;
+    let c = pool.alloc::<u8>(20 * MIB, &s).unwrap();
+    if pool.config().backing == cudalloc::device::Backing::PhysicalPages {
+        assert!(
+            st.cached_bytes <= MIB as u64,
+            "the large block left the cache: {st:?}"
+        );
+        assert_eq!(pool.stats().reserved_bytes, reserved, "reused, not reserved anew");
+    }
+    drop(c);
 }

@@ -16,7 +16,11 @@ use cudalloc::device::{DevicePool, DevicePoolConfig};
 use crate::gpu_support::written_and_freed_behind_a_gate;
 use crate::gpu_support::{fill, finishes_within, late_write, mismatches, stream, Gate, RUN_FOR};
 
-const N: usize = 64 << 20;
+/// A block the cache keeps by size class (below the page heap's threshold).
+const N: usize = 1 << 20;
+/// A large block: on the page heap where the device has one, kept in the thread's large
+/// slots for its size, ordered across streams by the heap.
+const LARGE: usize = 64 << 20;
 
 fn pool(thread_cache: bool) -> DevicePool {
     DevicePool::new(
@@ -47,20 +51,25 @@ struct Race {
 /// S writes 0xAA into its block behind a gate and frees it; T takes the block and writes
 /// 0xBB. T's data is corrupted if S's late write lands after it.
 fn steal_race(pool: &DevicePool, guard: bool) -> Race {
+    steal_race_of(pool, guard, N)
+}
+
+/// [`steal_race`] with blocks of `n` bytes.
+fn steal_race_of(pool: &DevicePool, guard: bool, n: usize) -> Race {
     set_guard(pool, guard);
-    let (s, t, gate, old) = written_and_freed_behind_a_gate(pool, N);
-    let y = pool.alloc::<u8>(N, &t).unwrap();
+    let (s, t, gate, old) = written_and_freed_behind_a_gate(pool, n);
+    let y = pool.alloc::<u8>(n, &t).unwrap();
     assert_eq!(
         y.device_ptr(),
         old,
         "T must take S's block for the test to mean anything"
     );
     // SAFETY: y's block, written on its own stream.
-    let ran_ahead = unsafe { late_write(y.device_ptr(), N, &t, &gate, &s) };
+    let ran_ahead = unsafe { late_write(y.device_ptr(), n, &t, &gate, &s) };
     let bad = mismatches(&y.to_vec().unwrap(), 0xBB);
     let st = pool.stats();
     println!(
-        "cross-stream take (event {}): T finished before S's late write: {ran_ahead}; {bad} of {N} \
+        "cross-stream take (event {}): T finished before S's late write: {ran_ahead}; {bad} of {n} \
          bytes corrupted; {} takes, {} events",
         if guard { "on" } else { "off" },
         st.steals,
@@ -111,29 +120,34 @@ fn without_the_event_a_taken_block_is_corrupted() {
 /// bytes if it is x's block and S's write lands first. Also returns whether the block was
 /// gated after the free and whether S reused it at once.
 fn record_use_race(pool: &DevicePool, guard: bool) -> (Race, u64, bool) {
+    record_use_race_of(pool, guard, N)
+}
+
+/// [`record_use_race`] with blocks of `n` bytes.
+fn record_use_race_of(pool: &DevicePool, guard: bool, n: usize) -> (Race, u64, bool) {
     set_guard(pool, guard);
     let (s, t) = (stream(), stream());
-    let mut x = pool.alloc::<u8>(N, &s).unwrap();
+    let mut x = pool.alloc::<u8>(n, &s).unwrap();
     // SAFETY: x's block, on its own stream.
-    unsafe { fill(x.device_ptr(), 0xAA, N, &s) };
+    unsafe { fill(x.device_ptr(), 0xAA, n, &s) };
     s.synchronize().unwrap(); // T reads x after this
-    let z = pool.alloc::<u8>(N, &t).unwrap();
+    let z = pool.alloc::<u8>(n, &t).unwrap();
     let gate = Gate::hold(&t);
     // SAFETY: both are N-byte blocks of device 0; `x` is declared used on `t` below, so
     // its block is not reused before this copy (with the guard on); `z` lives on `t`.
-    unsafe { copy_async(z.device_ptr(), 0, x.device_ptr(), 0, N, &t) }.unwrap();
+    unsafe { copy_async(z.device_ptr(), 0, x.device_ptr(), 0, n, &t) }.unwrap();
     x.record_use(&t);
     let old = x.device_ptr();
     drop(x);
     let pending = pool.stats().pending_blocks;
-    let w = pool.alloc::<u8>(N, &s).unwrap();
+    let w = pool.alloc::<u8>(n, &s).unwrap();
     let reused = w.device_ptr() == old;
     // SAFETY: w's block, on its own stream.
-    let ran_ahead = unsafe { late_write(w.device_ptr(), N, &s, &gate, &t) };
+    let ran_ahead = unsafe { late_write(w.device_ptr(), n, &s, &gate, &t) };
     let bad = mismatches(&z.to_vec().unwrap(), 0xAA);
     println!(
         "record_use (event {}): block pending after the free: {pending}, reused at once: {reused}, \
-         S finished before T's read: {ran_ahead}; {bad} of {N} bytes read wrong",
+         S finished before T's read: {ran_ahead}; {bad} of {n} bytes read wrong",
         if guard { "on" } else { "off" }
     );
     (Race { bad, ran_ahead }, pending, reused)
@@ -230,4 +244,82 @@ fn a_borrowed_stream_handle_is_kept_alive_by_the_cache() {
         st.per_stream.is_empty(),
         "trim dropped the stream handles: {st:?}"
     );
+}
+
+/// The page heap's counter `name` (`marks`, `waits`) of `pool`, if it has a heap.
+fn heap_counter(pool: &DevicePool, name: &str) -> Option<u64> {
+    let c = cudalloc::testing::page_heap_counters(pool)?;
+    let at = c.find(&format!("{name}: "))? + name.len() + 2;
+    c[at..]
+        .split(|ch: char| !ch.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[test]
+fn a_large_block_freed_on_one_stream_is_taken_by_another_only_after_its_work() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    for thread_cache in [true, false] {
+        let pool = pool(thread_cache);
+        let race = steal_race_of(&pool, true, LARGE);
+        assert!(
+            !race.ran_ahead,
+            "T waited for S's work (thread cache: {thread_cache})"
+        );
+        assert_eq!(race.bad, 0, "thread cache: {thread_cache}");
+        if heap_counter(&pool, "marks").is_some() {
+            // S's work was pending when T took the memory: one mark on S, one wait on T,
+            // and none at the free.
+            assert_eq!(
+                heap_counter(&pool, "marks"),
+                Some(1),
+                "thread cache: {thread_cache}"
+            );
+            assert_eq!(
+                heap_counter(&pool, "waits"),
+                Some(1),
+                "thread cache: {thread_cache}"
+            );
+        }
+    }
+}
+
+#[cfg(feature = "test-hooks")]
+#[test]
+fn without_the_heap_ordering_a_taken_large_block_is_corrupted() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    for thread_cache in [true, false] {
+        let pool = pool(thread_cache);
+        let race = steal_race_of(&pool, false, LARGE);
+        assert!(race.ran_ahead, "nothing held T (thread cache: {thread_cache})");
+        assert_eq!(
+            race.bad, LARGE,
+            "negative control: every byte corrupted (thread cache: {thread_cache})"
+        );
+    }
+}
+
+#[test]
+fn a_large_block_used_on_another_stream_is_reused_after_that_work() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let pool = pool(true);
+    let (race, _, _) = record_use_race_of(&pool, true, LARGE);
+    assert!(!race.ran_ahead, "S waited for T's read");
+    assert_eq!(race.bad, 0);
+}
+
+#[cfg(feature = "test-hooks")]
+#[test]
+fn without_the_event_a_large_block_used_on_another_stream_is_corrupted() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let pool = pool(true);
+    let (race, _, reused) = record_use_race_of(&pool, false, LARGE);
+    assert!(reused, "S took the block at once");
+    assert!(race.ran_ahead, "nothing held S");
+    assert_eq!(race.bad, LARGE, "negative control: every byte read wrong");
 }
