@@ -428,7 +428,7 @@ fn load() -> Option<Tool> {
         Err(e) => {
             log::warn!(
                 "cudalloc: NVTX_INJECTION64_PATH={}: {e}; no NVTX annotations",
-                path.display()
+                std::path::Path::new(&path).display()
             );
             return None;
         }
@@ -443,7 +443,7 @@ fn load() -> Option<Tool> {
         Err(_) => {
             log::info!(
                 "cudalloc: {} has no InitializeInjectionNvtxExtension (no NVTX memory API); no annotations",
-                path.display()
+                std::path::Path::new(&path).display()
             );
             return None;
         }
