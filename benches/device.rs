@@ -228,9 +228,22 @@ fn device_hit_nvtx(c: &mut Criterion, stream: Option<&Stream>) {
     }
     g.finish();
     if wanted("device_hit_nvtx") {
+        // The batches' median and minimum, steadier than criterion's means on a loaded
+        // machine.
+        let mut rows = Vec::new();
+        for size in sizes {
+            let id = size_label(size);
+            for (name, pool) in [("sim_cache", &sim), ("sim_annotated", &sim_annotated)] {
+                let t = per_call(200, 10_000, || {
+                    drop(black_box(pool.alloc(black_box(size), &sim_stream).expect("sim")))
+                });
+                rows.push(format!("{name} {id} {t}"));
+            }
+        }
         println!(
-            "device_hit_nvtx: NVTX tool attached: {}",
-            cudalloc::cuda::nvtx::attached()
+            "device_hit_nvtx, per pair (median / fastest of 200 batches), NVTX tool attached: {}: {}",
+            cudalloc::cuda::nvtx::attached(),
+            rows.join(", ")
         );
     }
 }
