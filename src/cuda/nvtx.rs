@@ -51,6 +51,8 @@ pub(crate) fn on() -> bool {
 /// Whether a tool is attached to this process's annotations (loading it at the first
 /// call, as the first annotation would). False without `NVTX_INJECTION64_PATH`, with
 /// `CUDALLOC_NVTX=0`, or when the library there is not an NVTX tool with the memory API.
+/// Under compute-sanitizer, ask after the first CUDA allocation: the sanitizer wants CUDA
+/// initialized before the first NVTX call.
 ///
 /// ```
 /// // Outside compute-sanitizer (or another NVTX tool) no tool is attached.
@@ -84,15 +86,20 @@ pub fn inject_static(core: Option<CoreInit>, ext: ExtInit) -> bool {
 }
 
 // ---- The ABI (nvToolsExtMem.h, nvtxDetail/nvtxTypes.h, nvtxDetail/nvtxExtTypes.h) -----
+// Public but hidden: for tests that play the tool's side (`tests/all/nvtx.rs`).
 
 /// `nvtxGetExportTable` (`nvtxDetail/nvtxImpl.h` 94-95).
+#[doc(hidden)]
 pub type GetExportTable = unsafe extern "C" fn(export_table_id: u32) -> *const c_void;
 /// `InitializeInjectionNvtx2` (`NvtxInitializeInjectionNvtxFunc_t`): nonzero on success.
+#[doc(hidden)]
 pub type CoreInit = unsafe extern "C" fn(get_export_table: GetExportTable) -> c_int;
 /// `InitializeInjectionNvtxExtension` (`nvtxDetail/nvtxExtTypes.h` 54): nonzero on success.
+#[doc(hidden)]
 pub type ExtInit = unsafe extern "C" fn(module: *mut ExtModuleInfo) -> c_int;
 
 /// `nvtxExtModuleSegment_t` (`nvtxDetail/nvtxExtTypes.h` 35-40).
+#[doc(hidden)]
 #[repr(C)]
 #[derive(Debug)]
 pub struct ExtModuleSegment {
@@ -105,6 +112,7 @@ pub struct ExtModuleSegment {
 }
 
 /// `nvtxExtModuleInfo_t` (`nvtxDetail/nvtxExtTypes.h` 42-52).
+#[doc(hidden)]
 #[repr(C)]
 #[derive(Debug)]
 pub struct ExtModuleInfo {
@@ -127,34 +135,48 @@ pub struct ExtModuleInfo {
 }
 
 /// `NVTX_VERSION` (`nvToolsExt.h` 167).
+#[doc(hidden)]
 pub const NVTX_VERSION: u16 = 3;
 /// `NVTX_EXT_MODULEID_MEM` (`nvToolsExtMem.h` 30).
+#[doc(hidden)]
 pub const MODULE_ID_MEM: u16 = 1;
 /// `NVTX_EXT_COMPATID_MEM` (`nvToolsExtMem.h` 36).
+#[doc(hidden)]
 pub const COMPAT_ID_MEM: u16 = 0x0102;
 /// `NVTX3EXT_CBID_MEM_FN_NUM` (`nvToolsExtMem.h` 679).
+#[doc(hidden)]
 pub const MEM_FN_NUM: usize = 17;
 /// `NVTX3EXT_CBID_nvtxMemHeapRegister` and the others used here (`nvToolsExtMem.h` 660-665, enum `NvtxExtMemCallbackId`).
+#[doc(hidden)]
 pub const CBID_HEAP_REGISTER: usize = 1;
 /// `NVTX3EXT_CBID_nvtxMemHeapUnregister`.
+#[doc(hidden)]
 pub const CBID_HEAP_UNREGISTER: usize = 2;
 /// `NVTX3EXT_CBID_nvtxMemRegionsRegister`.
+#[doc(hidden)]
 pub const CBID_REGIONS_REGISTER: usize = 4;
 /// `NVTX3EXT_CBID_nvtxMemRegionsUnregister`.
+#[doc(hidden)]
 pub const CBID_REGIONS_UNREGISTER: usize = 6;
 
 /// `NVTX_ETID_CALLBACKS` and `NVTX_ETID_VERSIONINFO` (`nvtxDetail/nvtxTypes.h` 269-271).
+#[doc(hidden)]
 pub const ETID_CALLBACKS: u32 = 1;
 /// See [`ETID_CALLBACKS`].
+#[doc(hidden)]
 pub const ETID_VERSIONINFO: u32 = 3;
 /// `NVTX_CB_MODULE_CORE2` (`nvtxDetail/nvtxTypes.h` 146).
+#[doc(hidden)]
 pub const CB_MODULE_CORE2: u32 = 5;
 /// `NVTX_CBID_CORE2_DomainCreateA` (`nvtxDetail/nvtxTypes.h` 190).
+#[doc(hidden)]
 pub const CBID_CORE2_DOMAIN_CREATE_A: usize = 12;
 /// `NVTX_CBID_CORE2_Initialize` (`nvtxDetail/nvtxTypes.h` 193).
+#[doc(hidden)]
 pub const CBID_CORE2_INITIALIZE: usize = 15;
 
 /// `NvtxExportTableCallbacks` (`nvtxDetail/nvtxTypes.h` 280-289).
+#[doc(hidden)]
 #[repr(C)]
 #[derive(Debug)]
 pub struct ExportTableCallbacks {
@@ -177,6 +199,7 @@ struct ExportTableVersionInfo {
 }
 
 /// `nvtxMemVirtualRangeDesc_v1` (`nvToolsExtMem.h` 175).
+#[doc(hidden)]
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct VirtualRangeDesc {
@@ -187,6 +210,7 @@ pub struct VirtualRangeDesc {
 }
 
 /// `nvtxMemHeapDesc_v1` (`nvToolsExtMem.h` 184).
+#[doc(hidden)]
 #[repr(C)]
 #[derive(Debug)]
 pub struct HeapDesc {
@@ -213,6 +237,7 @@ pub struct HeapDesc {
 }
 
 /// `nvtxMemRegionsRegisterBatch_v1` (`nvToolsExtMem.h` 316).
+#[doc(hidden)]
 #[repr(C)]
 #[derive(Debug)]
 pub struct RegionsRegisterBatch {
@@ -235,6 +260,7 @@ pub struct RegionsRegisterBatch {
 }
 
 /// `nvtxMemRegionsUnregisterBatch_v1` (`nvToolsExtMem.h` 401).
+#[doc(hidden)]
 #[repr(C)]
 #[derive(Debug)]
 pub struct RegionsUnregisterBatch {
@@ -253,12 +279,16 @@ pub struct RegionsUnregisterBatch {
 }
 
 /// `nvtxMemHeapRegister(domain, desc)`.
+#[doc(hidden)]
 pub type HeapRegisterFn = unsafe extern "C" fn(domain: *mut c_void, desc: *const HeapDesc) -> *mut c_void;
 /// `nvtxMemHeapUnregister(domain, heap)`.
+#[doc(hidden)]
 pub type HeapUnregisterFn = unsafe extern "C" fn(domain: *mut c_void, heap: *mut c_void);
 /// `nvtxMemRegionsRegister(domain, desc)`.
+#[doc(hidden)]
 pub type RegionsRegisterFn = unsafe extern "C" fn(domain: *mut c_void, desc: *const RegionsRegisterBatch);
 /// `nvtxMemRegionsUnregister(domain, desc)`.
+#[doc(hidden)]
 pub type RegionsUnregisterFn = unsafe extern "C" fn(domain: *mut c_void, desc: *const RegionsUnregisterBatch);
 type DomainCreateAFn = unsafe extern "C" fn(name: *const c_char) -> *mut c_void;
 type InitializeFn = unsafe extern "C" fn(reserved: *const c_void);

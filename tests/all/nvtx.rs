@@ -533,11 +533,14 @@ macro_rules! sanitizer_test {
 }
 
 /// Writes `n` elements at `dst` with the pipeline kernel (`pipeline_hash`: reads a
-/// zeroed source of `n` elements of its own, writes `dst[0..n]`).
+/// zeroed source of its own, writes `dst[0..n]`). The source is longer than `n` (it reads
+/// `n`), so that it is of another size class than the block under test and never reuses
+/// a dropped one.
 fn write_with_kernel(pool: &DevicePool, stream: &Stream, dst: u64, n: usize) {
     let module = Module::load_ptx(0, PTX).unwrap();
     let kernel = module.function(KERNEL).unwrap();
-    let src = pool.alloc_zeroed::<u32>(n, stream).unwrap();
+    let src = pool.alloc_zeroed::<u32>(n + 2048, stream).unwrap();
+    assert_ne!(src.device_ptr(), dst, "the source is not the block under test");
     let (mut i, mut o, mut len, mut rounds) = (src.device_ptr(), dst, n as u64, 1u32);
     // SAFETY: the arguments match pipeline_hash(const u32*, u32*, u64, u32). `dst` may
     // be past a buffer's end or freed on purpose: the memory stays mapped by the pool
