@@ -37,6 +37,11 @@
 //! - `device_peer_copy` (2 GPUs; skipped with one): copy bandwidth device 1 -> 0 and
 //!   0 -> 1 (`cuMemcpyPeerAsync`, peer access enabled on the pools) and on device 0
 //!   (`cuMemcpyDtoDAsync`), 1 MiB .. 256 MiB.
+//! - `device_hit_nvtx`: the hit (256 B, 1 MiB) with NVTX annotations compiled in and no
+//!   tool attached: `cache` (annotations on, the default) vs `cache_nvtx_off`
+//!   (`with_nvtx(false)`), and on the simulated GPU `sim_cache` vs `sim_annotated` (a
+//!   pool whose blocks would be heaps). Target (issue 24): within 1 ns of each other, and
+//!   of `device_hit` before annotations.
 //! - `device_hit_sim` (no GPU needed): the hit of `device_hit` on a simulated GPU
 //!   (`cudalloc::device::sim`: the same cache, thread caches and hot path as `DevicePool`,
 //!   over simulated streams), 256 B .. 128 MiB, with a `malloc` alloc + free pair of 64 B
@@ -177,6 +182,71 @@ fn device_hit_sim(c: &mut Criterion) {
             .collect();
         println!(
             "device_hit_sim, per call (median / fastest of 200 batches): malloc 64B {base}; sim_cache {}",
+            rows.join(", ")
+        );
+    }
+}
+
+/// The hit with NVTX annotations compiled in and no tool attached (issue 24): a pool with
+/// annotations on (the default) and one with them off, in the same run, on the GPU and on
+/// the simulated GPU. Without a tool both pay the same one branch per alloc and free;
+/// the cost of the branch itself is the A/B of this commit against its parent (or of
+/// `cuda::nvtx::on()` made `false` at compile time), which BENCHMARKS.md reports.
+fn device_hit_nvtx(c: &mut Criterion, stream: Option<&Stream>) {
+    let mut g = c.benchmark_group("device_hit_nvtx");
+    g.sampling_mode(SamplingMode::Flat)
+        .sample_size(20)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1));
+    let sizes = [256usize, 1 << 20];
+    let sim_stream = SimStream::new();
+    let (sim, sim_annotated) = (SimPool::new(256 << 20), SimPool::annotated(256 << 20));
+    for size in sizes {
+        let id = size_label(size);
+        g.bench_function(BenchmarkId::new("sim_cache", &id), |b| {
+            b.iter(|| drop(black_box(sim.alloc(black_box(size), &sim_stream).expect("sim"))))
+        });
+        g.bench_function(BenchmarkId::new("sim_annotated", &id), |b| {
+            b.iter(|| {
+                drop(black_box(
+                    sim_annotated.alloc(black_box(size), &sim_stream).expect("sim"),
+                ))
+            })
+        });
+    }
+    if let Some(stream) = stream {
+        let on = DevicePool::new(0, DevicePoolConfig::default()).expect("device pool");
+        let off = DevicePool::new(0, DevicePoolConfig::default().with_nvtx(false)).expect("device pool");
+        for size in sizes {
+            let id = size_label(size);
+            for (name, pool) in [("cache", &on), ("cache_nvtx_off", &off)] {
+                g.bench_function(BenchmarkId::new(name, &id), |b| {
+                    b.iter(|| {
+                        let buf = pool.alloc::<u8>(black_box(size), stream).expect("cache");
+                        black_box(buf.device_ptr());
+                    })
+                });
+            }
+        }
+        stream.synchronize().expect("synchronize");
+    }
+    g.finish();
+    if wanted("device_hit_nvtx") {
+        // The batches' median and minimum, steadier than criterion's means on a loaded
+        // machine.
+        let mut rows = Vec::new();
+        for size in sizes {
+            let id = size_label(size);
+            for (name, pool) in [("sim_cache", &sim), ("sim_annotated", &sim_annotated)] {
+                let t = per_call(200, 10_000, || {
+                    drop(black_box(pool.alloc(black_box(size), &sim_stream).expect("sim")))
+                });
+                rows.push(format!("{name} {id} {t}"));
+            }
+        }
+        println!(
+            "device_hit_nvtx, per pair (median / fastest of 200 batches), NVTX tool attached: {}: {}",
+            cudalloc::cuda::nvtx::attached(),
             rows.join(", ")
         );
     }
@@ -673,12 +743,16 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     device_hit_sim(&mut c);
     if !cudalloc::cuda::driver_available() {
-        eprintln!("device bench: no CUDA driver: only device_hit_sim ran");
+        device_hit_nvtx(&mut c, None);
+        eprintln!(
+            "device bench: no CUDA driver: only device_hit_sim and device_hit_nvtx's simulated rows ran"
+        );
         c.final_summary();
         return;
     }
     let stream = Stream::new(0).expect("stream");
     device_hit(&mut c, &stream);
+    device_hit_nvtx(&mut c, Some(&stream));
     device_cross_stream(&mut c, &stream);
     device_random(&mut c);
     device_page_miss(&mut c, &stream);

@@ -16,6 +16,7 @@ pub(crate) mod exit;
 pub(crate) mod mem_pool;
 pub(crate) mod memory;
 mod module;
+pub mod nvtx;
 mod peer;
 mod stream;
 pub(crate) mod vmm;

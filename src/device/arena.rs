@@ -19,7 +19,7 @@ use super::buffer::{copy_from_host_async, copy_to_host_async, DeviceBuffer};
 use super::pool::DevicePool;
 use super::size_class::{round_to_granule, GRANULE};
 use super::DeviceCopy;
-use crate::cuda::{memset_d8_async, Stream};
+use crate::cuda::{memset_d8_async, nvtx, Stream};
 use crate::error::{Error, Result};
 use crate::sync::global::{AtomicU64, Ordering};
 use crate::trace::{Code, Note, Tag};
@@ -39,6 +39,8 @@ pub struct DeviceCheckpoint {
     offset: usize,
     /// How many slices the recorder had seen allocated then.
     traced: usize,
+    /// How many slices were NVTX regions then.
+    annotated: usize,
 }
 
 /// What a [`DeviceArena`] holds and hands out.
@@ -105,6 +107,9 @@ pub struct DeviceArena {
     /// in allocation order: a reset or rewind records their frees. Empty while not
     /// recording.
     traced: RefCell<Vec<(u64, usize)>>,
+    /// The slices registered as NVTX regions since the last reset (with a tool attached
+    /// only), in allocation order: a reset or a rewind unregisters them.
+    annotated: RefCell<Vec<u64>>,
 }
 
 fn device_arena_name(device: u32) -> String {
@@ -163,6 +168,7 @@ impl DeviceArena {
                 u32::try_from(pool.device()).unwrap_or(u32::MAX),
             ),
             traced: RefCell::new(Vec::new()),
+            annotated: RefCell::new(Vec::new()),
         })
     }
 
@@ -188,6 +194,9 @@ impl DeviceArena {
         let ptr = if bytes == 0 { 0 } else { self.bump(bytes)? };
         if crate::trace::on() && ptr != 0 {
             self.record_alloc(ptr, bytes);
+        }
+        if nvtx::on() && ptr != 0 {
+            self.annotate(ptr, bytes);
         }
         Ok(ArenaSlice {
             ptr,
@@ -243,6 +252,23 @@ impl DeviceArena {
     }
 
     /// Records the frees of the slices recorded since the `from`th.
+    /// The slice at `ptr` is a live region of its requested length.
+    #[cold]
+    #[inline(never)]
+    fn annotate(&self, ptr: u64, bytes: usize) {
+        nvtx::region_register(ptr, bytes);
+        self.annotated.borrow_mut().push(ptr);
+    }
+
+    /// The slices from the `from`-th on are no longer live regions.
+    fn unannotate(&self, from: usize) {
+        let mut annotated = self.annotated.borrow_mut();
+        let from = from.min(annotated.len());
+        for ptr in annotated.drain(from..) {
+            nvtx::region_unregister(ptr);
+        }
+    }
+
     fn record_frees(&self, from: usize) {
         let mut traced = self.traced.borrow_mut();
         let from = from.min(traced.len());
@@ -280,6 +306,11 @@ impl DeviceArena {
                     ..Note::new(Code::SegmentAlloc, chunk.device_ptr() as usize, size)
                 });
                 self.next_chunk.set((size.saturating_mul(2)).min(MAX_CHUNK));
+                // Only the slices in a chunk are live regions, not the chunk as a whole
+                // (its drop's unregistration then finds no region).
+                if nvtx::on() {
+                    nvtx::region_unregister(chunk.device_ptr());
+                }
                 chunks.insert(next, chunk);
             }
         }
@@ -343,6 +374,7 @@ impl DeviceArena {
             self.abandon_all();
         }
         self.record_frees(0);
+        self.unannotate(0);
         self.start_over();
     }
 
@@ -362,6 +394,7 @@ impl DeviceArena {
             chunk: self.current.get(),
             offset: self.offset.get(),
             traced: self.traced.borrow().len(),
+            annotated: self.annotated.borrow().len(),
         }
     }
 
@@ -389,6 +422,7 @@ impl DeviceArena {
             chunk,
             offset,
             traced,
+            annotated,
         } = checkpoint;
         let here = (self.current.get(), self.offset.get());
         if arena != self.id || epoch != self.epoch.get() || (chunk, offset) > here {
@@ -399,10 +433,12 @@ impl DeviceArena {
         if !self.order_after_uses() {
             self.abandon_all();
             self.record_frees(0);
+            self.unannotate(0);
             self.start_over();
             return Ok(());
         }
         self.record_frees(traced);
+        self.unannotate(annotated);
         self.current.set(chunk);
         self.offset.set(offset);
         Ok(())
@@ -444,6 +480,7 @@ impl Drop for DeviceArena {
             self.abandon_all();
         }
         self.record_frees(0);
+        self.unannotate(0);
         if crate::trace::on() {
             let stream = self.stream.id().get();
             for c in self.chunks.borrow().iter() {

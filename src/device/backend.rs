@@ -10,6 +10,7 @@ use super::order::StreamOrder;
 use super::pages::PageHeap;
 use super::reserve::{PoolSide, Reservations};
 use crate::cuda::mem_pool::MemPool;
+use crate::cuda::nvtx;
 use crate::cuda::vmm::Vmm;
 use crate::cuda::{mem_info, PooledEvent, Stream, StreamId};
 use crate::error::{Error, Result};
@@ -50,6 +51,20 @@ pub(crate) struct CudaBackend {
     pub(crate) reservations: Arc<Reservations>,
     /// The pool's events, named `DevicePool(<ordinal>)`.
     trace: Tag,
+    /// Whether its blocks are NVTX heaps (`DevicePoolConfig::nvtx`).
+    nvtx: bool,
+}
+
+/// A block taken from the driver (`bytes` > 0) or given back (0): an NVTX heap, in which
+/// the block's hand-outs are regions (`cuda::nvtx`). One branch without a tool.
+#[inline(always)]
+pub(crate) fn nvtx_heap(on: bool, ptr: u64, bytes: usize) {
+    if on && nvtx::on() {
+        match bytes {
+            0 => nvtx::heap_unregister(ptr),
+            b => nvtx::heap_register(ptr, b),
+        }
+    }
 }
 
 fn device_pool_name(device: u32) -> String {
@@ -105,7 +120,14 @@ impl CudaBackend {
                     .with_reservations(reservations.clone())
             }),
             reservations,
+            nvtx: true,
         }
+    }
+
+    /// This backend with its blocks described to NVTX tools (`cuda::nvtx`) or not.
+    pub(crate) fn with_nvtx(mut self, nvtx: bool) -> Self {
+        self.nvtx = nvtx;
+        self
     }
 
     /// Refuses, before any driver allocation, what cannot fit: for requests of an eighth
@@ -181,9 +203,11 @@ impl Backend for CudaBackend {
                 },
             ),
         }
+        .inspect(|&ptr| nvtx_heap(self.nvtx, ptr, bytes))
     }
 
     unsafe fn free(&self, ptr: u64, bytes: usize, stream: &Stream) {
+        nvtx_heap(self.nvtx, ptr, 0);
         if let Some(h) = PageHeap::serving(&self.pages, bytes) {
             // SAFETY: obligation 1; a block of this size came from the page heap.
             return unsafe { h.free(self, ptr, stream) };

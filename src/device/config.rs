@@ -63,6 +63,12 @@ pub struct DevicePoolConfig {
     /// How a [`Backing::PhysicalPages`] pool trades memory for driver calls (default
     /// [`PageTuning::TIGHT`]; unused on the driver pool).
     pub pages: PageTuning,
+    /// Whether the pool describes its memory to an attached NVTX tool (default true),
+    /// so that compute-sanitizer's memcheck reports accesses past a buffer's requested
+    /// length and into freed or cached blocks ([`cuda::nvtx`](crate::cuda::nvtx)).
+    /// Without a tool this costs one branch per allocation and free either way;
+    /// `CUDALLOC_NVTX=0` turns annotations off for every pool.
+    pub nvtx: bool,
 }
 
 /// What a [`DevicePool`](super::DevicePool)'s blocks are made of.
@@ -120,6 +126,7 @@ impl Default for DevicePoolConfig {
             max_cached_block: 1 << 30,
             backing: Backing::Auto,
             pages: PageTuning::BALANCED,
+            nvtx: true,
         }
     }
 }
@@ -294,5 +301,18 @@ impl DevicePoolConfig {
     /// ```
     pub const fn with_pages(self, pages: PageTuning) -> Self {
         Self { pages, ..self }
+    }
+
+    /// This configuration with NVTX annotations on or off (see
+    /// [`nvtx`](DevicePoolConfig::nvtx)): off, the pool's memory looks to
+    /// compute-sanitizer as one allocation per block it holds, cached or not.
+    ///
+    /// ```
+    /// use cudalloc::device::DevicePoolConfig;
+    /// assert!(DevicePoolConfig::default().nvtx);
+    /// assert!(!DevicePoolConfig::default().with_nvtx(false).nvtx);
+    /// ```
+    pub const fn with_nvtx(self, nvtx: bool) -> Self {
+        Self { nvtx, ..self }
     }
 }

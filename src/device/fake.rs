@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use super::backend::Backend;
+use super::backend::{nvtx_heap, Backend};
 use super::config::PageTuning;
 use super::order::StreamOrder;
 use super::pages::PageHeap;
@@ -267,6 +267,10 @@ pub(crate) struct FakeBackend {
     pub(crate) trims: AtomicU64,
     /// The simulated pool's events, named `SimPool(0)`.
     trace: Tag,
+    /// Whether its blocks are NVTX heaps (off by default: the simulator's addresses are
+    /// not memory a real tool could check; tests of the annotations with a fake tool
+    /// turn it on).
+    nvtx: bool,
 }
 
 fn sim_pool_name(device: u32) -> String {
@@ -292,7 +296,14 @@ impl FakeBackend {
             idle_queries: AtomicU64::new(0),
             trims: AtomicU64::new(0),
             trace: Tag::for_device(sim_pool_name, 0),
+            nvtx: false,
         }
+    }
+
+    /// This simulated device with its blocks described as NVTX heaps, as a `DevicePool`'s.
+    pub(crate) fn with_nvtx(mut self) -> Self {
+        self.nvtx = true;
+        self
     }
 
     /// A simulated device whose blocks of `page_min` bytes and more live on the page
@@ -466,10 +477,12 @@ impl Backend for FakeBackend {
         let total = lock(&self.pool).reserved + self.heap_reserved();
         self.peak_total.fetch_max(total, Ordering::SeqCst);
         self.allocs.fetch_add(1, Ordering::SeqCst);
+        nvtx_heap(self.nvtx, ptr, bytes);
         Ok(ptr)
     }
 
     unsafe fn free(&self, ptr: u64, bytes: usize, stream: &FakeStream) {
+        nvtx_heap(self.nvtx, ptr, 0);
         let size = lock(&self.live).remove(&ptr);
         assert_eq!(
             size,

@@ -16,7 +16,7 @@ use super::cache::Cache;
 use super::order::StreamOrder;
 use super::size_class::class_size;
 use super::thread_cache::ThreadCache;
-use crate::cuda::StreamId;
+use crate::cuda::{nvtx, StreamId};
 use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
 use crate::sync::global::{AtomicU64 as GlobalU64, Ordering as GlobalOrdering};
 use crate::trace::{Code, Note};
@@ -127,6 +127,9 @@ pub(crate) fn try_alloc_fast<P: PoolHandle>(
         given: class_size(class),
         ..alloc_note(ptr, bytes, id)
     });
+    if nvtx::on() {
+        nvtx::region_register(ptr, bytes);
+    }
     let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
     Some(Owned {
         ptr,
@@ -156,6 +159,9 @@ fn try_alloc_large<P: PoolHandle>(pool: &P, bytes: usize, stream: &StreamOf<P>) 
         given: rounded,
         ..alloc_note(ptr, bytes, id)
     });
+    if nvtx::on() {
+        nvtx::region_register(ptr, bytes);
+    }
     let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
     Some(Owned {
         ptr,
@@ -192,6 +198,9 @@ pub(crate) fn alloc_slow<P: PoolHandle>(
         given: cache.block_bytes(bytes).unwrap_or(bytes),
         ..alloc_note(ptr, bytes, P::B::stream_id(stream))
     });
+    if nvtx::on() {
+        nvtx::region_register(ptr, bytes);
+    }
     Ok(Owned::with_class(ptr, class, stream.clone(), pool.clone()))
 }
 
@@ -370,6 +379,10 @@ impl<P: PoolHandle> Owned<P> {
             )
         };
         let core = pool.core();
+        // Freed or cached, the block is no longer a live region for NVTX tools.
+        if nvtx::on() {
+            nvtx::region_unregister(self.ptr);
+        }
         // A block without uses on other streams is reusable at once by later work on its
         // stream: its free completes with the request (in stream order). One with uses
         // completes when the cache finds them complete (`Cache::free_slow`).

@@ -131,7 +131,8 @@ impl DevicePool {
         Ok(Self {
             inner: Arc::new(Inner {
                 core: Core::new::<DevicePool>(Cache::new(
-                    CudaBackend::new(pool, device_bytes, pages, config.pages, config.limit),
+                    CudaBackend::new(pool, device_bytes, pages, config.pages, config.limit)
+                        .with_nvtx(config.nvtx),
                     settings,
                 )),
                 device,

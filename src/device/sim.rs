@@ -70,6 +70,24 @@ impl SimPool {
         }
     }
 
+    /// [`SimPool::new`], its blocks described to an attached NVTX tool as a
+    /// `DevicePool`'s are (heaps, and a live region per block handed out), for tests of
+    /// the annotations with a fake tool.
+    ///
+    /// ```
+    /// let pool = cudalloc::device::sim::SimPool::annotated(0);
+    /// # drop(pool);
+    /// ```
+    pub fn annotated(thread_cache_bytes: usize) -> Self {
+        let settings = Settings::new(1 << 30, thread_cache_bytes, None);
+        Self {
+            core: Arc::new(Core::new::<SimPool>(Cache::new(
+                FakeBackend::new(u64::MAX).with_nvtx(),
+                settings,
+            ))),
+        }
+    }
+
     /// A block of `bytes` on `stream`: the path of [`DevicePool::alloc`] (a hit from this
     /// thread's bin, else the slow path).
     ///
@@ -105,6 +123,19 @@ impl SimPool {
     pub fn traced_as(self, name: &'static str) -> Self {
         self.core.cache.backend.trace().set_name(name);
         self
+    }
+
+    /// Gives every cached block back to the simulated device, as
+    /// [`DevicePool::trim`](super::DevicePool::trim) does.
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let pool = SimPool::new(0);
+    /// drop(pool.alloc(4096, &SimStream::new()).unwrap());
+    /// pool.trim();
+    /// ```
+    pub fn trim(&self) {
+        local::with_thread_cache(self, |tc| self.core.cache.trim(tc));
     }
 
     /// Allocations served from a thread's bin.

@@ -43,6 +43,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "cuda/memory.rs",
     "cuda/mod.rs",
     "cuda/module.rs",
+    "cuda/nvtx.rs",
     "cuda/peer.rs",
     "cuda/stream.rs",
     "cuda/stream_cudarc.rs",

@@ -35,6 +35,7 @@ mod kernels;
 mod layers;
 mod matrix;
 mod model;
+mod nvtx;
 mod pool;
 mod props;
 mod registration;

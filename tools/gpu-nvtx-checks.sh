@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# gpu-nvtx-checks.sh: issue 24 on the GPU machine: compute-sanitizer memcheck reports the
+# memory errors the tests `nvtx::sanitizer_*` make in pooled memory, and does not with the
+# annotations off (the negative control, CUDALLOC_NVTX=0); then the fake-tool balance test
+# on the real pools, and (unless NVTX_CHECKS_SUITE=0) the whole staged suite under memcheck
+# (tools/gpu-sanitize.sh: 0 errors, 0 leaks with the annotations on).
+#
+#   here:                ../shared/tools/gpu-stage --features cudarc,test-hooks
+#   on the GPU machine:  bash tools/gpu-nvtx-checks.sh   (logs in $OUT or .gpu/nvtx)
+#
+# Each check prints PASS or FAIL with the line that decides it; the script exits 1 if any
+# failed. A report must name the kernel (pipeline_hash) and be an invalid access.
+set -uo pipefail
+out=${OUT:-.gpu/nvtx}
+mkdir -p "$out"
+command -v compute-sanitizer >/dev/null ||
+  PATH=$PATH:/usr/local/cuda/bin:/usr/local/cuda/compute-sanitizer
+command -v compute-sanitizer >/dev/null || { echo "gpu-nvtx-checks: compute-sanitizer not found" >&2; exit 2; }
+[[ -x .gpu/test-all ]] || { echo "gpu-nvtx-checks: no .gpu/test-all (run gpu-stage first)" >&2; exit 2; }
+export REQUIRE_GPU=1 RUST_BACKTRACE=1
+compute-sanitizer --version | tail -1
+status=0
+
+tests=(
+  sanitizer_write_past_a_small_pooled_buffer
+  sanitizer_write_past_a_large_page_backed_buffer
+  sanitizer_write_past_a_large_driver_pool_buffer
+  sanitizer_write_into_a_dropped_buffer
+  sanitizer_write_past_an_arena_slice
+  sanitizer_write_into_an_arena_after_reset
+)
+for t in "${tests[@]}"; do
+  for mode in on off; do
+    log=$out/$t-$mode.log
+    extra=()
+    [[ $mode == off ]] && extra=(CUDALLOC_NVTX=0)
+    env CUDALLOC_SANITIZER_TESTS=1 "${extra[@]}" compute-sanitizer --tool memcheck \
+      --report-api-errors no --log-file "$log" .gpu/test-all --exact "nvtx::$t" \
+      --test-threads=1 --nocapture > "$out/$t-$mode.out" 2>&1
+    errors=$(grep -Eo 'ERROR SUMMARY: [0-9]+' "$log" | grep -Eo '[0-9]+' | tail -1)
+    invalid=$(grep -cE 'Invalid __global__ (write|read)' "$log")
+    named=$(grep -c 'pipeline_hash' "$log")
+    ran=$(grep -c 'pipeline_hash writing' "$out/$t-$mode.out")
+    if [[ $mode == on ]]; then
+      verdict=FAIL
+      [[ $ran -ge 1 && ${errors:-0} -gt 0 && $invalid -gt 0 && $named -gt 0 ]] && verdict=PASS
+      want="reported"
+    else
+      verdict=FAIL
+      [[ $ran -ge 1 && ${errors:-1} -eq 0 ]] && verdict=PASS
+      want="not reported (CUDALLOC_NVTX=0)"
+    fi
+    [[ $verdict == FAIL ]] && status=1
+    printf '%-4s %-50s %-3s want %-30s errors %-4s invalid-access lines %-4s kernel named %s\n' \
+      "$verdict" "$t" "$mode" "$want" "${errors:-?}" "$invalid" "$named"
+    if [[ $mode == on ]]; then
+      grep -m1 -E 'Invalid __global__' "$log" | sed 's/^/       /'
+      grep -m1 -E 'at pipeline_hash' "$log" | sed 's/^/       /'
+      grep -m1 -E 'is out of bounds|bytes (after|before|inside)' "$log" | sed 's/^/       /'
+    fi
+  done
+done
+
+echo "=== the fake tool on DevicePool (both backings) and DeviceArena (no sanitizer)"
+if .gpu/test-all --exact nvtx::device_pools_and_arenas_register_exact_regions_and_balance \
+  --test-threads=1 > "$out/balance.out" 2>&1 && grep -q '1 passed' "$out/balance.out"; then
+  echo "PASS registers and unregisters balance"
+else
+  echo "FAIL"; tail -30 "$out/balance.out"; status=1
+fi
+
+if [[ ${NVTX_CHECKS_SUITE:-1} != 0 ]]; then
+  echo "=== the whole staged suite under memcheck, annotations on (tools/gpu-sanitize.sh)"
+  bash "$(dirname "$0")/gpu-sanitize.sh" .gpu || status=1
+fi
+exit $status
