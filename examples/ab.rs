@@ -8,8 +8,11 @@
 //! Sections: `latency` (allocate + free per allocator, raw cuMemHostAlloc and
 //! cuMemHostRegister rows), `growth` (Vec push), `staging` (many small objects), `device`
 //! (DevicePool against raw cuMemAllocAsync and cuMemAlloc), `bandwidth` (H2D and D2H per
-//! kind of host memory), `pipeline` (the staging pipeline's summary: see
-//! `examples/pipeline.rs`). Rows that need a GPU run only where a CUDA driver is present;
+//! kind of host memory), `cpu_bandwidth` (CPU writes and reads over default and
+//! write-combined pinned memory, one thread and several), `cold` (the first pinned
+//! allocation of 64 MiB, 256 MiB and 1 GiB, each in a fresh process of `ab`, by growth
+//! mode; `tools/torch_pinned_cold.py` measures PyTorch the same way), `pipeline` (the
+//! staging pipeline's summary: see `examples/pipeline.rs`). Rows that need a GPU run only where a CUDA driver is present;
 //! elsewhere the report says why they are missing. Progress goes to stderr.
 //!
 //! Options:
@@ -17,7 +20,8 @@
 //!   --csv DIR            one CSV file per table
 //!   --svg FILE           the latency, device, bandwidth and pipeline tables as charts
 //!   --only LIST          run only these sections (comma-separated)
-//!   --sizes LIST         sizes for latency, device and bandwidth: 256,64K,1M,16M
+//!   --sizes LIST         sizes for latency, device, bandwidth and cold: 256,64K,1M,16M
+//!                        (cpu_bandwidth takes the largest)
 //!   --quick              short time budgets and small workloads
 //!   --pipeline-batches N batches in the pipeline summary (32)
 //!   --quiet              no progress on stderr
@@ -95,6 +99,22 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(sections::COLD_CHILD_FLAG) {
+        // One cold allocation in this fresh process, for the `cold` section.
+        let size = argv.get(3).and_then(|s| report::parse_size(s));
+        let done = match (argv.get(2), size) {
+            (Some(kind), Some(size)) => sections::cold_child(kind, size),
+            _ => Err("usage: ab --cold-child pinned|pageable|prefault SIZE".into()),
+        };
+        return match done {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("ab: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
