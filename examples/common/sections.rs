@@ -681,8 +681,8 @@ pub fn cpu_gbps(buf: &mut [u8], threads: usize, write: bool, reps: usize) -> f64
     samples[samples.len() / 2]
 }
 
-/// CPU write and read bandwidth over pageable, default pinned and write-combined pinned
-/// memory (issue 22.5: the claim that write-combined memory makes CPU writes 2-3x faster
+/// CPU write and read bandwidth over default and write-combined `cuMemHostAlloc` memory,
+/// `PinnedAlloc`'s (registered) and pageable memory (issue 22.5: the claim that write-combined memory makes CPU writes 2-3x faster
 /// and reads more than 10x slower), one thread and several.
 fn cpu_bandwidth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
     let size = opts
@@ -706,12 +706,13 @@ fn cpu_bandwidth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, Stri
     .col("ratio", "vs cuMemHostAlloc default", Unit::Ratio)
     .wide("access", "memory", "gbps", Some("ratio"))
     .chart("access", "memory", "gbps", true);
-    let kinds: [(&str, Option<HostAllocFlags>); 3] = [
+    let kinds: [(&str, Option<HostAllocFlags>); 4] = [
         ("cuMemHostAlloc default", Some(HostAllocFlags::DEFAULT)),
         (
             "cuMemHostAlloc WRITE_COMBINED",
             Some(HostAllocFlags::WRITE_COMBINED),
         ),
+        ("Vec<PinnedAlloc>", None),
         ("pageable Vec", None),
     ];
     let accesses = [
@@ -736,6 +737,14 @@ fn cpu_bandwidth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, Stri
                         // SAFETY: allocated above with `size`; no longer used.
                         unsafe { src.deallocate(p, size) };
                         g
+                    })
+                }
+                None if name == "Vec<PinnedAlloc>" => {
+                    let mut v: allocator_api2::vec::Vec<u8, PinnedAlloc> =
+                        allocator_api2::vec::Vec::new_in(PinnedAlloc);
+                    v.try_reserve_exact(size).ok().map(|()| {
+                        v.resize(size, 7);
+                        cpu_gbps(&mut v, *threads, *write, reps)
                     })
                 }
                 None => Some(cpu_gbps(&mut vec![7u8; size], *threads, *write, reps)),

@@ -182,3 +182,32 @@ fn sizes_parse_with_binary_suffixes() {
     assert_eq!(parse_size("12 parsecs"), None);
     assert_eq!(parse_size(""), None);
 }
+
+#[test]
+fn cpu_bandwidth_passes_write_every_byte_and_read_without_writing() {
+    // Writes: every byte holds the last pass's value (3 passes after the untimed one).
+    let mut buf = vec![7u8; (3 << 20) + 5];
+    for threads in [1, 3] {
+        let g = sections::cpu_gbps(&mut buf, threads, true, 3);
+        assert!(g.is_finite() && g > 0.0, "{threads} threads: {g} GB/s");
+        assert!(buf.iter().all(|&b| b == 3), "{threads} threads wrote every byte");
+    }
+    buf.fill(9);
+    let g = sections::cpu_gbps(&mut buf, 2, false, 2);
+    assert!(g.is_finite() && g > 0.0);
+    assert!(buf.iter().all(|&b| b == 9), "reads leave the memory as it was");
+}
+
+#[test]
+fn a_cold_child_measures_its_allocation_and_refuses_unknown_kinds() {
+    // The `cold` section runs these in fresh processes of `ab`; here in-process.
+    sections::cold_child("pageable", 1 << 20).unwrap();
+    sections::cold_child("prefault", (16 << 20) + 4096).unwrap();
+    assert!(sections::cold_child("mmap", 1 << 20).is_err());
+    if !cudalloc::cuda::driver_available() {
+        assert!(
+            sections::cold_child("pinned", 1 << 20).is_err(),
+            "pinned needs a driver"
+        );
+    }
+}
