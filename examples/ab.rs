@@ -12,7 +12,8 @@
 //! write-combined pinned memory, one thread and several), `cold` (the first pinned
 //! allocation of 64 MiB, 256 MiB and 1 GiB, each in a fresh process of `ab`, by growth
 //! mode; `tools/torch_pinned_cold.py` measures PyTorch the same way), `pipeline` (the
-//! staging pipeline's summary: see `examples/pipeline.rs`). Rows that need a GPU run only where a CUDA driver is present;
+//! staging pipeline's summary: see `examples/pipeline.rs`), `replay` (with `--trace FILE`
+//! only: the trace replayed against every allocator, see `examples/replay.rs`). Rows that need a GPU run only where a CUDA driver is present;
 //! elsewhere the report says why they are missing. Progress goes to stderr.
 //!
 //! Options:
@@ -22,6 +23,9 @@
 //!   --only LIST          run only these sections (comma-separated)
 //!   --sizes LIST         sizes for latency, device, bandwidth and cold: 256,64K,1M,16M
 //!                        (cpu_bandwidth takes the largest)
+//!   --trace FILE         also replay this trace (RMM's CSV or PyTorch's snapshot) against
+//!                        every allocator that fits its memory: the `replay` section, with
+//!                        its chart in --svg (as `examples/replay.rs` prints it)
 //!   --quick              short time budgets and small workloads
 //!   --pipeline-batches N batches in the pipeline summary (32)
 //!   --quiet              no progress on stderr
@@ -30,6 +34,8 @@
 mod pipeline;
 #[path = "common/plot.rs"]
 mod plot;
+#[path = "common/replay_report.rs"]
+mod replay_report;
 #[path = "common/report.rs"]
 mod report;
 #[path = "common/sections.rs"]
@@ -82,6 +88,7 @@ fn parse_args() -> Result<Args, String> {
                     .collect::<Result<Vec<_>, _>>()?;
                 a.opts.sizes = Some(sizes);
             }
+            "--trace" => a.opts.trace = Some(value()?.into()),
             "--quick" => a.opts.quick = true,
             "--pipeline-batches" => {
                 a.opts.pipeline_batches = value()?

@@ -35,6 +35,9 @@ pub struct Options {
     pub quick: bool,
     /// Batches of the pipeline summary.
     pub pipeline_batches: usize,
+    /// A trace to replay against every allocator that fits its memory (`--trace FILE`):
+    /// the `replay` section, which runs only with one.
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -44,6 +47,7 @@ impl Default for Options {
             sizes: None,
             quick: false,
             pipeline_batches: 32,
+            trace: None,
         }
     }
 }
@@ -138,6 +142,11 @@ pub fn sections() -> Vec<Section> {
             needs_gpu: true,
             run: pipeline,
         },
+        Section {
+            name: "replay",
+            needs_gpu: false,
+            run: replay,
+        },
     ]
 }
 
@@ -173,7 +182,7 @@ pub fn collect(opts: &Options, progress: &Progress) -> Report {
         );
     }
     for s in sections() {
-        if !opts.wants(s.name) || (s.needs_gpu && !gpu) {
+        if !opts.wants(s.name) || (s.needs_gpu && !gpu) || (s.name == "replay" && opts.trace.is_none()) {
             continue;
         }
         progress.step(s.name, "start");
@@ -977,6 +986,31 @@ fn pipeline(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
     let results = crate::pipeline::run(&cfg, &|what: &str| progress.step("pipeline", what))
         .map_err(|e| e.to_string())?;
     Ok(results.tables())
+}
+
+/// Issue 20.5: the replay of `--trace FILE` against every allocator that fits its memory,
+/// as `examples/replay.rs` prints it (one table, charted by total time per allocator).
+fn replay(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
+    let path = opts.trace.clone().ok_or("no --trace FILE")?;
+    let args = crate::replay_report::ReplayArgs {
+        trace: path,
+        ..Default::default()
+    };
+    let replayed = crate::replay_report::replay_file(&args, &|what: &str| progress.step("replay", what))?;
+    let mut tables = replayed.tables;
+    let table = tables.first_mut().ok_or("the replay made no table")?;
+    table.title = format!("{}: time and memory per allocator", replayed.title);
+    // The replay's own report lines go with its table, before the table's notes.
+    let mut notes: Vec<String> = replayed
+        .environment
+        .iter()
+        .filter(|(k, _)| k == "trace")
+        .map(|(_, v)| format!("Trace: {v}."))
+        .collect();
+    notes.extend(replayed.notes);
+    notes.append(&mut table.notes);
+    table.notes = notes;
+    Ok(tables)
 }
 
 /// The table of `id` in a report, for tests.
