@@ -78,17 +78,25 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, len: usize, max_threads: usize) 
         block.fault(0);
         return 1;
     }
-    let block = &block;
-    let mut used = 1;
-    std::thread::scope(|scope| {
+    // Starting and joining threads allocates (their handles, names and result slots),
+    // some of it freed by the threads as they exit: none of it is the caller's, so none of
+    // it is counted, or a leak-checking `Counting` window open around a large pinned
+    // allocation would report the blocks another thread freed.
+    crate::count::uncounted(|| {
         let mut left_to_us = Vec::new();
+        let mut started = Vec::new();
         // The calling thread takes the first run itself.
         for start in (block.run..len).step_by(block.run) {
-            let spawned = std::thread::Builder::new()
-                .name("cudalloc-prefault".into())
-                .spawn_scoped(scope, move || block.fault(start));
+            let run = SendBlock(block);
+            // Unnamed: a name is copied on the new thread before the closure runs,
+            // where it would still be counted.
+            let spawned = std::thread::Builder::new().spawn(move || {
+                crate::count::uncounted_thread();
+                let run = run;
+                run.0.fault(start)
+            });
             match spawned {
-                Ok(_) => used += 1,
+                Ok(handle) => started.push(handle),
                 Err(_) => left_to_us.push(start),
             }
         }
@@ -96,9 +104,23 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, len: usize, max_threads: usize) 
         for start in left_to_us {
             block.fault(start);
         }
-    });
-    used
+        let used = 1 + started.len();
+        // Every thread is joined before the block is returned (a run cannot panic, and a
+        // panicked thread is joined all the same): no thread outlives this call.
+        for handle in started {
+            let _ = handle.join();
+        }
+        used
+    })
 }
+
+/// A copy of the block's description sent to one prefault thread, which `prefault` joins
+/// before it returns.
+struct SendBlock(Block);
+
+// SAFETY: the thread writes only its own run of the block, and `prefault` joins it before
+// returning, so the block outlives every use; see `Block`'s `Sync`.
+unsafe impl Send for SendBlock {}
 
 /// The length of each run of a block of `len` bytes cut for `threads` threads: whole pages
 /// (whole huge pages from [`HUGE_PAGE`]), the last run taking the rest.
@@ -108,6 +130,7 @@ fn run_len(len: usize, threads: usize) -> usize {
 }
 
 /// The block a prefault faults in, cut in runs of `run` bytes.
+#[derive(Clone, Copy)]
 struct Block {
     ptr: NonNull<u8>,
     len: usize,
