@@ -78,7 +78,7 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, len: usize, max_threads: usize) 
         block.fault(0);
         return 1;
     }
-    // Starting and joining threads allocates (their handles, names and result slots),
+    // Starting and joining threads allocates (their handles and result slots),
     // some of it freed by the threads as they exit: none of it is the caller's, so none of
     // it is counted, or a leak-checking `Counting` window open around a large pinned
     // allocation would report the blocks another thread freed.
@@ -118,8 +118,9 @@ pub(crate) unsafe fn prefault(ptr: NonNull<u8>, len: usize, max_threads: usize) 
 /// before it returns.
 struct SendBlock(Block);
 
-// SAFETY: the thread writes only its own run of the block, and `prefault` joins it before
-// returning, so the block outlives every use; see `Block`'s `Sync`.
+// SAFETY: the block is memory the caller of `prefault` gave to that call alone; each
+// thread writes only its own run of it (runs are disjoint), and `prefault` joins every
+// thread before returning, so the block outlives every use.
 unsafe impl Send for SendBlock {}
 
 /// The length of each run of a block of `len` bytes cut for `threads` threads: whole pages
@@ -143,7 +144,7 @@ impl Block {
         debug_assert!(start < self.len && start % self.run == 0, "run at {start}");
         let end = start.saturating_add(self.run).min(self.len);
         // SAFETY: `start < end <= len`: one run of the block `prefault` was given (its
-        // obligation 1); runs are disjoint and each is written by one thread.
+        // obligation 1); runs are disjoint and each is written by one thread only.
         unsafe {
             let run = self.ptr.as_ptr().add(start);
             if os::ZEROED {
@@ -158,10 +159,6 @@ impl Block {
         }
     }
 }
-
-// SAFETY: a `Block` is shared only by the threads of one `prefault` call, each writing its
-// own disjoint run of memory the caller gave to that call alone.
-unsafe impl Sync for Block {}
 
 #[cfg(unix)]
 mod os {
