@@ -8,8 +8,12 @@
 //! Sections: `latency` (allocate + free per allocator, raw cuMemHostAlloc and
 //! cuMemHostRegister rows), `growth` (Vec push), `staging` (many small objects), `device`
 //! (DevicePool against raw cuMemAllocAsync and cuMemAlloc), `bandwidth` (H2D and D2H per
-//! kind of host memory), `pipeline` (the staging pipeline's summary: see
-//! `examples/pipeline.rs`). Rows that need a GPU run only where a CUDA driver is present;
+//! kind of host memory), `cpu_bandwidth` (CPU writes and reads over default and
+//! write-combined pinned memory, one thread and several), `cold` (the first pinned
+//! allocation of 64 MiB, 256 MiB and 1 GiB, each in a fresh process of `ab`, by growth
+//! mode; `tools/torch_pinned_cold.py` measures PyTorch the same way), `pipeline` (the
+//! staging pipeline's summary: see `examples/pipeline.rs`), `replay` (with `--trace FILE`
+//! only: the trace replayed against every allocator, see `examples/replay.rs`). Rows that need a GPU run only where a CUDA driver is present;
 //! elsewhere the report says why they are missing. Progress goes to stderr.
 //!
 //! Options:
@@ -17,7 +21,11 @@
 //!   --csv DIR            one CSV file per table
 //!   --svg FILE           the latency, device, bandwidth and pipeline tables as charts
 //!   --only LIST          run only these sections (comma-separated)
-//!   --sizes LIST         sizes for latency, device and bandwidth: 256,64K,1M,16M
+//!   --sizes LIST         sizes for latency, device, bandwidth and cold: 256,64K,1M,16M
+//!                        (cpu_bandwidth takes the largest)
+//!   --trace FILE         also replay this trace (RMM's CSV or PyTorch's snapshot) against
+//!                        every allocator that fits its memory: the `replay` section, with
+//!                        its chart in --svg (as `examples/replay.rs` prints it)
 //!   --quick              short time budgets and small workloads
 //!   --pipeline-batches N batches in the pipeline summary (32)
 //!   --quiet              no progress on stderr
@@ -26,6 +34,8 @@
 mod pipeline;
 #[path = "common/plot.rs"]
 mod plot;
+#[path = "common/replay_report.rs"]
+mod replay_report;
 #[path = "common/report.rs"]
 mod report;
 #[path = "common/sections.rs"]
@@ -78,6 +88,7 @@ fn parse_args() -> Result<Args, String> {
                     .collect::<Result<Vec<_>, _>>()?;
                 a.opts.sizes = Some(sizes);
             }
+            "--trace" => a.opts.trace = Some(value()?.into()),
             "--quick" => a.opts.quick = true,
             "--pipeline-batches" => {
                 a.opts.pipeline_batches = value()?
@@ -95,6 +106,22 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(sections::COLD_CHILD_FLAG) {
+        // One cold allocation in this fresh process, for the `cold` section.
+        let size = argv.get(3).and_then(|s| report::parse_size(s));
+        let done = match (argv.get(2), size) {
+            (Some(kind), Some(size)) => sections::cold_child(kind, size),
+            _ => Err("usage: ab --cold-child pinned|pageable|prefault SIZE".into()),
+        };
+        return match done {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("ab: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

@@ -327,10 +327,41 @@ fn sites_name_the_leaking_function() {
     assert!(text.contains("8 bytes at"), "{text}");
 }
 
+/// Registered pinned growth faults large blocks in with threads it starts and joins
+/// inside the allocation: what starting them allocates on this thread must be freed on
+/// it too, or every leak-checking window around a large pinned allocation would fail.
+fn a_threaded_prefault_leaves_nothing_in_the_callers_window() {
+    let before = GLOBAL.snapshot();
+    let w = Window::open();
+    let mut pages = cudalloc::testing::PrefaultedPages::new(40 << 20).unwrap();
+    let threads = pages.threads();
+    assert!(pages.as_mut_slice().iter().step_by(4096).all(|&b| b == 0));
+    drop(pages);
+    w.check()
+        .expect("the prefault threads leave no block in the caller's window");
+    if cudalloc::testing::prefault_threads() > 1 {
+        assert!(threads > 1, "40 MiB is faulted in by several threads");
+    }
+    // Nor do the threads' own frees unbalance the process-wide counts (a free counted
+    // without its allocation would take the live bytes below what this thread holds).
+    GLOBAL.assert_no_leaks_across_threads(|| {
+        drop(cudalloc::testing::PrefaultedPages::new(24 << 20).unwrap());
+    });
+    let after = GLOBAL.snapshot();
+    assert!(
+        after.frees - before.frees <= after.allocs - before.allocs + 2,
+        "{before} / {after}"
+    );
+}
+
 fn main() {
     #[cfg_attr(not(feature = "backtrace"), allow(unused_mut))]
     let mut tests: Vec<(&str, fn())> = vec![
         ("window_sees_heap_allocations", window_sees_heap_allocations),
+        (
+            "a_threaded_prefault_leaves_nothing_in_the_callers_window",
+            a_threaded_prefault_leaves_nothing_in_the_callers_window,
+        ),
         (
             "planted_leak_is_reported_exactly",
             planted_leak_is_reported_exactly,

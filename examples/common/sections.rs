@@ -35,6 +35,9 @@ pub struct Options {
     pub quick: bool,
     /// Batches of the pipeline summary.
     pub pipeline_batches: usize,
+    /// A trace to replay against every allocator that fits its memory (`--trace FILE`):
+    /// the `replay` section, which runs only with one.
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl Default for Options {
@@ -44,6 +47,7 @@ impl Default for Options {
             sizes: None,
             quick: false,
             pipeline_batches: 32,
+            trace: None,
         }
     }
 }
@@ -124,9 +128,24 @@ pub fn sections() -> Vec<Section> {
             run: bandwidth,
         },
         Section {
+            name: "cpu_bandwidth",
+            needs_gpu: true,
+            run: cpu_bandwidth,
+        },
+        Section {
+            name: "cold",
+            needs_gpu: false,
+            run: cold_growth,
+        },
+        Section {
             name: "pipeline",
             needs_gpu: true,
             run: pipeline,
+        },
+        Section {
+            name: "replay",
+            needs_gpu: false,
+            run: replay,
         },
     ]
 }
@@ -163,7 +182,7 @@ pub fn collect(opts: &Options, progress: &Progress) -> Report {
         );
     }
     for s in sections() {
-        if !opts.wants(s.name) || (s.needs_gpu && !gpu) {
+        if !opts.wants(s.name) || (s.needs_gpu && !gpu) || (s.name == "replay" && opts.trace.is_none()) {
             continue;
         }
         progress.step(s.name, "start");
@@ -635,11 +654,363 @@ fn bandwidth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> 
     Ok(tables)
 }
 
+/// Threads for the several-thread rows: the available parallelism, at most 8.
+fn cpu_threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().min(8))
+}
+
+/// GB/s of the CPU writing (`fill`) or reading (summing u64 words) all of `buf` with
+/// `threads` threads on equal parts, median of `reps` timed passes after one untimed.
+pub fn cpu_gbps(buf: &mut [u8], threads: usize, write: bool, reps: usize) -> f64 {
+    let len = buf.len();
+    let part = len.div_ceil(threads.max(1)).max(1);
+    let mut samples = Vec::new();
+    for rep in 0..reps + 1 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for chunk in buf.chunks_mut(part) {
+                s.spawn(move || {
+                    if write {
+                        chunk.fill(rep as u8);
+                    } else {
+                        let sum = chunk
+                            .chunks_exact(8)
+                            .map(|w| u64::from_ne_bytes(w.try_into().unwrap()))
+                            .fold(0u64, u64::wrapping_add);
+                        black_box(sum);
+                    }
+                });
+            }
+        });
+        if rep > 0 {
+            samples.push(len as f64 / t.elapsed().as_secs_f64() / 1e9);
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+/// CPU write and read bandwidth over default and write-combined `cuMemHostAlloc` memory,
+/// `PinnedAlloc`'s (registered) and pageable memory (issue 22.5: the claim that write-combined memory makes CPU writes 2-3x faster
+/// and reads more than 10x slower), one thread and several.
+fn cpu_bandwidth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
+    let size = opts
+        .sizes
+        .as_ref()
+        .and_then(|s| s.iter().max().copied())
+        .unwrap_or(if opts.quick { 4 * MIB } else { 64 * MIB });
+    let reps = if opts.quick { 1 } else { 5 };
+    let many = cpu_threads();
+    let mut table = Table::new(
+        "cpu_bandwidth",
+        "cpu_bandwidth",
+        &format!(
+            "CPU bandwidth over host memory of {}, GB/s (median of {reps} passes)",
+            fmt_size(size)
+        ),
+    )
+    .col("access", "access", Unit::Label)
+    .col("memory", "host memory", Unit::Label)
+    .col("gbps", "GB/s", Unit::GBps)
+    .col("ratio", "vs cuMemHostAlloc default", Unit::Ratio)
+    .wide("access", "memory", "gbps", Some("ratio"))
+    .chart("access", "memory", "gbps", true);
+    let kinds: [(&str, Option<HostAllocFlags>); 4] = [
+        ("cuMemHostAlloc default", Some(HostAllocFlags::DEFAULT)),
+        (
+            "cuMemHostAlloc WRITE_COMBINED",
+            Some(HostAllocFlags::WRITE_COMBINED),
+        ),
+        ("Vec<PinnedAlloc>", None),
+        ("pageable Vec", None),
+    ];
+    let accesses = [
+        ("write, 1 thread".to_string(), true, 1),
+        (format!("write, {many} threads"), true, many),
+        ("read, 1 thread".to_string(), false, 1),
+        (format!("read, {many} threads"), false, many),
+    ];
+    for (access, write, threads) in &accesses {
+        let mut base = None;
+        for (name, flags) in kinds {
+            progress.step("cpu_bandwidth", format_args!("{access} {name}"));
+            let g = match flags {
+                Some(flags) => {
+                    let src = PinnedSource::new(flags);
+                    src.allocate(size).ok().map(|p| {
+                        // SAFETY: `p` is a fresh block of `size` bytes, ours until freed
+                        // below; no GPU work uses it.
+                        let buf = unsafe { core::slice::from_raw_parts_mut(p.as_ptr(), size) };
+                        buf.fill(7);
+                        let g = cpu_gbps(buf, *threads, *write, reps);
+                        // SAFETY: allocated above with `size`; no longer used.
+                        unsafe { src.deallocate(p, size) };
+                        g
+                    })
+                }
+                None if name == "Vec<PinnedAlloc>" => {
+                    let mut v: allocator_api2::vec::Vec<u8, PinnedAlloc> =
+                        allocator_api2::vec::Vec::new_in(PinnedAlloc);
+                    v.try_reserve_exact(size).ok().map(|()| {
+                        v.resize(size, 7);
+                        cpu_gbps(&mut v, *threads, *write, reps)
+                    })
+                }
+                None => Some(cpu_gbps(&mut vec![7u8; size], *threads, *write, reps)),
+            };
+            let b = *base.get_or_insert(g);
+            table.push(vec![
+                access.as_str().into(),
+                name.into(),
+                g.into(),
+                ratio(g, b).into(),
+            ]);
+        }
+    }
+    table.note(
+        "Writes: slice::fill (memset); reads: a sum of u64 words; each thread on its own equal \
+         part. Write-combined memory is uncached for the CPU: the seeds' claim is writes 2-3x \
+         faster and reads more than 10x slower than default pinned memory. The H2D figures \
+         are in the bandwidth tables.",
+    );
+    Ok(vec![table])
+}
+
+/// One first-allocation run of the cold table: its row name, the environment to set and
+/// to remove in the child, and what the child allocates (see [`cold_child`]).
+struct ColdRun {
+    name: &'static str,
+    set: &'static [(&'static str, &'static str)],
+    remove: &'static [&'static str],
+    kind: &'static str,
+}
+
+/// The runs of the cold table, the default first (the ratios' base).
+const COLD_RUNS: [ColdRun; 6] = [
+    ColdRun {
+        name: "PinnedAlloc (default)",
+        set: &[],
+        remove: &["CUDALLOC_PINNED_GROWTH", "CUDALLOC_PREFAULT_THREADS"],
+        kind: "pinned",
+    },
+    ColdRun {
+        name: "PinnedAlloc, register",
+        set: &[("CUDALLOC_PINNED_GROWTH", "register")],
+        remove: &["CUDALLOC_PREFAULT_THREADS"],
+        kind: "pinned",
+    },
+    ColdRun {
+        name: "PinnedAlloc, register, 1 prefault thread",
+        set: &[
+            ("CUDALLOC_PINNED_GROWTH", "register"),
+            ("CUDALLOC_PREFAULT_THREADS", "1"),
+        ],
+        remove: &[],
+        kind: "pinned",
+    },
+    ColdRun {
+        name: "PinnedAlloc, hostalloc",
+        set: &[("CUDALLOC_PINNED_GROWTH", "hostalloc")],
+        remove: &["CUDALLOC_PREFAULT_THREADS"],
+        kind: "pinned",
+    },
+    ColdRun {
+        name: "pageable Vec<u8>",
+        set: &[],
+        remove: &[],
+        kind: "pageable",
+    },
+    ColdRun {
+        name: "the threaded prefault alone (no register)",
+        set: &[],
+        remove: &["CUDALLOC_PREFAULT_THREADS"],
+        kind: "prefault",
+    },
+];
+
+/// The flag `ab` takes to run one cold allocation in its own process (see [`cold_child`]).
+pub const COLD_CHILD_FLAG: &str = "--cold-child";
+
+/// In a fresh process (`ab --cold-child KIND SIZE`): the first allocation of `size` bytes
+/// of `kind` (`pinned`: `Vec::<u8, PinnedAlloc>::try_reserve_exact`, after a 1-byte pinned
+/// allocation has brought up the driver, the context and the pool, as the PyTorch script
+/// does with `torch.empty(1, pin_memory=True)`; `pageable`: a `Vec<u8>`; `prefault`: a
+/// `Vec<u8>`'s capacity zeroed as registered growth does, timed as the allocation), then
+/// filling it; prints `cold-result FIRST_NS FILL_NS`.
+pub fn cold_child(kind: &str, size: usize) -> Result<(), String> {
+    use allocator_api2::vec::Vec as AVec;
+    fn run<A: Allocator>(a: A, size: usize) -> Result<(f64, f64), String> {
+        let t = Instant::now();
+        let mut v: AVec<u8, A> = AVec::new_in(a);
+        v.try_reserve_exact(size).map_err(|e| format!("{e:?}"))?;
+        let first = ns(t.elapsed());
+        let t = Instant::now();
+        v.resize(size, 1);
+        let fill = ns(t.elapsed());
+        black_box(&v);
+        Ok((first, fill))
+    }
+    let (first, fill) = match kind {
+        "pinned" => {
+            if !cuda::driver_available() {
+                return Err("no CUDA driver".into());
+            }
+            let mut warm: AVec<u8, PinnedAlloc> = AVec::new_in(PinnedAlloc);
+            warm.try_reserve_exact(1).map_err(|e| format!("{e:?}"))?;
+            warm.push(1);
+            black_box(&warm);
+            run(PinnedAlloc, size)?
+        }
+        "pageable" => run(Global, size)?,
+        "prefault" => {
+            // What registered growth does before cuMemHostRegister.
+            let t = Instant::now();
+            let mut pages = cudalloc::testing::PrefaultedPages::new(size).map_err(|e| e.to_string())?;
+            let first = ns(t.elapsed());
+            let t = Instant::now();
+            pages.as_mut_slice().fill(1);
+            black_box(pages.as_mut_slice());
+            (first, ns(t.elapsed()))
+        }
+        other => return Err(format!("unknown kind {other:?}")),
+    };
+    println!("cold-result {first} {fill}");
+    Ok(())
+}
+
+/// Runs [`cold_child`] in a fresh process of this executable; `(first_ns, fill_ns)`.
+fn cold_run(kind: &str, size: usize, set: &[(&str, &str)], remove: &[&str]) -> Result<(f64, f64), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args([COLD_CHILD_FLAG, kind, &size.to_string()]);
+    for (k, v) in set {
+        cmd.env(k, v);
+    }
+    for k in remove {
+        cmd.env_remove(k);
+    }
+    let out = cmd.output().map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find_map(|l| l.strip_prefix("cold-result "));
+    let parsed = line.and_then(|l| {
+        let mut it = l.split_whitespace().map(|x| x.parse::<f64>().ok());
+        Some((it.next()??, it.next()??))
+    });
+    parsed.ok_or_else(|| {
+        format!(
+            "the child failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+    })
+}
+
+/// Issue 22.6: the first pinned allocation of 64 MiB, 256 MiB and 1 GiB in a fresh
+/// process (cold: each figure is its own process), by growth mode, and filling it;
+/// `tools/torch_pinned_cold.py` measures PyTorch's caching host allocator the same way.
+fn cold_growth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
+    let gpu = cuda::driver_available();
+    let sizes = opts.sizes_or(if opts.quick {
+        &[16 * MIB]
+    } else {
+        &[64 * MIB, 256 * MIB, GIB]
+    });
+    let reps = if opts.quick { 1 } else { 3 };
+    let mut table = Table::new(
+        "cold",
+        "cold",
+        &format!("Cold pinned growth: the first allocation in a fresh process, median of {reps} processes"),
+    )
+    .col("size_bytes", "size", Unit::Bytes)
+    .col("allocator", "allocator", Unit::Label)
+    .col("first_ms", "first allocation", Unit::Millis)
+    .col("fill_ms", "then filling it", Unit::Millis)
+    .col("ratio", "first vs default", Unit::Ratio)
+    .chart("size_bytes", "allocator", "first_ms", true);
+    let mut failures = Vec::new();
+    for &size in &sizes {
+        let mut base = None;
+        for ColdRun {
+            name,
+            set,
+            remove,
+            kind,
+        } in COLD_RUNS
+        {
+            if kind == "pinned" && !gpu {
+                continue;
+            }
+            progress.step("cold", format_args!("{name} {}", fmt_size(size)));
+            let mut runs = Vec::new();
+            for _ in 0..reps {
+                match cold_run(kind, size, set, remove) {
+                    Ok(r) => runs.push(r),
+                    Err(e) => failures.push(format!("{name} {}: {e}", fmt_size(size))),
+                }
+            }
+            let median = |f: fn(&(f64, f64)) -> f64| {
+                let mut xs: Vec<f64> = runs.iter().map(f).collect();
+                xs.sort_by(f64::total_cmp);
+                xs.get(xs.len() / 2).map(|x| x / 1e6)
+            };
+            let (first, fill) = (median(|r| r.0), median(|r| r.1));
+            if name == COLD_RUNS[0].name {
+                base = first;
+            }
+            table.push(vec![
+                size.into(),
+                name.into(),
+                first.into(),
+                fill.into(),
+                ratio(first, base).into(),
+            ]);
+        }
+    }
+    table.note(format!(
+        "Each figure is a fresh process (`ab {COLD_CHILD_FLAG} KIND SIZE`): a 1-byte pinned \
+         allocation first brings up the driver, the context and the pool; then the timed \
+         `Vec::<u8, PinnedAlloc>::try_reserve_exact(size)` (a fresh segment from the source), \
+         then `resize(size, 1)`. Default: registered growth, pages faulted in by up to {} \
+         threads (one per 8 MiB); `1 prefault thread` is the growth before issue 22.6. \
+         PyTorch's figures: `python3 tools/torch_pinned_cold.py`.",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    ));
+    for f in failures {
+        table.note(format!("failed: {f}"));
+    }
+    Ok(vec![table])
+}
+
 fn pipeline(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
     let cfg = crate::pipeline::Config::summary(opts.pipeline_batches);
     let results = crate::pipeline::run(&cfg, &|what: &str| progress.step("pipeline", what))
         .map_err(|e| e.to_string())?;
     Ok(results.tables())
+}
+
+/// Issue 20.5: the replay of `--trace FILE` against every allocator that fits its memory,
+/// as `examples/replay.rs` prints it (one table, charted by total time per allocator).
+fn replay(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
+    let path = opts.trace.clone().ok_or("no --trace FILE")?;
+    let args = crate::replay_report::ReplayArgs {
+        trace: path,
+        ..Default::default()
+    };
+    let replayed = crate::replay_report::replay_file(&args, &|what: &str| progress.step("replay", what))?;
+    let mut tables = replayed.tables;
+    let table = tables.first_mut().ok_or("the replay made no table")?;
+    table.title = format!("{}: time and memory per allocator", replayed.title);
+    // The replay's own report lines go with its table, before the table's notes.
+    let mut notes: Vec<String> = replayed
+        .environment
+        .iter()
+        .filter(|(k, _)| k == "trace")
+        .map(|(_, v)| format!("Trace: {v}."))
+        .collect();
+    notes.extend(replayed.notes);
+    notes.append(&mut table.notes);
+    table.notes = notes;
+    Ok(tables)
 }
 
 /// The table of `id` in a report, for tests.

@@ -55,6 +55,7 @@ pub use window::{
 
 use crate::sync::global::{AtomicUsize, Ordering};
 use counters::Counters;
+pub(crate) use sites::{uncounted, uncounted_thread};
 use thread::{current, ThreadState};
 
 /// An allocator that counts what passes through `A`: allocations, frees, reallocations,

@@ -52,10 +52,14 @@ pub(crate) const BACKTRACES: bool = cfg!(all(feature = "backtrace", not(loom)));
 mod table;
 
 #[cfg(not(loom))]
-pub(crate) use table::{collect, detach, forget, is_internal, now, record, Detached, ENABLED};
+pub(crate) use table::{
+    collect, detach, forget, is_internal, now, record, uncounted, uncounted_thread, Detached, ENABLED,
+};
 
 #[cfg(loom)]
-pub(crate) use off::{collect, detach, forget, is_internal, now, record, Detached, ENABLED};
+pub(crate) use off::{
+    collect, detach, forget, is_internal, now, record, uncounted, uncounted_thread, Detached, ENABLED,
+};
 
 /// Stand-ins for the table under loom (its lock and thread-locals are std's).
 #[cfg(loom)]
@@ -75,6 +79,12 @@ mod off {
 
     #[inline(always)]
     pub(crate) fn record(_thread: u64, _instance: usize, _addr: usize, _size: usize) {}
+
+    pub(crate) fn uncounted<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
+    pub(crate) fn uncounted_thread() {}
 
     #[inline(always)]
     pub(crate) fn forget(_instance: impl FnOnce() -> usize, _addr: usize) {}

@@ -6,6 +6,7 @@ pub(crate) mod host;
 pub(crate) mod managed;
 mod pinned;
 mod pinned_pool;
+pub(crate) mod prefault;
 mod registered;
 
 use core::ptr::NonNull;

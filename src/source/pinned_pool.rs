@@ -16,11 +16,15 @@ use crate::error::Result;
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PinnedGrowth {
-    /// Whichever was faster on the H200 machine for the size (the default): register
-    /// blocks below 64 MiB, `cuMemHostAlloc` the rest. Measured
-    /// there (allocate + free, `bench pool/pinned_growth`, 2026-11-29): register 0.37 ms
-    /// vs 1.28 ms at 2 MiB, 0.98 vs 4.18 ms at 8 MiB, 21.3 vs 22.6 ms at 32 MiB, but
-    /// 88.9 vs 64.8 ms at 128 MiB and 176 vs 154 ms at 256 MiB.
+    /// The default: register every block when its pages can be faulted in by more than
+    /// one thread (the machine has two or more CPUs available, see [`RegisteredSource`]);
+    /// on one CPU, register blocks below 64 MiB and `cuMemHostAlloc` the rest, the faster
+    /// of the two on one thread. Measured on the H200 machine with one thread touching
+    /// the pages (allocate + free, `bench pool/pinned_growth`, 2026-11-29): register
+    /// 0.37 ms vs 1.28 ms at 2 MiB, 0.98 vs 4.18 ms at 8 MiB, 21.3 vs 22.6 ms at 32 MiB,
+    /// but 88.9 vs 64.8 ms at 128 MiB and 176 vs 154 ms at 256 MiB; the first
+    /// allocation of 1 GiB took 531-570 ms either way, against 133 ms for PyTorch's
+    /// registering with 8 threads (`ab --only cold` measures both).
     #[default]
     Auto,
     /// `cuMemHostAlloc` ([`PinnedSource`]) for every block.
@@ -55,8 +59,9 @@ impl PinnedGrowth {
     }
 }
 
-/// Blocks below this size are registered by [`PinnedGrowth::Auto`]; larger ones come from
-/// `cuMemHostAlloc` (the faster of the two at each size on the H200 machine).
+/// On a machine with one CPU, blocks below this size are registered by
+/// [`PinnedGrowth::Auto`] and larger ones come from `cuMemHostAlloc` (the faster of the
+/// two at each size with one thread touching the pages, on the H200 machine).
 const REGISTER_BELOW: usize = 64 << 20;
 
 /// Pinned memory with the given flags, from `cuMemHostAlloc` or by registering host
@@ -99,10 +104,11 @@ impl PinnedPoolSource {
     }
 
     /// Whether a block of `size` bytes is registered rather than `cuMemHostAlloc`ed: a
-    /// pure function of the size, so `deallocate` takes the path `allocate` took.
+    /// pure function of the size (the prefault's thread cap is read once per process),
+    /// so `deallocate` takes the path `allocate` took.
     fn registers(&self, size: usize) -> bool {
         match self.growth {
-            PinnedGrowth::Auto => size < REGISTER_BELOW,
+            PinnedGrowth::Auto => size < REGISTER_BELOW || super::prefault::max_threads() > 1,
             PinnedGrowth::HostAlloc => false,
             PinnedGrowth::Register => true,
         }

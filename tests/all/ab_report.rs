@@ -182,3 +182,99 @@ fn sizes_parse_with_binary_suffixes() {
     assert_eq!(parse_size("12 parsecs"), None);
     assert_eq!(parse_size(""), None);
 }
+
+#[test]
+fn cpu_bandwidth_passes_write_every_byte_and_read_without_writing() {
+    // Writes: every byte holds the last pass's value (3 passes after the untimed one).
+    let mut buf = vec![7u8; (3 << 20) + 5];
+    for threads in [1, 3] {
+        let g = sections::cpu_gbps(&mut buf, threads, true, 3);
+        assert!(g.is_finite() && g > 0.0, "{threads} threads: {g} GB/s");
+        assert!(buf.iter().all(|&b| b == 3), "{threads} threads wrote every byte");
+    }
+    buf.fill(9);
+    let g = sections::cpu_gbps(&mut buf, 2, false, 2);
+    assert!(g.is_finite() && g > 0.0);
+    assert!(buf.iter().all(|&b| b == 9), "reads leave the memory as it was");
+}
+
+#[test]
+fn a_cold_child_measures_its_allocation_and_refuses_unknown_kinds() {
+    // The `cold` section runs these in fresh processes of `ab`; here in-process.
+    sections::cold_child("pageable", 1 << 20).unwrap();
+    sections::cold_child("prefault", (16 << 20) + 4096).unwrap();
+    assert!(sections::cold_child("mmap", 1 << 20).is_err());
+    if !cudalloc::cuda::driver_available() {
+        assert!(
+            sections::cold_child("pinned", 1 << 20).is_err(),
+            "pinned needs a driver"
+        );
+    }
+}
+
+#[test]
+fn ab_with_a_trace_adds_the_replay_table_and_its_chart() {
+    use cudalloc::trace::format::rmm;
+    use cudalloc::trace::replay::{random_workload, Plan, RandomWorkload, ReplayOptions};
+    // A trace written here (the test may not rely on the sources' traces/ being present).
+    let trace = random_workload(&RandomWorkload {
+        allocations: 300,
+        ..RandomWorkload::small()
+    });
+    let path = temp_path("trace.csv");
+    let mut file = std::fs::File::create(&path).unwrap();
+    rmm::write(&trace, &mut file).unwrap();
+    drop(file);
+    let peak = Plan::new(&trace, &ReplayOptions::default())
+        .unwrap()
+        .peak_requested();
+    let opts = |trace: Option<PathBuf>| Options {
+        only: Some(vec!["replay".into()]),
+        quick: true,
+        trace,
+        ..Options::default()
+    };
+    // Without --trace the section does not run.
+    let none = sections::collect(&opts(None), &Progress::new(false));
+    assert!(none.tables.is_empty(), "{:?}", none.notes);
+
+    let report = sections::collect(&opts(Some(path.clone())), &Progress::new(false));
+    std::fs::remove_file(&path).ok();
+    assert!(
+        report
+            .notes
+            .iter()
+            .all(|n| !n.starts_with("section replay failed")),
+        "{:?}",
+        report.notes
+    );
+    let table = sections::find(&report, "replay").expect("a replay table");
+    assert!(table.title.contains("trace.csv"), "{}", table.title);
+    assert!(!table.rows.is_empty(), "a row per allocator");
+    assert!(
+        table.notes.iter().any(|n| n.starts_with("Trace: ")),
+        "{:?}",
+        table.notes
+    );
+    let peak_col = table.column("peak_requested").unwrap();
+    let total_col = table.column("total_ms").unwrap();
+    for r in &table.rows {
+        // Every allocator replayed the whole trace: the trace's own peak.
+        assert_eq!(r[peak_col], Value::from(peak as usize), "{:?}", r[0]);
+        assert!(matches!(r[total_col], Value::Num(t) if t > 0.0), "{:?}", r[0]);
+    }
+    // Its chart is in the SVG, and its rows reach the JSON.
+    let svg = temp_path("replay.svg");
+    assert_eq!(crate::plot::write_svg(&report, &svg).unwrap(), 1);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    std::fs::remove_file(&svg).ok();
+    let doc = roxmltree::Document::parse(&text).unwrap();
+    assert!(doc
+        .descendants()
+        .any(|n| n.has_tag_name("text") && n.text().is_some_and(|t| t.trim() == table.title)));
+    let json = report.json();
+    assert_eq!(
+        json["tables"][0]["rows"].as_array().unwrap().len(),
+        table.rows.len()
+    );
+}

@@ -99,6 +99,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "source/mod.rs",
     "source/pinned.rs",
     "source/pinned_pool.rs",
+    "source/prefault.rs",
     "source/registered.rs",
     "sync.rs",
     "testing/mod.rs",

@@ -9,6 +9,8 @@ mod support;
 mod pipeline;
 #[path = "../../examples/common/plot.rs"]
 mod plot;
+#[path = "../../examples/common/replay_report.rs"]
+mod replay_report;
 #[path = "../../examples/common/report.rs"]
 mod report;
 #[path = "../../examples/common/sections.rs"]

@@ -562,14 +562,14 @@ fn pinned_growth_sources_report_their_kind() {
 }
 
 #[test]
-fn auto_growth_registers_small_chunks_and_host_allocs_large_ones() {
+fn auto_growth_pins_every_size_and_frees_it_by_the_path_it_took() {
     gpu!();
     use cudalloc::cuda::{pointer_info, MemoryType};
     use cudalloc::source::MemorySource;
     let s = PinnedPoolSource::new(HostAllocFlags::DEFAULT, PinnedGrowth::Auto);
     for size in [
         2 << 20,
-        64 << 20, // the size from which Auto switches to cuMemHostAlloc
+        64 << 20, // from here Auto uses cuMemHostAlloc on a machine with one CPU
         (64 << 20) + 4096,
     ] {
         let p = s.allocate(size).unwrap();

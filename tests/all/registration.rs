@@ -99,3 +99,53 @@ fn host_registration_without_a_driver_is_no_driver() {
         Err(cudalloc::Error::NoDriver)
     ));
 }
+
+/// Issue 22.6: registered growth faults a block's pages in with several threads before
+/// `cuMemHostRegister`; the block must come back zeroed, writable and registered to its
+/// last byte, at sizes that are not multiples of the page or of a thread's share, and
+/// the process-wide pools' first large allocation must be pinned whole.
+#[test]
+fn registered_blocks_are_zeroed_by_the_threaded_prefault_and_pinned_whole() {
+    gpu!();
+    use allocator_api2::vec::Vec as AVec;
+    use cudalloc::cuda::{pointer_info, MemoryType};
+    use cudalloc::source::{MemorySource, RegisteredSource};
+    use cudalloc::PinnedAlloc;
+    let src = RegisteredSource::new(false);
+    for len in [100, (2 << 20) + 1, (24 << 20) + 2048 + 7, (65 << 20) - 1] {
+        let p = src.allocate(len).unwrap();
+        // SAFETY: a fresh block of at least `len` bytes, ours until deallocated below.
+        let bytes = unsafe { core::slice::from_raw_parts_mut(p.as_ptr(), len) };
+        assert_eq!(
+            bytes.iter().position(|&b| b != 0),
+            None,
+            "{len} bytes: not zeroed"
+        );
+        for at in [0, len / 2, len - 1] {
+            assert_eq!(
+                pointer_info(bytes[at..].as_ptr().cast()).unwrap().memory_type,
+                MemoryType::PinnedHost,
+                "{len} bytes: byte {at} registered"
+            );
+        }
+        bytes.fill(9);
+        assert!(bytes.iter().all(|&b| b == 9), "{len} bytes: writable");
+        // SAFETY: allocated above with `len`; no copy used it.
+        unsafe { src.deallocate(p, len) };
+    }
+    // The default pool's first large block (a fresh segment), copied to the GPU and back.
+    let stream = Stream::new(0).unwrap();
+    let len = (64 << 20) + 4096 * 3 + 5;
+    let mut v: AVec<u8, PinnedAlloc> = AVec::with_capacity_in(len, PinnedAlloc);
+    v.extend((0..len).map(|i| (i % 251) as u8));
+    assert_eq!(
+        pointer_info(v[len - 1..].as_ptr().cast()).unwrap().memory_type,
+        MemoryType::PinnedHost,
+        "the last byte of a 64 MiB PinnedAlloc block is pinned"
+    );
+    let pool = DevicePool::get(0).unwrap();
+    let mut dev = pool.alloc::<u8>(len, &stream).unwrap();
+    // SAFETY: `v` is not written until the to_vec below synchronizes the stream.
+    unsafe { dev.copy_from_host_async(&v) }.unwrap();
+    assert!(dev.to_vec().unwrap() == v[..], "the copy round trip");
+}

@@ -107,6 +107,21 @@ impl Drop for Enter {
     }
 }
 
+/// Runs `f` with this thread's allocations and frees neither counted nor recorded (as
+/// while a report is built): for the crate's own short-lived helper work, such as the
+/// prefault threads it starts and joins inside an allocation.
+pub(crate) fn uncounted<R>(f: impl FnOnce() -> R) -> R {
+    let _internal = Enter::from_idle(State::Internal);
+    f()
+}
+
+/// Leaves this thread's allocations and frees uncounted for the rest of its life (its
+/// exit included): for a helper thread whose start-up blocks an [`uncounted`] caller
+/// allocated and which it frees on its way out.
+pub(crate) fn uncounted_thread() {
+    let _ = STATE.try_with(|s| s.set(State::Internal));
+}
+
 /// The position in allocation order now.
 pub(crate) fn now() -> u64 {
     SEQ.load(Ordering::Relaxed)

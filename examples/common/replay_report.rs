@@ -1,0 +1,213 @@
+//! The replay report of one trace file: the table of what each allocator took and held
+//! (and, with `fit`, the smallest limit each pool replays it in), shared by
+//! `examples/replay.rs` and `ab --trace FILE`.
+
+// Shared by several examples and tests (`#[path]` includes): each uses part of it.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use cudalloc::trace::format;
+use cudalloc::trace::replay::{targets, Plan, ReplayOptions};
+use cudalloc::trace::{Action, Trace, TraceMemory};
+
+use crate::report::{self, Table, Unit};
+
+/// What to replay and how.
+#[derive(Clone, Debug, Default)]
+pub struct ReplayArgs {
+    pub trace: PathBuf,
+    /// Only allocators whose name starts with one of these (lower case); empty: all.
+    pub allocators: Vec<String>,
+    /// The allocators to use (`None`: the trace's kind of memory).
+    pub memory: Option<TraceMemory>,
+    /// The smallest limit each limitable pool replays the trace in.
+    pub fit: bool,
+    /// Skip bad lines and events (counted) instead of stopping.
+    pub lenient: bool,
+}
+
+/// The replay of one trace: the lines of a report and the trace read.
+pub struct Replayed {
+    pub title: String,
+    pub environment: Vec<(String, String)>,
+    pub notes: Vec<String>,
+    /// `replay` (charted: total time per allocator), and `fit` when asked for.
+    pub tables: Vec<Table>,
+    pub trace: Trace,
+}
+
+/// Reads `args.trace` (RMM's CSV or PyTorch's snapshot, told apart by content) and replays
+/// it against every allocator that fits its memory; `progress` hears each allocator's name
+/// and the skipped events.
+pub fn replay_file(args: &ReplayArgs, progress: &dyn Fn(&str)) -> Result<Replayed, String> {
+    let path = args.trace.display();
+    let bytes = std::fs::read(&args.trace).map_err(|e| format!("reading {path}: {e}"))?;
+    let read = format::read_any(&bytes, args.lenient).map_err(|e| format!("{path}: {e}"))?;
+    for e in read.skipped.iter().take(5) {
+        progress(&format!("{path}: skipped {e}"));
+    }
+    let trace = read.trace;
+    let memory = args.memory.unwrap_or_else(|| {
+        let device = trace.allocators.iter().any(|a| a.memory == TraceMemory::Device);
+        if device {
+            TraceMemory::Device
+        } else {
+            TraceMemory::Host
+        }
+    });
+    let opts = ReplayOptions::default().with_lenient(args.lenient);
+    let plan = Plan::new(&trace, &opts).map_err(|e| format!("{path}: {e}"))?;
+    for e in plan.skipped().iter().take(5) {
+        progress(&format!("{path}: skipped {e}"));
+    }
+    let gpu = cudalloc::cuda::driver_available();
+
+    let mut out = Replayed {
+        title: format!("Replay of {path}"),
+        environment: Vec::new(),
+        notes: Vec::new(),
+        tables: Vec::new(),
+        trace: Trace::default(),
+    };
+    let env = &mut out.environment;
+    env.push(("cudalloc".into(), env!("CARGO_PKG_VERSION").into()));
+    env.push((
+        "CUDA driver".into(),
+        if gpu { "present" } else { "absent" }.into(),
+    ));
+    let allocs = trace.events.iter().filter(|e| e.action == Action::Alloc).count();
+    env.push((
+        "trace".into(),
+        format!(
+            "{} events ({allocs} allocations), {} threads, {} streams, {} memory, peak requested {}",
+            trace.events.len(),
+            plan.threads(),
+            plan.streams(),
+            if memory == TraceMemory::Device {
+                "device"
+            } else {
+                "host"
+            },
+            report::fmt_size(plan.peak_requested() as usize)
+        ),
+    ));
+    let skipped = read.skipped.len() + plan.skipped().len();
+    if skipped > 0 {
+        out.notes
+            .push(format!("--lenient: {skipped} bad lines or events skipped."));
+    }
+    if memory == TraceMemory::Device && !gpu {
+        out.notes.push(
+            "No CUDA driver: the device trace replays on the device pool's cache over the simulated GPU \
+             (the cache's own work; no driver or GPU time, no reservation figures)."
+                .into(),
+        );
+    }
+
+    let chosen: Vec<_> = targets(memory)
+        .into_iter()
+        .filter(|t| {
+            let name = t.name.to_lowercase();
+            args.allocators.is_empty() || args.allocators.iter().any(|a| name.starts_with(a.as_str()))
+        })
+        .collect();
+    if chosen.is_empty() {
+        return Err(format!(
+            "no allocator matches --allocators {}",
+            args.allocators.join(",")
+        ));
+    }
+
+    let mut table = Table::new("replay", "replay", "Replay: time and memory per allocator")
+        .col("allocator", "allocator", Unit::Label)
+        .col("total_ms", "total", Unit::Millis)
+        .col("alloc_median_ns", "alloc median", Unit::Nanos)
+        .col("alloc_p99_ns", "alloc p99", Unit::Nanos)
+        .col("free_median_ns", "free median", Unit::Nanos)
+        .col("free_p99_ns", "free p99", Unit::Nanos)
+        .col("peak_requested", "peak requested", Unit::Bytes)
+        .col("peak_held", "peak held", Unit::Bytes)
+        .col("peak_reserved", "peak reserved", Unit::Bytes)
+        .col("reserved_ratio", "reserved / requested", Unit::Ratio)
+        .col("failures", "failed allocs", Unit::Count)
+        .col("never_freed", "never freed", Unit::Count)
+        .chart("allocator", "allocator", "total_ms", false);
+    let mut fit = Table::new(
+        "fit",
+        "replay",
+        "Fit: the smallest limit that replays without a failure",
+    )
+    .col("allocator", "allocator", Unit::Label)
+    .col("limit", "smallest limit", Unit::Bytes)
+    .col("limit_ratio", "limit / peak requested", Unit::Ratio);
+    let mut notes: Vec<String> = Vec::new();
+    let mut never_freed = None;
+    for t in &chosen {
+        progress(&t.name);
+        let r = match t.run(&plan) {
+            Ok(r) => r,
+            Err(e) => {
+                table.note(format!("{}: did not run: {e}", t.name));
+                continue;
+            }
+        };
+        table.push(vec![
+            r.allocator.clone().into(),
+            (r.total_ns as f64 / 1e6).into(),
+            (r.alloc_median_ns as f64).into(),
+            (r.alloc_p99_ns as f64).into(),
+            (r.free_median_ns as f64).into(),
+            (r.free_p99_ns as f64).into(),
+            (r.peak_requested as usize).into(),
+            (r.peak_held as usize).into(),
+            r.peak_reserved.map(|b| b as f64).into(),
+            r.reserved_ratio().into(),
+            (r.failures as usize).into(),
+            (r.never_freed_blocks as usize).into(),
+        ]);
+        never_freed.get_or_insert((r.never_freed_blocks, r.never_freed_bytes));
+        if let Some(f) = &r.first_failure {
+            notes.push(format!(
+                "{}: {} allocations failed, the first of {f}",
+                r.allocator, r.failures
+            ));
+        }
+        if let Some(n) = &r.note {
+            notes.push(format!("{}: {n}", r.allocator));
+        }
+        if args.fit {
+            match t.fit(&plan) {
+                Some(Ok(limit)) => fit.push(vec![
+                    t.name.clone().into(),
+                    (limit as usize).into(),
+                    (limit as f64 / plan.peak_requested().max(1) as f64).into(),
+                ]),
+                Some(Err(e)) => fit.note(format!("{}: {e}", t.name)),
+                None => {}
+            }
+        }
+    }
+    if let Some((blocks, bytes)) = never_freed.filter(|n| n.0 > 0) {
+        notes.push(format!(
+            "The trace never frees {blocks} blocks ({}): reported, freed after the timed run, not charged.",
+            report::fmt_size(bytes as usize)
+        ));
+    }
+    for n in notes {
+        table.note(n);
+    }
+    table.note(
+        "Times per operation include the clock reads around the call; total is the wall time of the whole \
+         replay, with the handing of turns between replay threads.",
+    );
+    out.tables.push(table);
+    if args.fit {
+        if fit.rows.is_empty() {
+            fit.note("No allocator here has a limit to fit (the pools with one: Pool<HostSource> and, on a GPU, DevicePool).");
+        }
+        out.tables.push(fit);
+    }
+    out.trace = trace;
+    Ok(out)
+}
