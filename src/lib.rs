@@ -134,6 +134,7 @@ pub mod pool;
 mod registration;
 mod slot_table;
 pub mod source;
+pub mod staging;
 mod sync;
 #[doc(hidden)]
 pub mod testing;

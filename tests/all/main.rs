@@ -39,6 +39,7 @@ mod model;
 mod pool;
 mod props;
 mod registration;
+mod staging;
 mod staging_pipeline;
 mod trace_formats;
 mod trace_record;
