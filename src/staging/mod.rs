@@ -125,6 +125,21 @@ impl<A: Allocator + Clone> StagingRing<A> {
     /// A ring of `per_stream` buffers of `buffer_len` bytes (zeroed) for each of `streams`,
     /// allocated from `alloc` now. Errors: [`Error::InvalidArgument`] for no streams, no
     /// buffers or empty buffers; [`Error::OutOfMemory`] when `alloc` fails.
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, staging::StagingRing, Arena, PinnedAlloc, Pool};
+    /// if let (Ok(a), Ok(b)) = (Stream::new(0), Stream::new(0)) {
+    ///     let streams = [a, b];
+    ///     let ring = StagingRing::new(PinnedAlloc, &streams, 2, 1 << 16).unwrap();
+    ///     assert_eq!((ring.buffers(), ring.buffer_len()), (4, 1 << 16));
+    ///     let pool = Pool::new(cudalloc::source::PinnedSource::default());
+    ///     let from_pool = StagingRing::new(&pool, &streams, 1, 4096).unwrap();
+    ///     let arena = Arena::pinned();
+    ///     let from_arena = StagingRing::new(&arena, &streams, 1, 4096).unwrap();
+    ///     # drop((from_pool, from_arena));
+    /// }
+    /// assert!(StagingRing::new(PinnedAlloc, &[], 1, 4096).is_err()); // no streams
+    /// ```
     pub fn new(alloc: A, streams: &[Stream], per_stream: usize, buffer_len: usize) -> Result<Self> {
         if streams.is_empty() || per_stream == 0 || buffer_len == 0 {
             return Err(Error::InvalidArgument(
@@ -202,6 +217,20 @@ impl<A: Allocator> StagingRing<A> {
     /// the driver when the buffer's last use completes, or by a lease given back (no
     /// spinning). Errors: [`Error::TimedOut`] when none is free in time; a CUDA error of
     /// the buffer's last use.
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, staging::StagingRing, Error, PinnedAlloc};
+    /// use std::time::Duration;
+    /// if let Ok(s) = Stream::new(0) {
+    ///     let ring = StagingRing::new(PinnedAlloc, &[s], 1, 4096).unwrap();
+    ///     let lease = ring.next(Duration::from_secs(1)).unwrap();
+    ///     // Its only buffer is leased: the second call times out.
+    ///     let err = ring.next(Duration::from_millis(1)).unwrap_err();
+    ///     assert!(matches!(err, Error::TimedOut(_)));
+    ///     drop(lease);
+    ///     assert_eq!(ring.next(Duration::from_secs(1)).unwrap().index(), 0);
+    /// }
+    /// ```
     pub fn next(&self, timeout: Duration) -> Result<Staged<A>> {
         let deadline = Instant::now() + timeout;
         let mut fut = self.next_async();
@@ -223,6 +252,27 @@ impl<A: Allocator> StagingRing<A> {
 
     /// A future of the next buffer the GPU is done with: [`next`](Self::next) without a
     /// blocked thread. Cancel-safe: dropped, it holds no buffer.
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, staging::StagingRing, PinnedAlloc};
+    /// # fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    /// #     use std::task::{Context, Poll, Wake, Waker};
+    /// #     struct T(std::thread::Thread);
+    /// #     impl Wake for T { fn wake(self: std::sync::Arc<Self>) { self.0.unpark() } }
+    /// #     let waker = Waker::from(std::sync::Arc::new(T(std::thread::current())));
+    /// #     let mut f = std::pin::pin!(f);
+    /// #     loop {
+    /// #         if let Poll::Ready(v) = f.as_mut().poll(&mut Context::from_waker(&waker)) { return v; }
+    /// #         std::thread::park();
+    /// #     }
+    /// # }
+    /// if let Ok(s) = Stream::new(0) {
+    ///     let ring = StagingRing::new(PinnedAlloc, &[s], 2, 4096).unwrap();
+    ///     // In async code: `let mut buf = ring.next_async().await?;`
+    ///     let mut buf = block_on(ring.next_async()).unwrap();
+    ///     buf[0] = 7;
+    /// }
+    /// ```
     pub fn next_async(&self) -> NextStaged<A> {
         NextStaged {
             ring: self.clone(),
