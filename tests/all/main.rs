@@ -17,6 +17,7 @@ mod sections;
 mod ab_report;
 mod allocators;
 mod arena;
+mod backpressure;
 mod conformance;
 mod counting;
 mod cudarc;

@@ -1,0 +1,147 @@
+//! Async backpressure (`Pool::allocate_async`): a pool at its limit whose freed block the
+//! GPU still uses resolves, without a blocked thread, once the use completes: woken by
+//! the driver for the crate's events, re-polled through the executor for fences that
+//! cannot wake a task; requests that waiting cannot help fail at once, as the sync path.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use allocator_api2::alloc::{Allocator, Layout};
+use cudalloc::cuda::Stream;
+use cudalloc::pool::{Pool, PoolConfig};
+use cudalloc::source::{HostSource, PinnedSource};
+use cudalloc::Error;
+
+use crate::gpu_support::Gate;
+use crate::model::Flag;
+
+const MIB: usize = 1 << 20;
+
+struct CountingWaker {
+    wakes: AtomicUsize,
+    thread: std::thread::Thread,
+}
+impl Wake for CountingWaker {
+    fn wake(self: Arc<Self>) {
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+        self.thread.unpark();
+    }
+}
+fn counting() -> (Arc<CountingWaker>, Waker) {
+    let c = Arc::new(CountingWaker {
+        wakes: AtomicUsize::new(0),
+        thread: std::thread::current(),
+    });
+    (c.clone(), Waker::from(c))
+}
+
+fn poll<F: Future + Unpin>(f: &mut F, w: &Waker) -> Poll<F::Output> {
+    Pin::new(f).poll(&mut Context::from_waker(w))
+}
+
+/// A pool capped at 4 MiB, holding one 3 MiB block that was freed while `fence` guards it.
+fn full_pool<S: cudalloc::source::HostVisible + 'static>(source: S) -> (Pool<S>, Layout, usize) {
+    // A sync wait long enough to notice if the async path used it (it must not).
+    let config = PoolConfig::default()
+        .with_limit(4 * MIB)
+        .with_pending_wait(Some(Duration::from_secs(30)));
+    let pool = Pool::with_config(source, config);
+    let l = Layout::from_size_align(3 * MIB, 8).unwrap();
+    let a = pool.try_allocate(l).unwrap();
+    (pool, l, a.cast::<u8>().as_ptr() as usize)
+}
+
+#[test]
+fn allocate_async_at_the_cap_waits_for_a_pending_block_without_blocking() {
+    let (pool, l, a) = full_pool(HostSource);
+    let done = Arc::new(AtomicBool::new(false));
+    assert!(pool.record_fence(a as *const u8, Flag(done.clone())).unwrap());
+    // SAFETY: allocated by `full_pool` with `l`.
+    unsafe { pool.deallocate(std::ptr::NonNull::new(a as *mut u8).unwrap(), l) };
+    assert_eq!(pool.stats().pending_blocks, 1);
+
+    let (count, waker) = counting();
+    let mut fut = pool.allocate_async(l);
+    let t0 = Instant::now();
+    assert!(poll(&mut fut, &waker).is_pending(), "the only room is pending");
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "the poll took the sync path's 30 s wait"
+    );
+    // A flag cannot wake a task: the future asks to be polled again.
+    assert!(
+        count.wakes.load(Ordering::SeqCst) >= 1,
+        "not rescheduled: it would hang"
+    );
+    assert!(poll(&mut fut, &waker).is_pending());
+    done.store(true, Ordering::Release);
+    let b = match poll(&mut fut, &waker) {
+        Poll::Ready(r) => r.unwrap(),
+        Poll::Pending => panic!("pending after the fence completed"),
+    };
+    assert_eq!(b.cast::<u8>().as_ptr() as usize, a, "the freed block came back");
+    // Nothing pending and no room: fails at once, as the sync path would.
+    let mut again = pool.allocate_async(l);
+    match poll(&mut again, &waker) {
+        Poll::Ready(Err(Error::LimitExceeded { .. })) => {}
+        other => panic!("expected LimitExceeded at once, got {other:?}"),
+    }
+    // Larger than the cap: waiting cannot help.
+    let huge = Layout::from_size_align(8 * MIB, 8).unwrap();
+    assert!(matches!(
+        poll(&mut pool.allocate_async(huge), &waker),
+        Poll::Ready(Err(_))
+    ));
+    // SAFETY: allocated above with `l`.
+    unsafe { pool.deallocate(b.cast(), l) };
+    // A dropped future holds nothing: the block is free.
+    drop(again);
+    let c = pool.try_allocate(l).unwrap();
+    // SAFETY: allocated above with `l`.
+    unsafe { pool.deallocate(c.cast(), l) };
+}
+
+#[test]
+fn allocate_async_is_woken_by_the_driver_when_the_gpu_use_completes() {
+    gpu!();
+    let s = Stream::new(0).unwrap();
+    let (pool, l, a) = full_pool(PinnedSource::default());
+    let gate = Gate::hold(&s);
+    assert!(pool.record_use(a as *const u8, &s).unwrap());
+    // SAFETY: allocated by `full_pool` with `l`.
+    unsafe { pool.deallocate(std::ptr::NonNull::new(a as *mut u8).unwrap(), l) };
+    let (count, waker) = counting();
+    let mut fut = pool.allocate_async(l);
+    assert!(poll(&mut fut, &waker).is_pending());
+    assert!(poll(&mut fut, &waker).is_pending());
+    assert_eq!(
+        count.wakes.load(Ordering::SeqCst),
+        0,
+        "woken while the GPU still uses the block"
+    );
+    gate.open();
+    let t0 = Instant::now();
+    while count.wakes.load(Ordering::SeqCst) == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the driver never woke the allocation"
+        );
+        std::thread::park_timeout(Duration::from_millis(50));
+    }
+    let b = loop {
+        if let Poll::Ready(r) = poll(&mut fut, &waker) {
+            break r.unwrap();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "woken but never ready");
+        std::thread::park_timeout(Duration::from_millis(10));
+    };
+    assert_eq!(b.cast::<u8>().as_ptr() as usize, a);
+    assert!(s.is_idle().unwrap(), "handed out before the use completed");
+    // SAFETY: allocated above with `l`.
+    unsafe { pool.deallocate(b.cast(), l) };
+    s.synchronize().unwrap();
+}
