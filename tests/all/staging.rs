@@ -151,10 +151,8 @@ fn next_async_is_woken_by_the_gpu_and_by_a_give_back() {
     assert!(Pin::new(&mut next).poll(&mut cx).is_pending());
     drop(lease);
     assert!(until_woken(&counter), "a give-back did not wake the waiting task");
-    let lease = match Pin::new(&mut next).poll(&mut cx) {
-        Poll::Ready(r) => r.unwrap(),
-        Poll::Pending => panic!("woken but not ready"),
-    };
+    // Ready once the (empty) work before the give-back's event has completed.
+    let lease = ready(&mut next, &mut cx).unwrap();
     drop(next);
 
     // Given back behind held work: pending until the driver says the work is done.
@@ -166,21 +164,26 @@ fn next_async_is_woken_by_the_gpu_and_by_a_give_back() {
     assert!(Pin::new(&mut next).poll(&mut cx).is_pending());
     gate.open();
     assert!(until_woken(&counter), "the driver did not wake the waiting task");
-    let t0 = Instant::now();
-    let lease = loop {
-        if let Poll::Ready(r) = Pin::new(&mut next).poll(&mut cx) {
-            break r.unwrap();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "never ready");
-        std::thread::park_timeout(Duration::from_millis(10));
-    };
+    let lease = ready(&mut next, &mut cx).unwrap();
     assert_eq!(lease.len(), 4096);
     // A future dropped while waiting holds nothing.
     let mut waiting = ring.next_async();
     assert!(Pin::new(&mut waiting).poll(&mut cx).is_pending());
     drop(waiting);
     drop(lease);
-    assert!(ring.try_next().unwrap().is_some());
+    assert_eq!(ring.next(Duration::from_secs(10)).unwrap().index(), 0);
+}
+
+/// Polls `next` until it is ready (parked between polls; at most 10 s: a hang guard).
+fn ready<F: Future + Unpin>(next: &mut F, cx: &mut Context<'_>) -> F::Output {
+    let t0 = Instant::now();
+    loop {
+        if let Poll::Ready(r) = Pin::new(&mut *next).poll(cx) {
+            return r;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never ready");
+        std::thread::park_timeout(Duration::from_millis(10));
+    }
 }
 
 /// Eight batches through a ring of two buffers on two streams: each batch's bytes arrive
@@ -193,10 +196,9 @@ fn batches_arrive_intact<A: Allocator + Clone>(alloc: A, what: &str) {
     let mut on_device = Vec::new();
     for batch in 0..8u8 {
         let mut buf = ring.next(Duration::from_secs(10)).unwrap();
-        assert_eq!(
-            buf.stream(),
-            &streams[usize::from(batch) % 2],
-            "{what}: handed out in turn"
+        assert!(
+            streams.contains(buf.stream()),
+            "{what}: a buffer of another stream"
         );
         // Held a moment so that the refill of this buffer must wait for the GPU.
         let gate = Gate::hold(buf.stream());
