@@ -149,7 +149,9 @@ pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
 pub use direct::Direct;
 pub use error::{Error, Result};
 pub use fence::{record_fence, record_use};
-pub use handle::{fallback_allocations, release_cached_memory, Managed, ManagedAlloc, Pinned, PinnedAlloc};
+pub use handle::{
+    fallback_allocations, release_cached_memory, Managed, ManagedAlloc, Pinned, PinnedAlloc, PinnedAllocate,
+};
 #[cfg(feature = "cudarc")]
 pub use interop::cudarc::{PinnedView, PinnedViewMut};
 pub use pool::{Pool, PoolConfig, PoolStats};

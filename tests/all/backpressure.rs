@@ -145,3 +145,26 @@ fn allocate_async_is_woken_by_the_driver_when_the_gpu_use_completes() {
     unsafe { pool.deallocate(b.cast(), l) };
     s.synchronize().unwrap();
 }
+
+/// The handle's async path: a block of the default pinned pool (the fallback without a
+/// driver), freed through the handle; zero size is a dangling block, as `allocate`'s.
+#[test]
+fn pinned_alloc_allocate_async_gives_a_block_the_handle_frees() {
+    let (_, waker) = counting();
+    for size in [0, 100, 3 * MIB] {
+        let l = Layout::from_size_align(size, 64).unwrap();
+        let mut fut = cudalloc::PinnedAlloc::allocate_async(l);
+        let block = match poll(&mut fut, &waker) {
+            Poll::Ready(r) => r.unwrap(),
+            Poll::Pending => panic!("pending with room in the pool"),
+        };
+        assert!(block.len() >= size);
+        assert_eq!(block.cast::<u8>().as_ptr() as usize % 64, 0, "aligned");
+        if size > 0 {
+            // SAFETY: the block holds `size` writable bytes.
+            unsafe { std::ptr::write_bytes(block.cast::<u8>().as_ptr(), 0x5A, size) };
+        }
+        // SAFETY: allocated with `l` by the default pinned handle's path.
+        unsafe { cudalloc::PinnedAlloc.deallocate(block.cast(), l) };
+    }
+}
