@@ -2,6 +2,8 @@
 //! GPU still uses resolves, without a blocked thread, once the use completes: woken by
 //! the driver for the crate's events, re-polled through the executor for fences that
 //! cannot wake a task; requests that waiting cannot help fail at once, as the sync path.
+//! The GPU test (a use held behind a gate) is in the gated binary
+//! (`tests/gated/pool_async.rs`).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,12 +13,10 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
-use cudalloc::cuda::Stream;
 use cudalloc::pool::{Pool, PoolConfig};
-use cudalloc::source::{HostSource, PinnedSource};
+use cudalloc::source::HostSource;
 use cudalloc::Error;
 
-use crate::gpu_support::Gate;
 use crate::model::Flag;
 
 const MIB: usize = 1 << 20;
@@ -103,47 +103,6 @@ fn allocate_async_at_the_cap_waits_for_a_pending_block_without_blocking() {
     let c = pool.try_allocate(l).unwrap();
     // SAFETY: allocated above with `l`.
     unsafe { pool.deallocate(c.cast(), l) };
-}
-
-#[test]
-fn allocate_async_is_woken_by_the_driver_when_the_gpu_use_completes() {
-    gpu!();
-    let s = Stream::new(0).unwrap();
-    let (pool, l, a) = full_pool(PinnedSource::default());
-    let gate = Gate::hold(&s);
-    assert!(pool.record_use(a as *const u8, &s).unwrap());
-    // SAFETY: allocated by `full_pool` with `l`.
-    unsafe { pool.deallocate(std::ptr::NonNull::new(a as *mut u8).unwrap(), l) };
-    let (count, waker) = counting();
-    let mut fut = pool.allocate_async(l);
-    assert!(poll(&mut fut, &waker).is_pending());
-    assert!(poll(&mut fut, &waker).is_pending());
-    assert_eq!(
-        count.wakes.load(Ordering::SeqCst),
-        0,
-        "woken while the GPU still uses the block"
-    );
-    gate.open();
-    let t0 = Instant::now();
-    while count.wakes.load(Ordering::SeqCst) == 0 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the driver never woke the allocation"
-        );
-        std::thread::park_timeout(Duration::from_millis(50));
-    }
-    let b = loop {
-        if let Poll::Ready(r) = poll(&mut fut, &waker) {
-            break r.unwrap();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "woken but never ready");
-        std::thread::park_timeout(Duration::from_millis(10));
-    };
-    assert_eq!(b.cast::<u8>().as_ptr() as usize, a);
-    assert!(s.is_idle().unwrap(), "handed out before the use completed");
-    // SAFETY: allocated above with `l`.
-    unsafe { pool.deallocate(b.cast(), l) };
-    s.synchronize().unwrap();
 }
 
 /// The handle's async path: a block of the default pinned pool (the fallback without a

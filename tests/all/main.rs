@@ -30,7 +30,6 @@ mod device_conformance;
 mod device_pages;
 mod device_stats;
 mod faults;
-mod futures;
 mod gpu;
 mod gpu_support;
 mod kernels;

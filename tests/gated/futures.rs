@@ -75,6 +75,7 @@ fn finish<F: Future + Unpin>(f: &mut F, counter: &CountingWaker, waker: &Waker) 
 #[test]
 fn stream_idle_waits_for_the_queued_work_and_is_woken_once() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let s = Stream::new(0).unwrap();
     let gate = Gate::hold(&s);
     let mut idle = s.idle();
@@ -101,57 +102,115 @@ fn stream_idle_waits_for_the_queued_work_and_is_woken_once() {
     assert!(matches!(poll(&mut s.idle(), &waker), Poll::Ready(Ok(()))));
 }
 
+/// Futures resolve in the GPU's order, never before their work: `b`'s event lies after
+/// `a`'s (b waits for it on the GPU), so when `b`'s future resolves `a`'s event has
+/// completed. (One gate only: host functions of every stream share one driver thread, so
+/// a second gate would hold every callback.)
 #[test]
 fn futures_complete_in_the_order_the_gpu_completes_their_work() {
     gpu!();
+    let _one = crate::one_at_a_time();
     let (a, b) = (Stream::new(0).unwrap(), Stream::new(0).unwrap());
-    let (gate_a, gate_b) = (Gate::hold(&a), Gate::hold(&b));
+    let gate = Gate::hold(&a);
     let on_a = a.record_event().unwrap();
+    b.wait(&on_a).unwrap();
+    let on_b = b.record_event().unwrap();
     let mut fa = on_a.completed();
-    let mut fb = b.idle();
+    let mut fb = on_b.completed();
+    let mut fb_idle = b.idle();
     let (ca, wa) = counting();
     let (cb, wb) = counting();
-    assert!(poll(&mut fa, &wa).is_pending() && poll(&mut fb, &wb).is_pending());
-    gate_b.open(); // b's work completes first
-    assert!(matches!(finish(&mut fb, &cb, &wb), Ok(())));
     assert!(
         poll(&mut fa, &wa).is_pending(),
         "a's event resolved while a is held"
     );
+    assert!(poll(&mut fb, &wb).is_pending() && poll(&mut fb_idle, &wb).is_pending());
+    assert_eq!(
+        ca.wakes.load(Ordering::SeqCst) + cb.wakes.load(Ordering::SeqCst),
+        0
+    );
+    gate.open();
+    assert!(matches!(finish(&mut fb, &cb, &wb), Ok(())));
+    assert!(
+        on_a.is_complete().unwrap(),
+        "b's future resolved before a's earlier work"
+    );
+    assert!(matches!(finish(&mut fb_idle, &cb, &wb), Ok(())));
+    assert!(matches!(finish(&mut fa, &ca, &wa), Ok(())));
     assert_eq!(
         ca.wakes.load(Ordering::SeqCst),
-        0,
-        "a's future woken before its work completed"
+        1,
+        "a's future woken exactly once"
     );
-    gate_a.open();
-    assert!(matches!(finish(&mut fa, &ca, &wa), Ok(())));
-    assert_eq!(ca.wakes.load(Ordering::SeqCst), 1);
-    assert!(on_a.is_complete().unwrap());
     a.synchronize().unwrap();
     b.synchronize().unwrap();
 }
 
-/// An event's future waits for the event, not for work queued on its stream after it.
+/// An event's future waits for the event, not for work queued on its stream after it:
+/// the later work is a GPU-side wait for a value in pinned memory
+/// (`cuStreamWaitValue32`), which holds the stream without the driver's host-function
+/// thread (where the future's callback runs).
 #[test]
 fn an_event_future_does_not_wait_for_later_work_on_its_stream() {
     gpu!();
+    let _one = crate::one_at_a_time();
+    use cudarc::driver::sys;
     let s = Stream::new(0).unwrap();
+    let flag: allocator_api2::boxed::Box<std::sync::atomic::AtomicU32, cudalloc::PinnedAlloc> =
+        allocator_api2::boxed::Box::new_in(std::sync::atomic::AtomicU32::new(0), cudalloc::PinnedAlloc);
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: `flag` is pinned host memory of the crate's pool, mapped for the device.
+    let rc = unsafe {
+        sys::cuMemHostGetDevicePointer_v2(
+            &mut dptr,
+            (&*flag as *const std::sync::atomic::AtomicU32).cast_mut().cast(),
+            0,
+        )
+    };
+    assert_eq!(
+        rc,
+        sys::CUresult::CUDA_SUCCESS,
+        "device address of the pinned flag"
+    );
+    /// Releases the GPU-side wait when dropped (a failing test included).
+    struct Release<'a>(&'a std::sync::atomic::AtomicU32);
+    impl Drop for Release<'_> {
+        fn drop(&mut self) {
+            self.0.store(1, Ordering::SeqCst);
+        }
+    }
     let first = Gate::hold(&s);
     let event = s.record_event().unwrap();
-    let later = Gate::hold(&s);
+    let release = Release(&flag);
+    // SAFETY: `dptr` stays valid until the wait has passed (`flag` outlives the
+    // synchronize below; `release` sets it, even on a panic, before `flag` is dropped).
+    let rc = unsafe {
+        sys::cuStreamWaitValue32_v2(
+            s.as_raw().cast(),
+            dptr,
+            1,
+            sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32,
+        )
+    };
+    assert_eq!(
+        rc,
+        sys::CUresult::CUDA_SUCCESS,
+        "cuStreamWaitValue32 (stream memory operations)"
+    );
     let mut done = event.completed();
     let (count, waker) = counting();
     assert!(poll(&mut done, &waker).is_pending());
     first.open();
     assert!(matches!(finish(&mut done, &count, &waker), Ok(())));
-    assert!(!s.is_idle().unwrap(), "the later gate still holds the stream");
-    later.open();
+    assert!(!s.is_idle().unwrap(), "the later wait still holds the stream");
+    drop(release);
     s.synchronize().unwrap();
 }
 
 #[test]
 fn a_dropped_future_wakes_no_one_and_leaks_nothing() {
     gpu!();
+    let _one = crate::one_at_a_time();
     // Alone in a process: `pending_completions` counts every future of the process.
     if crate::support::in_a_child_process("futures::a_dropped_future_wakes_no_one_and_leaks_nothing") {
         return;
@@ -213,6 +272,7 @@ const TRAP_PTX: &str = "\
 #[test]
 fn a_failed_kernel_is_the_futures_error() {
     gpu!();
+    let _one = crate::one_at_a_time();
     // A trap ruins the context of the whole process: alone in a child.
     if crate::support::in_a_child_process("futures::a_failed_kernel_is_the_futures_error") {
         return;
