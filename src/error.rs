@@ -63,6 +63,10 @@ pub enum Error {
     },
     /// A module has no kernel of the requested name (`CUDA_ERROR_NOT_FOUND`).
     KernelNotFound,
+    /// A wait with a deadline ran out before what it waited for was ready (a staging
+    /// ring's [`next`](crate::staging::StagingRing::next) whose buffers the GPU still
+    /// used, say).
+    TimedOut(&'static str),
 }
 
 impl Error {
@@ -127,6 +131,7 @@ impl fmt::Display for Error {
                      loads on every CUDA 12 and 13 driver) or update the driver",
                 )
             }
+            Error::TimedOut(what) => write!(f, "timed out: {what}"),
             Error::KernelNotFound => f.write_str(
                 "the module has no kernel of that name (declare kernels extern \"C\" so that \
                  C++ does not mangle their names)",

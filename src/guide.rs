@@ -12,3 +12,6 @@ pub mod guarantees {}
 
 #[doc = include_str!("../docs/traces.md")]
 pub mod traces {}
+
+#[doc = include_str!("../docs/staging.md")]
+pub mod staging {}

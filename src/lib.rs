@@ -39,6 +39,9 @@
 //! - [Guarantees](guide::guarantees): what every allocator promises (alignment, zero
 //!   size, bad input, zeroed memory, threads, reuse after GPU use, limits, no driver,
 //!   source failures) and the test that holds it to each promise.
+//! - [Staging and async](guide::staging): GPU completion as futures
+//!   ([`Stream::idle`](cuda::Stream::idle), [`Event::completed`](cuda::Event::completed)) and
+//!   staging rings ([`staging::StagingRing`]): blocking, non-blocking and async.
 //!
 //! ## Layers
 //!
@@ -134,6 +137,7 @@ pub mod pool;
 mod registration;
 mod slot_table;
 pub mod source;
+pub mod staging;
 mod sync;
 #[doc(hidden)]
 pub mod testing;
@@ -145,7 +149,9 @@ pub use count::{Counting, LeakReport, ProcessWindow, Snapshot, Window};
 pub use direct::Direct;
 pub use error::{Error, Result};
 pub use fence::{record_fence, record_use};
-pub use handle::{fallback_allocations, release_cached_memory, Managed, ManagedAlloc, Pinned, PinnedAlloc};
+pub use handle::{
+    fallback_allocations, release_cached_memory, Managed, ManagedAlloc, Pinned, PinnedAlloc, PinnedAllocate,
+};
 #[cfg(feature = "cudarc")]
 pub use interop::cudarc::{PinnedView, PinnedViewMut};
 pub use pool::{Pool, PoolConfig, PoolStats};

@@ -36,8 +36,14 @@ mod device_multi;
 mod device_pages_race;
 #[path = "gated/device_race.rs"]
 mod device_race;
+#[path = "gated/futures.rs"]
+mod futures;
 #[path = "all/gpu_support.rs"]
 mod gpu_support;
+#[path = "gated/pool_async.rs"]
+mod pool_async;
+#[path = "gated/staging.rs"]
+mod staging;
 
 static GATED: Mutex<()> = Mutex::new(());
 

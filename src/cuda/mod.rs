@@ -10,6 +10,7 @@
 //! (useful to test fallback paths on a GPU machine).
 
 pub(crate) mod async_memory;
+mod completion;
 mod driver;
 mod event_pool;
 pub(crate) mod exit;
@@ -30,6 +31,7 @@ pub(crate) use event_pool::PooledEvent;
 pub use mem_pool::default_pool_reserved;
 pub(crate) use memory::raw;
 
+pub use completion::{pending_completions, EventCompleted, StreamIdle};
 pub use memory::{
     memset_d8_async, pointer_info, HostAllocFlags, Location, ManagedAdvice, MemoryType, PointerInfo,
 };

@@ -382,6 +382,45 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// Queues `f` to run on a driver thread once all work queued before it has completed
+    /// or the context has failed (`cuStreamAddCallback`: unlike `cuLaunchHostFunc`'s host
+    /// function, which the driver skips after an error, the callback is called with the
+    /// error as `status`, so a future waiting on it always resolves). Later work on the
+    /// stream waits for it. `f` must not call CUDA (nor drop a [`Stream`] or an
+    /// [`Event`]: that calls the driver).
+    pub(crate) fn add_callback<F>(&self, f: F) -> Result<()>
+    where
+        F: FnOnce(core::result::Result<(), super::driver::CudaError>) + Send + 'static,
+    {
+        unsafe extern "C" fn trampoline<F>(_stream: sys::CUstream, status: sys::CUresult, data: *mut c_void)
+        where
+            F: FnOnce(core::result::Result<(), super::driver::CudaError>),
+        {
+            // SAFETY: `data` is the Box<F> leaked below, passed to us exactly once.
+            let f = unsafe { Box::from_raw(data.cast::<F>()) };
+            let status = match status {
+                sys::CUresult::CUDA_SUCCESS => Ok(()),
+                rc => Err(super::driver::CudaError::new(rc)),
+            };
+            // A panic must not unwind into the driver's thread.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || f(status)));
+        }
+        bind(self.device())?;
+        let data = Box::into_raw(Box::new(f));
+        // SAFETY: the driver calls `trampoline::<F>` once with `data`, which owns the box;
+        // flags must be 0.
+        let rc = unsafe { sys::cuStreamAddCallback(self.cu(), Some(trampoline::<F>), data.cast(), 0) };
+        if let Err(e) = check(rc) {
+            // SAFETY: the launch failed, so the driver will never call the trampoline;
+            // we still own the box.
+            drop(unsafe { Box::from_raw(data) });
+            return Err(e.into());
+        }
+        Ok(())
+    }
+}
+
 /// `CU_STREAM_PER_THREAD`: a handle that means "the calling thread's default stream".
 const PER_THREAD: sys::CUstream = 0x2 as sys::CUstream;
 const PER_THREAD_REFUSED: &str =

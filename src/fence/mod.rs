@@ -87,6 +87,15 @@ pub unsafe trait Fence: Send + Sync + 'static {
     fn seal(&self) -> Result<()> {
         Ok(())
     }
+
+    /// A future that resolves once the fence has completed, woken by the driver (an
+    /// [`EventCompleted`](crate::cuda::EventCompleted)), for the pools' async waits
+    /// ([`Pool::allocate_async`](crate::pool::Pool::allocate_async)). `None` (the default):
+    /// the fence cannot wake a task, and an async wait for it re-polls through the
+    /// executor instead.
+    fn completion(&self) -> Option<crate::cuda::EventCompleted> {
+        None
+    }
 }
 
 // SAFETY: an event reports completion once the work captured by its last record has
@@ -99,6 +108,9 @@ unsafe impl Fence for Event {
     fn wait(&self) -> Result<()> {
         self.synchronize()
     }
+    fn completion(&self) -> Option<crate::cuda::EventCompleted> {
+        Some(self.completed())
+    }
 }
 
 // SAFETY: as for `Event`; a pooled event is recorded once, then only queried until it
@@ -109,6 +121,9 @@ unsafe impl Fence for PooledEvent {
     }
     fn wait(&self) -> Result<()> {
         self.synchronize()
+    }
+    fn completion(&self) -> Option<crate::cuda::EventCompleted> {
+        Some(self.event().completed())
     }
     fn stream_id(&self) -> Option<StreamId> {
         Some(self.stream_id())

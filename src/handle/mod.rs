@@ -505,6 +505,74 @@ impl Managed {
     }
 }
 
+impl PinnedAlloc {
+    /// Allocates a block for `layout` from the process-wide pinned pool, waiting without
+    /// a thread where the pool is at the pinned cap with freed blocks the GPU still uses
+    /// (see [`Pool::allocate_async`](crate::pool::Pool::allocate_async); the `Allocator`
+    /// path waits up to 10 s on the thread instead). Without a driver the block comes from
+    /// the fallback at once, as [`Allocator::allocate`] does. Free it with
+    /// `Allocator::deallocate(&PinnedAlloc, ..)`.
+    ///
+    /// ```
+    /// use allocator_api2::alloc::{Allocator, Layout};
+    /// use cudalloc::PinnedAlloc;
+    /// # fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    /// #     use std::task::{Context, Poll, Wake, Waker};
+    /// #     struct T(std::thread::Thread);
+    /// #     impl Wake for T { fn wake(self: std::sync::Arc<Self>) { self.0.unpark() } }
+    /// #     let waker = Waker::from(std::sync::Arc::new(T(std::thread::current())));
+    /// #     let mut f = std::pin::pin!(f);
+    /// #     loop {
+    /// #         if let Poll::Ready(v) = f.as_mut().poll(&mut Context::from_waker(&waker)) { return v; }
+    /// #         std::thread::park();
+    /// #     }
+    /// # }
+    /// let layout = Layout::from_size_align(1 << 20, 64).unwrap();
+    /// // In async code: `PinnedAlloc::allocate_async(layout).await?`
+    /// let block = block_on(PinnedAlloc::allocate_async(layout)).unwrap();
+    /// assert!(block.len() >= 1 << 20);
+    /// // SAFETY: allocated above with `layout` from the default pinned handle.
+    /// unsafe { PinnedAlloc.deallocate(block.cast(), layout) };
+    /// ```
+    pub fn allocate_async(layout: Layout) -> PinnedAllocate {
+        if layout.size() != 0 && driver_available() {
+            sanitizer_exit::arm();
+            return PinnedAllocate(AllocateRoute::Pool(PINNED_DEFAULT.pool().allocate_async(layout)));
+        }
+        let out = route_allocate(PINNED_DEFAULT, layout).map_err(|AllocError| crate::Error::OutOfMemory {
+            requested: layout.size(),
+        });
+        PinnedAllocate(AllocateRoute::Ready(Some(out)))
+    }
+}
+
+/// The future of [`PinnedAlloc::allocate_async`].
+#[must_use = "a future does nothing unless awaited or polled"]
+#[derive(Debug)]
+pub struct PinnedAllocate(AllocateRoute);
+
+#[derive(Debug)]
+enum AllocateRoute {
+    Pool(crate::pool::AllocateAsync<'static, crate::source::PinnedPoolSource>),
+    Ready(Option<crate::Result<NonNull<[u8]>>>),
+}
+
+impl core::future::Future for PinnedAllocate {
+    type Output = crate::Result<NonNull<[u8]>>;
+    fn poll(
+        self: core::pin::Pin<&mut Self>,
+        cx: &mut core::task::Context<'_>,
+    ) -> core::task::Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            AllocateRoute::Pool(f) => core::pin::Pin::new(f).poll(cx),
+            AllocateRoute::Ready(out) => core::task::Poll::Ready(
+                out.take()
+                    .unwrap_or(Err(crate::Error::InvalidArgument("polled after it completed"))),
+            ),
+        }
+    }
+}
+
 const MANAGED_DEFAULT: Managed = Managed {
     attach: ManagedAttach::Global,
     strict: false,

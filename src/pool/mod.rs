@@ -58,6 +58,7 @@
 //! `thread_cache_capacity: 0` for a pool without thread caches.
 
 mod accounting;
+mod async_alloc;
 #[cfg(feature = "debug-checks")]
 mod checks;
 mod chunks;
@@ -80,6 +81,7 @@ use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
 pub use stats::PoolStats;
 
+pub use async_alloc::AllocateAsync;
 use shared::{OwnerRef, Settings, Shared};
 use size_class::{class_of, class_of_aligned, class_size, MAX_CLASS_SIZE, QUANTUM};
 use uses::BlockKind;

@@ -95,9 +95,28 @@ fn worth_trimming(e: &Error, size: usize, limit: Option<usize>) -> bool {
     ) && limit.is_none_or(|l| size <= l)
 }
 
+std::thread_local! {
+    /// Set while [`without_backpressure`] runs an allocation: a full pool fails at once
+    /// instead of blocking the thread (the async path waits by itself).
+    static NO_BACKPRESSURE: core::cell::Cell<bool> = const { core::cell::Cell::new(false) };
+}
+
+/// Runs `f` (an allocation) with the pools' blocking wait for pending blocks off on this
+/// thread.
+pub(crate) fn without_backpressure<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            NO_BACKPRESSURE.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(NO_BACKPRESSURE.with(|c| c.replace(true)));
+    f()
+}
+
 /// Whether waiting for pending blocks could make a failed request succeed: the pool or
 /// its source is full, not the request absurd.
-fn worth_waiting(e: &Error) -> bool {
+pub(crate) fn worth_waiting(e: &Error) -> bool {
     match e {
         Error::LimitExceeded { requested, limit, .. } => requested <= limit,
         Error::OutOfMemory { .. } => true,
@@ -192,6 +211,9 @@ impl<S: MemorySource> Shared<S> {
         let Some(wait) = self.settings.pending_wait else {
             return Err(err);
         };
+        if NO_BACKPRESSURE.with(core::cell::Cell::get) {
+            return Err(err); // an async allocation waits without the thread
+        }
         // A wait too long to add to the clock (`Duration::MAX`) waits forever.
         let deadline = Instant::now().checked_add(wait);
         while worth_waiting(&err) && self.wait_for_oldest_pending(deadline) {
@@ -522,7 +544,14 @@ impl<S: MemorySource> Shared<S> {
     /// Returns the pending blocks whose fences completed to the free lists; returns how
     /// many. The list is taken out, polled without the lock, and settled; a panic while
     /// polling cannot lose it (fences are polled under `catch_unwind`).
-    fn drain_pending(&self) -> usize {
+    /// The completions of the oldest pending block's uses, for an async wait (each `None`
+    /// where a fence cannot wake a task); `None` when nothing is pending.
+    pub(crate) fn oldest_pending_completions(&self) -> Option<Vec<Option<crate::cuda::EventCompleted>>> {
+        let fences = self.uses.lock().oldest_fences()?;
+        Some(fences.iter().map(|f| f.completion()).collect())
+    }
+
+    pub(crate) fn drain_pending(&self) -> usize {
         if !self.uses.any_pending() {
             return 0;
         }

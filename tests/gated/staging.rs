@@ -1,0 +1,217 @@
+//! The staging ring (`cudalloc::staging`): never hands out a buffer the GPU still reads
+//! (a copy held behind a gate, 0 corrupted bytes, and the negative control that skips the
+//! ring's event), deadline expiry, the async path woken by the driver and by give-backs,
+//! buffers from each source (`PinnedAlloc`, a `Pool`, an `Arena`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use allocator_api2::alloc::Allocator;
+use cudalloc::cuda::Stream;
+use cudalloc::device::DevicePool;
+use cudalloc::source::PinnedSource;
+use cudalloc::staging::StagingRing;
+use cudalloc::{copy, Arena, Error, PinnedAlloc, Pool};
+
+use crate::gpu_support::Gate;
+use crate::MIB;
+
+/// Leases the ring's only buffer, fills it with 0xAA and queues its copy to the device
+/// behind a closed gate; then takes the buffer again (`try_next`), writes 0x55 into it if
+/// it got it, opens the gate and returns how many bytes of the copy are not 0xAA.
+fn race(len: usize) -> (bool, usize) {
+    let s = Stream::new(0).unwrap();
+    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, len).unwrap();
+    let pool = DevicePool::get(0).unwrap();
+    let mut dev = pool.alloc::<u8>(len, &s).unwrap();
+    let gate = Gate::hold(&s);
+    {
+        let mut buf = ring.try_next().unwrap().expect("a fresh ring has a free buffer");
+        buf.fill(0xAA);
+        // SAFETY: the buffer is not written while leased after this; the ring keeps it
+        // from the next lease until the copy has completed (the property under test).
+        unsafe { copy::host_to_device_async(&buf, &mut dev, 0) }.unwrap();
+    }
+    let got = ring.try_next().unwrap().map(|mut buf| {
+        buf.fill(0x55); // the next batch's fill: a race if the copy has not run yet
+    });
+    gate.open();
+    let back = dev.to_vec().unwrap();
+    s.synchronize().unwrap();
+    (got.is_some(), back.iter().filter(|&&b| b != 0xAA).count())
+}
+
+#[test]
+fn a_ring_never_hands_out_a_buffer_the_gpu_still_reads() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let (got, corrupted) = race(64 * MIB);
+    assert!(!got, "try_next handed out the buffer while its copy was queued");
+    assert_eq!(corrupted, 0, "corrupted bytes");
+}
+
+/// The negative control: a ring that hands buffers out without waiting for their event
+/// corrupts the queued copy (every byte, as the copy runs after the refill), so the race
+/// test above can fail.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn without_its_event_the_ring_corrupts_the_queued_copy() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    // The hook is process-wide: alone in a child process.
+    if crate::support::in_a_child_process("staging::without_its_event_the_ring_corrupts_the_queued_copy") {
+        return;
+    }
+    cudalloc::staging::hooks::skip_release_events(true);
+    let (got, corrupted) = race(64 * MIB);
+    cudalloc::staging::hooks::skip_release_events(false);
+    assert!(got, "the hooked ring handed the buffer out at once");
+    assert_eq!(corrupted, 64 * MIB, "the refill reached the copy");
+}
+
+#[test]
+fn next_times_out_while_the_gpu_uses_every_buffer() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let s = Stream::new(0).unwrap();
+    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, 4096).unwrap();
+    // Every buffer leased: times out.
+    let lease = ring.next(Duration::from_secs(10)).unwrap();
+    let err = ring.next(Duration::from_millis(20)).unwrap_err();
+    assert!(matches!(err, Error::TimedOut(_)), "{err:?}");
+    // Given back, but the GPU is held before its last use completes: times out.
+    let gate = Gate::hold(&s);
+    drop(lease);
+    let err = ring.next(Duration::from_millis(20)).unwrap_err();
+    assert!(matches!(err, Error::TimedOut(_)), "{err:?}");
+    gate.open();
+    let again = ring.next(Duration::from_secs(10)).unwrap();
+    assert_eq!(again.index(), 0);
+    assert!(
+        s.is_idle().unwrap(),
+        "handed out before its stream passed the use"
+    );
+}
+
+/// A waker that counts its wake-ups and unparks the test thread.
+struct CountingWaker {
+    wakes: AtomicUsize,
+    thread: std::thread::Thread,
+}
+impl Wake for CountingWaker {
+    fn wake(self: Arc<Self>) {
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+        self.thread.unpark();
+    }
+}
+
+fn until_woken(c: &CountingWaker) -> bool {
+    let t0 = Instant::now();
+    while c.wakes.load(Ordering::SeqCst) == 0 {
+        if t0.elapsed() > Duration::from_secs(10) {
+            return false;
+        }
+        std::thread::park_timeout(Duration::from_millis(50));
+    }
+    true
+}
+
+#[test]
+fn next_async_is_woken_by_the_gpu_and_by_a_give_back() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let s = Stream::new(0).unwrap();
+    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, 4096).unwrap();
+    let counter = Arc::new(CountingWaker {
+        wakes: AtomicUsize::new(0),
+        thread: std::thread::current(),
+    });
+    let waker = Waker::from(counter.clone());
+    let mut cx = Context::from_waker(&waker);
+
+    // Every buffer leased: pending until the lease is dropped (no GPU work: free at once).
+    let lease = ring.try_next().unwrap().unwrap();
+    let mut next = ring.next_async();
+    assert!(Pin::new(&mut next).poll(&mut cx).is_pending());
+    drop(lease);
+    assert!(until_woken(&counter), "a give-back did not wake the waiting task");
+    // Ready once the (empty) work before the give-back's event has completed.
+    let lease = ready(&mut next, &mut cx).unwrap();
+    drop(next);
+
+    // Given back behind held work: pending until the driver says the work is done.
+    let gate = Gate::hold(&s);
+    drop(lease);
+    counter.wakes.store(0, Ordering::SeqCst);
+    let mut next = ring.next_async();
+    assert!(Pin::new(&mut next).poll(&mut cx).is_pending());
+    assert!(Pin::new(&mut next).poll(&mut cx).is_pending());
+    gate.open();
+    assert!(until_woken(&counter), "the driver did not wake the waiting task");
+    let lease = ready(&mut next, &mut cx).unwrap();
+    assert_eq!(lease.len(), 4096);
+    // A future dropped while waiting holds nothing.
+    let mut waiting = ring.next_async();
+    assert!(Pin::new(&mut waiting).poll(&mut cx).is_pending());
+    drop(waiting);
+    drop(lease);
+    assert_eq!(ring.next(Duration::from_secs(10)).unwrap().index(), 0);
+}
+
+/// Polls `next` until it is ready (parked between polls; at most 10 s: a hang guard).
+fn ready<F: Future + Unpin>(next: &mut F, cx: &mut Context<'_>) -> F::Output {
+    let t0 = Instant::now();
+    loop {
+        if let Poll::Ready(r) = Pin::new(&mut *next).poll(cx) {
+            return r;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never ready");
+        std::thread::park_timeout(Duration::from_millis(10));
+    }
+}
+
+/// Eight batches through a ring of two buffers on two streams: each batch's bytes arrive
+/// intact (the ring waited for each buffer's previous copy before the refill).
+fn batches_arrive_intact<A: Allocator + Clone>(alloc: A, what: &str) {
+    let streams = [Stream::new(0).unwrap(), Stream::new(0).unwrap()];
+    let len = 4 * MIB;
+    let ring = StagingRing::new(alloc, &streams, 1, len).unwrap();
+    let pool = DevicePool::get(0).unwrap();
+    let mut on_device = Vec::new();
+    for batch in 0..8u8 {
+        let mut buf = ring.next(Duration::from_secs(10)).unwrap();
+        assert!(
+            streams.contains(buf.stream()),
+            "{what}: a buffer of another stream"
+        );
+        let mut dev = pool.alloc::<u8>(len, buf.stream()).unwrap();
+        // Held a moment so that the refill of this buffer must wait for the GPU.
+        let gate = Gate::hold(buf.stream());
+        buf.fill(batch.wrapping_mul(37));
+        // SAFETY: the ring keeps the buffer from the next lease until the copy completed.
+        unsafe { copy::host_to_device_async(&buf, &mut dev, 0) }.unwrap();
+        drop(buf);
+        drop(gate);
+        on_device.push((batch, dev));
+    }
+    for (batch, dev) in on_device {
+        let back = dev.to_vec().unwrap();
+        let wrong = back.iter().filter(|&&b| b != batch.wrapping_mul(37)).count();
+        assert_eq!(wrong, 0, "{what}: batch {batch} arrived with {wrong} wrong bytes");
+    }
+}
+
+#[test]
+fn buffers_from_each_source_stage_intact_batches() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    batches_arrive_intact(PinnedAlloc, "PinnedAlloc");
+    let pool = Pool::new(PinnedSource::default());
+    batches_arrive_intact(&pool, "Pool<PinnedSource>");
+    let arena = Arena::pinned();
+    batches_arrive_intact(&arena, "Arena::pinned");
+}
