@@ -16,7 +16,7 @@
 //!    57-78), whose function slots the tool fills.
 //!
 //! Without a tool (or with `CUDALLOC_NVTX=0`) every annotation is one predictable branch
-//! on a process-wide state ([`on`]); with one, the calls go to the tool, off the hot path.
+//! on a process-wide state (`on`); with one, the calls go to the tool, off the hot path.
 
 use core::ffi::{c_char, c_int, c_void};
 use std::collections::{BTreeMap, HashMap};

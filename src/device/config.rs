@@ -55,13 +55,18 @@ pub struct DevicePoolConfig {
     /// the shared lists). A block larger than this is cached in the shared lists only.
     pub thread_cache_bytes: usize,
     /// Requests above this many bytes are not cached: they are allocated from and freed
-    /// to the driver pool directly (default 1 GiB).
+    /// to the backing directly (default 1 GiB). On [`Backing::PhysicalPages`] the page
+    /// heap's blocks (one allocation granule and more, 2 MiB on the H200) are not cached
+    /// by size class whatever this says (freed memory there serves blocks of any size at
+    /// once); up to this size the last few a thread freed wait in its cache for an
+    /// allocation of the same size on the same stream, until its next large allocation
+    /// they do not serve.
     pub max_cached_block: usize,
     /// What memory blocks are made of (default [`Backing::Auto`]: physical pages where
     /// the device supports them).
     pub backing: Backing,
     /// How a [`Backing::PhysicalPages`] pool trades memory for driver calls (default
-    /// [`PageTuning::TIGHT`]; unused on the driver pool).
+    /// [`PageTuning::BALANCED`]; unused on the driver pool).
     pub pages: PageTuning,
     /// Whether the pool describes its memory to an attached NVTX tool (default true),
     /// so that compute-sanitizer's memcheck reports accesses past a buffer's requested
@@ -100,7 +105,7 @@ pub enum Backing {
     /// reservations drift above what it holds (RMM's random workload on the H200:
     /// `cuMemAllocAsync` 1.26x the peak request; the cache on the driver pool 1.47x).
     DriverPool,
-    /// Blocks of 2 allocation granules and more (4 MiB on the H200) are runs of one large
+    /// Blocks of one allocation granule and more (2 MiB on the H200) are runs of one large
     /// virtual range backed by chunks of physical memory (`cuMemCreate`, `cuMemMap`:
     /// CUDA's virtual memory management, as PyTorch's expandable segments use it): freed
     /// runs coalesce and stay mapped, so a block of any size that fits in freed memory
@@ -108,9 +113,9 @@ pub enum Backing {
     /// rather than reserve more once they exceed an allowance. What is reserved stays near
     /// what is held, at the price of the moves (mapping, and above all `cuMemSetAccess`,
     /// about 25-30 us per chunk); [`PageTuning`] sets the trade-off (RMM's random
-    /// workload on the H200: 1.144x the peak request in 1.4-1.7 s with the default tuning,
-    /// 1.163x in 0.42 s with [`PageTuning::FAST`]). Smaller blocks stay on the driver
-    /// pool. Needs a device with VMM support: [`DevicePool::new`](super::DevicePool::new) fails without it. A
+    /// workload on the H200: 1.115x the peak request with the default tuning, in less
+    /// time than `cuMemAllocAsync`, which reserves 1.264x). Smaller blocks stay on the
+    /// driver pool, cached by size class. Needs a device with VMM support: [`DevicePool::new`](super::DevicePool::new) fails without it. A
     /// [`limit`](DevicePoolConfig::limit) holds for the pages and the driver pool together
     /// (idle chunks move rather than grow past it).
     PhysicalPages,
@@ -139,10 +144,10 @@ impl Default for DevicePoolConfig {
 /// H200, whatever its size: `cuMemUnmap`, `cuMemMap`, `cuMemSetAccess`).
 ///
 /// Measured on RMM's random workload (`benches/device.rs`, 10^5 allocations up to 64 MiB,
-/// 4 streams, one H200, BENCHMARKS.md): [`TIGHT`](Self::TIGHT) (the default) reserved
-/// 1.144x the peak request in 1.4-1.7 s, [`FAST`](Self::FAST) 1.163x in 0.42 s; in the same
-/// process the cache on the driver pool reserved 1.472x in 0.52 s and `cuMemAllocAsync`
-/// 1.260x in 0.33 s.
+/// 4 streams, one H200, BENCHMARKS.md): [`BALANCED`](Self::BALANCED) (the default)
+/// reserved 1.115x the peak request in 0.26-0.47 s, [`FAST`](Self::FAST) 1.103x in
+/// 0.35-0.54 s, [`TIGHT`](Self::TIGHT) 1.085x in 2.6 s; in the same processes
+/// `cuMemAllocAsync` reserved 1.264x in 0.34-0.67 s.
 ///
 /// ```
 /// use cudalloc::device::{Backing, DevicePoolConfig, PageTuning};

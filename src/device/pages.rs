@@ -34,24 +34,35 @@
 //!   memory makes none of them. The idle allowance and the chunk size trade memory for
 //!   moves, and a move costs about the same whatever the chunk's size (25-30 us of
 //!   access, 24 us of unmap), so larger chunks with a smaller allowance move fewer
-//!   bytes for the same reservation. On RMM's random workload (10^5 allocations,
-//!   `benches/device.rs`, one H200, one process): 4 MiB chunks and 1/32 reserved 1.137x
-//!   the peak request in 2.7 s, 4 MiB 1/16 1.163x in 0.73 s, 8 MiB 1/256 1.139x in
-//!   2.1 s, **8 MiB 1/128 1.144x in 1.4 s** ([`PageTuning::TIGHT`], the default: the
-//!   fastest under issue 10's 1.15), 8 MiB 1/32 1.156x in 0.69 s, **16 MiB 1/128 1.163x
-//!   in 0.42 s** ([`PageTuning::FAST`]), 32 MiB 1/128 1.176x in 0.33 s (the driver pool
-//!   under the cache: 1.472x in 0.52 s, `cuMemAllocAsync` 1.260x in 0.33 s).
-//! - **Stream order**: a free records one mark (an event) on the freeing stream, under
-//!   the heap's lock, and the freed run carries it, tagged with the units freed. A free
-//!   run keeps the latest mark of each stream whose work may not have completed (marks of
-//!   one stream complete in order; recorded under the lock, their sequence numbers follow
-//!   the stream's order), tagged with the hull of the units that stream's frees touched;
-//!   marks are merged when runs coalesce and kept by the parts they touch when a run is
-//!   split. An allocation on stream T makes T wait for the marks of other streams that
-//!   touched the units it takes (`cuStreamWaitEvent`, no host wait), the ordering the
-//!   cache uses for its cross-stream hand-over, and for none in memory no free touched;
-//!   an idle chunk is unmapped only once the marks touching it completed. A handle moved
-//!   from a chunk whose work is pending passes that chunk's marks on to its new chunk.
+//!   bytes for the same reservation. On RMM's random workload (10^5 allocations up to
+//!   64 MiB, 4 streams, `benches/device.rs`, one H200, one process, blocks not cached by
+//!   class; BENCHMARKS.md): 8 MiB chunks and 1/128 reserved 1.085x the peak request in
+//!   2.6 s ([`PageTuning::TIGHT`]), 8 MiB 1/32 1.105x in 0.65 s, 16 MiB 1/128 1.103x in
+//!   0.35-0.54 s ([`PageTuning::FAST`]), **16 MiB 1/64 1.115x in 0.26-0.47 s**
+//!   ([`PageTuning::BALANCED`], the default), 16 MiB 1/32 1.122x in 0.37 s, 32 MiB 1/128
+//!   1.128x in 0.33 s; `cuMemAllocAsync` 1.264x in 0.34-0.67 s in the same processes.
+//! - **Not cached by class**: the pool's size-class cache keeps no block of this heap
+//!   (it would round each block up to its class and hold memory only its class can
+//!   use: with the cache in front, 8 MiB 1/128 reserved 1.144x instead of 1.085x); the
+//!   thread caches keep the last few freed blocks for an allocation of the same size on
+//!   the same stream until the thread's next allocation of a large block they do not
+//!   serve, when they come back here.
+//! - **Stream order**: a free makes no driver call. It numbers itself (under the heap's
+//!   lock, so the frees of one stream are numbered in its order) and the freed run
+//!   carries (stream, number) with the hull of the units freed; a run keeps the latest
+//!   free of each stream not known to have completed, merged when runs coalesce and kept
+//!   by the parts they touch when a run is split. The heap keeps a [`Clock`] per stream
+//!   that freed here: every free up to `done` completed, and the marks (events) recorded
+//!   on it so far. An allocation on stream T that takes units a free of stream S touched
+//!   (S not T) asks the clock: completed, else S's oldest marks are queried, else (no mark
+//!   pending) whether S is idle (`cuStreamQuery`), at most once per stream and heap
+//!   operation; only if the work may still be pending does it record a mark on S (one,
+//!   covering every free of S so far) and make T wait for it (`cuStreamWaitEvent`, no
+//!   host wait). A failed query counts as pending. On RMM's random workload (no kernels,
+//!   so the streams are idle) this records no event at all, where the first version
+//!   recorded one per free. An idle chunk is unmapped only once the frees touching it
+//!   completed. A handle moved from a chunk whose work is pending passes that chunk's
+//!   frees on to its new chunk.
 //! - **Out of memory**: when `cuMemCreate` fails, every idle chunk whose work completed
 //!   is taken before the error goes up to the cache, which releases its blocks, retries,
 //!   and finally trims (below) after synchronizing. A failed allocation gives its run and
