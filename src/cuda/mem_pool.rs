@@ -107,8 +107,8 @@ impl MemPool {
         })
     }
 
-    /// Bytes reserved from the device now (one attribute query; the reservation policy of
-    /// the device cache reads it after releasing blocks).
+    /// Bytes reserved from the device now (one attribute query; the device cache's trims
+    /// read it to say what they gave back).
     pub(crate) fn reserved(&self) -> Result<u64> {
         bind(self.device)?;
         self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)

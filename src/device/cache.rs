@@ -36,12 +36,8 @@
 //! where the driver pool can reuse them for any size) while idle bytes exceed 1/32 of live
 //! bytes (at least 64 MiB): a workload that changes sizes keeps its memory near what it
 //! uses, one that repeats never misses. The driver pool keeps what it gets back and carves
-//! it for later requests, so its reservations drift above what the cache holds. A
-//! reservation policy that trims the driver pool's idle reservations after a release
-//! (`Settings::trim_backend`) brings RMM's random workload from 1.21 to 1.13 reserved /
-//! requested on the simulated driver pool of `device/fake.rs`, but not on the H200
-//! (2026-11-30: 1.33 with it, 1.26 for `cuMemAllocAsync`, 47852 trims making the run 4x
-//! slower), whose pool keeps chunks that hold any live block: it is off by default.
+//! it for later requests, so its reservations drift above what the cache holds (trimming
+//! the driver pool after each release was measured and rejected: BENCHMARKS.md).
 //!
 //! With [`Backing::PhysicalPages`](super::Backing::PhysicalPages) (the default where the
 //! device supports it) the backend puts blocks of 2 granules and more (4 MiB on the H200)
@@ -74,9 +70,6 @@ use crate::trace::{Code, Note};
 const IDLE_SHIFT: u32 = 5;
 /// Gated blocks polled per stream on a slow path.
 const POLL_PER_STREAM: usize = 4;
-/// After a release, the backend is trimmed when it reserves more than 1/2^TRIM_SHIFT
-/// above the bytes held.
-const TRIM_SHIFT: u32 = 5;
 
 /// The cache's shape, fixed at creation.
 #[derive(Clone, Copy, Debug)]
@@ -93,9 +86,6 @@ pub(crate) struct Settings {
     pub(crate) limit: usize,
     /// Idle bytes a miss always tolerates (64 MiB by default).
     pub(crate) idle_floor: usize,
-    /// Whether releases trim the backend's idle reservations (off: on the H200 it cost
-    /// time and saved nothing; the simulated-pool tests show the mechanism).
-    pub(crate) trim_backend: bool,
 }
 
 impl Settings {
@@ -134,7 +124,6 @@ impl Settings {
             thread_cache_bytes,
             limit: limit.unwrap_or(usize::MAX),
             idle_floor: 64 << 20,
-            trim_backend: false,
         }
     }
 }
@@ -312,8 +301,8 @@ pub(crate) struct Counters {
     pub(crate) released: AtomicU64,
     /// Out-of-memory recoveries attempted (release everything, retry).
     pub(crate) oom_recoveries: AtomicU64,
-    /// Times the backend's idle reservations were trimmed (out-of-memory recoveries,
-    /// `trim`, and the reservation policy when it is on).
+    /// Times the backend's idle reservations were trimmed (out-of-memory recoveries and
+    /// `trim`).
     pub(crate) trims: AtomicU64,
     /// Bytes given up on (never reused, never freed) because a wait for the GPU failed.
     pub(crate) abandoned_bytes: AtomicU64,
@@ -699,30 +688,8 @@ impl<B: Backend> Cache<B> {
         let over_limit = held.saturating_add(need).saturating_sub(self.settings.limit);
         let excess = idle.saturating_sub(bound).max(over_limit);
         if excess > 0 {
-            let released = self.release_idle(tc, excess);
-            self.trim_backend(released);
+            self.release_idle(tc, excess);
         }
-    }
-
-    /// The reservation policy, after `released` bytes went back to the backend. The
-    /// backend keeps what is freed into it (the driver pool's release threshold is at its
-    /// maximum, so that a synchronization never gives memory back) and reuses it for any
-    /// request that fits, carving large free extents for small requests; the rests that
-    /// nothing fits into stay reserved. So when the backend reserves more than 1/32 above
-    /// the bytes held, its idle reservations go back to the device (`cuMemPoolTrimTo`:
-    /// only memory whose frees have completed; what this trim misses, a later one finds),
-    /// and later requests get memory of their own size. One attribute query per release
-    /// when there is nothing to trim.
-    fn trim_backend(&self, released: usize) {
-        if released == 0 || !self.settings.trim_backend {
-            return;
-        }
-        let held = self.held.held();
-        let bound = held.saturating_add(held >> TRIM_SHIFT);
-        if self.backend.reserved().is_none_or(|r| r <= bound) {
-            return;
-        }
-        self.trim_backend_to(held);
     }
 
     /// Gives idle blocks of at least `excess` bytes back to the backend, largest first:
@@ -883,15 +850,13 @@ impl<B: Backend> Cache<B> {
     // ---- free -------------------------------------------------------------------------
 
     /// The free slow path: `ptr`, serving a request of `bytes`, freed on its home stream
-    /// `stream` (whose handle the freed buffer gives up, with its pool handle `pool`),
-    /// with recorded uses on `uses`.
+    /// `stream` (whose handle the freed buffer gives up), with recorded uses on `uses`.
     pub(crate) fn free_slow<P>(
         &self,
         tc: Option<&mut ThreadCache<B, P>>,
         ptr: u64,
         bytes: usize,
         stream: B::Stream,
-        pool: Option<P>,
         uses: Vec<B::Stream>,
     ) {
         let home = B::stream_id(&stream);
@@ -915,39 +880,37 @@ impl<B: Backend> Cache<B> {
             if t.reclaim_requested() {
                 self.flush_thread(t);
             }
-            if t.holds_class(class) {
-                let (i, evicted) = t.entry(&stream);
-                if let Some(ev) = evicted {
-                    self.give_evicted([ev]);
-                }
-                if t.bin_is_full(i, class) {
-                    let half = t.take_half(i, class);
-                    self.give_blocks(&stream, class, half);
-                }
-                if !t.has_room(i, class) {
-                    // Stale classes fill the budget: make room for the working set.
-                    let others = t.take_all_but(i, class);
-                    self.give_evicted(others);
-                }
-                match pool {
-                    Some(p) => match t.put_block_with(i, class, ptr, stream, p) {
-                        Ok(()) => return,
-                        Err((s, p)) => {
-                            self.give_blocks(&s, class, vec![ptr]);
-                            drop((s, p));
-                            return;
-                        }
-                    },
-                    None => {
-                        if t.put_block(i, class, ptr) {
-                            return;
-                        }
-                    }
-                }
+            if t.holds_class(class) && self.put_in_thread(t, &stream, class, ptr) {
+                return;
             }
         }
         self.give_blocks(&stream, class, vec![ptr]);
-        drop((stream, pool));
+    }
+
+    /// Keeps a freed block of `class` in the thread's bin of `stream`, making room there
+    /// first (half of a full bin, and stale classes that fill the budget, go to the shared
+    /// lists); false when it still does not fit.
+    fn put_in_thread<P>(
+        &self,
+        t: &mut ThreadCache<B, P>,
+        stream: &B::Stream,
+        class: usize,
+        ptr: u64,
+    ) -> bool {
+        let (i, evicted) = t.entry(stream);
+        if let Some(ev) = evicted {
+            self.give_evicted([ev]);
+        }
+        if t.bin_is_full(i, class) {
+            let half = t.take_half(i, class);
+            self.give_blocks(stream, class, half);
+        }
+        if !t.has_room(i, class) {
+            // Stale classes fill the budget: make room for the working set.
+            let others = t.take_all_but(i, class);
+            self.give_evicted(others);
+        }
+        t.put_block(i, class, ptr)
     }
 
     /// One mark on each stream of `uses` other than `home`. A stream that cannot be

@@ -116,11 +116,11 @@ fn free(
         if let (Some(t), Some(class)) = (tc.as_deref_mut(), c.class_for(bytes)) {
             match t.push(s.id, class, ptr, s.clone(), ()) {
                 Ok(()) => return,
-                Err((stream, pool)) => return c.free_slow(tc, ptr, bytes, stream, Some(pool), uses),
+                Err((stream, ())) => return c.free_slow(tc, ptr, bytes, stream, uses),
             }
         }
     }
-    c.free_slow(tc, ptr, bytes, s.clone(), None, uses)
+    c.free_slow(tc, ptr, bytes, s.clone(), uses)
 }
 
 fn assert_balanced(c: &Cache<FakeBackend>, live_bytes: u64) {
@@ -349,7 +349,7 @@ fn blocks_above_the_cached_size_go_straight_to_the_backend() {
         (1 << 20) + 256,
         "rounded to 256, not to a class"
     );
-    c.free_slow::<()>(None, p, (1 << 20) + 1, s.clone(), None, vec![u.clone()]);
+    c.free_slow::<()>(None, p, (1 << 20) + 1, s.clone(), vec![u.clone()]);
     assert_eq!(c.backend.held(), 0);
     assert_eq!(
         c.snapshot().marks,
@@ -365,7 +365,7 @@ fn uncached_settings_cache_nothing() {
     let s = FakeStream::new();
     for _ in 0..10 {
         let p = c.alloc_slow::<()>(None, 4096, &s).unwrap();
-        c.free_slow::<()>(None, p, 4096, s.clone(), None, Vec::new());
+        c.free_slow::<()>(None, p, 4096, s.clone(), Vec::new());
     }
     assert_eq!(c.backend.allocs.load(Ordering::SeqCst), 10);
     assert_eq!(c.backend.held(), 0);
@@ -422,11 +422,11 @@ fn the_limit_is_a_limit_on_held_bytes() {
         matches!(e, Error::LimitExceeded { limit, .. } if limit == 16 * MIB),
         "{e}"
     );
-    c.free_slow::<()>(None, a, 10 * MIB, s.clone(), None, Vec::new());
+    c.free_slow::<()>(None, a, 10 * MIB, s.clone(), Vec::new());
     // The cached 10 MiB block is released to make room for a 12 MiB one.
     let b = c.alloc_slow::<()>(None, 12 * MIB, &s).unwrap();
     assert_eq!(c.backend.held(), class_size(class_of(12 * MIB)) as u64);
-    c.free_slow::<()>(None, b, 12 * MIB, s.clone(), None, Vec::new());
+    c.free_slow::<()>(None, b, 12 * MIB, s.clone(), Vec::new());
 }
 
 #[test]
@@ -435,7 +435,7 @@ fn out_of_memory_waits_for_gated_blocks() {
     let (s, u) = (FakeStream::new(), FakeStream::new());
     let p = c.alloc_slow::<()>(None, 8 * MIB, &s).unwrap();
     u.enqueue();
-    c.free_slow::<()>(None, p, 8 * MIB, s.clone(), None, vec![u.clone()]);
+    c.free_slow::<()>(None, p, 8 * MIB, s.clone(), vec![u.clone()]);
     assert_eq!(c.snapshot().pending_blocks, 1);
     // 12 MiB fits only once the gated block is released, after its use completed.
     let q = c.alloc_slow::<()>(None, 12 * MIB, &s).unwrap();
@@ -444,7 +444,7 @@ fn out_of_memory_waits_for_gated_blocks() {
         s.covers(&u, 1),
         "the host waited for the use before the block went back"
     );
-    c.free_slow::<()>(None, q, 12 * MIB, s, None, Vec::new());
+    c.free_slow::<()>(None, q, 12 * MIB, s, Vec::new());
 }
 
 #[test]
@@ -650,12 +650,13 @@ fn random_workload(
 }
 
 /// RMM's random workload (scaled down 16x in usage: 1000 MiB instead of 16000; sizes up
-/// to 64 MiB, 4 streams) on a cache with or without the reservation policy: (peak bytes
-/// requested, peak bytes held, peak bytes the simulated driver pool reserved).
-fn random_reservations(trim_backend: bool) -> (u64, u64, u64) {
-    let mut settings = Settings::new(1 << 30, 256 << 20, None);
-    settings.trim_backend = trim_backend;
-    let c = Cache::new(FakeBackend::new(u64::MAX), settings);
+/// to 64 MiB, 4 streams) on a cache over the simulated driver pool: (peak bytes requested,
+/// peak bytes held, peak bytes the simulated driver pool reserved).
+fn random_reservations() -> (u64, u64, u64) {
+    let c = Cache::new(
+        FakeBackend::new(u64::MAX),
+        Settings::new(1 << 30, 256 << 20, None),
+    );
     let mut tc: Tc = c.new_thread_cache().unwrap();
     let (peak_requested, peak_held, violations) =
         random_workload(&c, &mut tc, 20_000, 64 << 20, 16_000 << 20, 4);
@@ -663,9 +664,8 @@ fn random_reservations(trim_backend: bool) -> (u64, u64, u64) {
     let (_, peak_reserved) = c.backend.reservation();
     let s = c.snapshot();
     println!(
-        "random workload, reservation policy {}: peak requested {} MiB, held / requested {:.3}, \
-         reserved / requested {:.3}; {} hits, {} misses, {} steals, {} released, {} trims",
-        if trim_backend { "on" } else { "off" },
+        "random workload: peak requested {} MiB, held / requested {:.3}, reserved / requested \
+         {:.3}; {} hits, {} misses, {} steals, {} released, {} trims",
         peak_requested >> 20,
         peak_held as f64 / peak_requested as f64,
         peak_reserved as f64 / peak_requested as f64,
@@ -684,22 +684,13 @@ fn random_reservations(trim_backend: bool) -> (u64, u64, u64) {
 }
 
 #[test]
-fn random_multi_stream_workload_reserves_at_most_15_percent_more_than_it_requests() {
+fn random_multi_stream_workload_holds_at_most_15_percent_more_than_it_requests() {
     // RMM's parameters (16000 MiB at most live, sizes up to 64 MiB, 4 streams), 20000
-    // allocations. The simulated driver pool fragments somewhat less than the H200's
-    // (without the policy: 1.21 here, 1.36 there before the idle bound was halved), so
-    // this proves the policy's mechanism, and the GPU benchmark the figure.
-    let (requested, held, reserved) = random_reservations(true);
-    let (held, reserved) = (held as f64 / requested as f64, reserved as f64 / requested as f64);
+    // allocations: the cache's release policy keeps its idle blocks near 1/32 of the live
+    // bytes (what the driver pool reserves beyond that is its own: BENCHMARKS.md).
+    let (requested, held, _) = random_reservations();
+    let held = held as f64 / requested as f64;
     assert!(held <= 1.15, "peak held / peak requested = {held:.3}");
-    assert!(reserved <= 1.15, "peak reserved / peak requested = {reserved:.3}");
-    // Without the policy the simulated driver pool keeps the extents nothing fits into.
-    let (requested, _, reserved_off) = random_reservations(false);
-    let reserved_off = reserved_off as f64 / requested as f64;
-    assert!(
-        reserved_off > reserved + 0.05,
-        "the policy saves: {reserved_off:.3} -> {reserved:.3}"
-    );
 }
 
 #[test]
@@ -821,8 +812,8 @@ fn dropping_the_cache_frees_every_block() {
     let a = c.alloc_slow::<()>(None, 4096, &s).unwrap();
     let b = c.alloc_slow::<()>(None, 8192, &s).unwrap();
     u.enqueue();
-    c.free_slow::<()>(None, a, 4096, s.clone(), None, Vec::new());
-    c.free_slow::<()>(None, b, 8192, s.clone(), None, vec![u.clone()]);
+    c.free_slow::<()>(None, a, 4096, s.clone(), Vec::new());
+    c.free_slow::<()>(None, b, 8192, s.clone(), vec![u.clone()]);
     assert_eq!(lock(&live).len(), 2);
     drop(c);
     assert!(lock(&live).is_empty(), "both blocks freed");
@@ -1183,8 +1174,8 @@ const PAGE_MIN: usize = super::pages::PAGE_MIN_GRANULES * GRANULE;
 fn random_workload_on_physical_pages_reserves_at_most_15_percent_more_than_it_requests() {
     let paged = random_reservations_paged(PAGE_MIN, PageTuning::default()).ratio();
     assert!(paged <= 1.15, "peak reserved / peak requested = {paged:.3}");
-    // The simulated driver pool alone (no reservation policy) keeps more.
-    let (requested, _, reserved) = random_reservations(false);
+    // The simulated driver pool alone keeps more.
+    let (requested, _, reserved) = random_reservations();
     let pool = reserved as f64 / requested as f64;
     assert!(pool > paged, "pages {paged:.3}, driver pool {pool:.3}");
 }

@@ -344,24 +344,6 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         self.put(i, class, ptr, &mut None)
     }
 
-    /// Keeps a block of `class` for slot `i` with the freed buffer's handles (allocating
-    /// the bin if needed); gives them back when it does not fit.
-    pub(crate) fn put_block_with(
-        &mut self,
-        i: usize,
-        class: usize,
-        ptr: u64,
-        stream: B::Stream,
-        pool: P,
-    ) -> Result<(), Handles<B, P>> {
-        self.reserve_bin(i, class);
-        let mut handles = Some((stream, pool));
-        if self.put(i, class, ptr, &mut handles) {
-            return Ok(());
-        }
-        handles.map_or(Ok(()), Err)
-    }
-
     /// Allocates the bin of `class` of slot `i` at its capacity, if not yet.
     fn reserve_bin(&mut self, i: usize, class: usize) {
         let Some(&cap) = self.caps.get(class) else {

@@ -456,19 +456,6 @@ fn leak_helpers_check_the_scope_they_name() {
     drop((kept, mine));
 }
 
-/// The old names still compile (deprecated) and do what the new ones do.
-#[test]
-#[allow(deprecated)]
-fn old_leak_helper_names_still_work() {
-    let c = Counting::new(System);
-    cudalloc::count::assert_no_leaks(|| drop(Box::new_in(1u8, &c)));
-    c.assert_no_leaks(|| drop(Box::new_in(1u8, &c)));
-    let mut kept = None;
-    let report = cudalloc::count::check_leaks(|| kept = Some(Box::new_in(1u8, &c))).unwrap_err();
-    assert_eq!(report.leaked_bytes(), 1);
-    drop(kept);
-}
-
 #[test]
 fn thread_window_ignores_other_threads_process_window_does_not() {
     let c = Counting::new(PinnedAlloc);
