@@ -135,7 +135,7 @@ mod registration;
 mod slot_table;
 pub mod source;
 mod sync;
-#[doc(hidden)]
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod trace;
 mod util;

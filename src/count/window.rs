@@ -393,6 +393,7 @@ pub enum LeakScope {
 /// # drop(b);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LeakReport {
     /// The kind of window.
     pub scope: LeakScope,

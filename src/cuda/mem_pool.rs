@@ -193,7 +193,7 @@ fn location(ordinal: usize) -> Result<sys::CUmemLocation> {
 /// Reserved bytes of device `device`'s default memory pool (the one `cuMemAllocAsync`
 /// uses), now and at its high (reset to the current value with `reset_high`): what the
 /// `cuMemAllocAsync` reference of the benchmarks reserves.
-#[doc(hidden)]
+#[cfg(feature = "testing")]
 pub fn default_pool_reserved(device: usize, reset_high: bool) -> Result<(u64, u64)> {
     use sys::CUmemPool_attribute as A;
     driver()?;

@@ -430,7 +430,6 @@ impl DeviceArena {
     /// Test switch: with `false`, resets and rewinds reuse memory without ordering the
     /// arena's stream after recorded uses (the race the events prevent).
     #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
     pub fn set_event_guard(&mut self, on: bool) {
         self.guard = on;
     }

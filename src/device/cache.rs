@@ -992,8 +992,10 @@ impl<B: Backend> Cache<B> {
     /// the gated ones, waiting for their uses), waits for those frees, returns the
     /// backend's idle memory to the device, drops the handles of streams with nothing
     /// cached, and asks other threads for their blocks (they give them at their next
-    /// allocation or free on this pool).
-    pub(crate) fn trim<P>(&self, mut tc: Option<&mut ThreadCache<B, P>>) {
+    /// allocation or free on this pool). Returns the bytes the backend reserves less from
+    /// the device (when it cannot say: the bytes of the blocks it got back).
+    pub(crate) fn trim<P>(&self, mut tc: Option<&mut ThreadCache<B, P>>) -> usize {
+        let (reserved_before, held_before) = (self.backend.reserved(), self.held.held());
         if let Some(t) = tc.as_deref_mut() {
             self.flush_thread(t);
         }
@@ -1012,6 +1014,10 @@ impl<B: Backend> Cache<B> {
             pruned
         };
         drop(idle_streams);
+        match reserved_before.zip(self.backend.reserved()) {
+            Some((before, after)) => before.saturating_sub(after),
+            None => held_before.saturating_sub(self.held.held()),
+        }
     }
 
     /// A snapshot of the counters: no side effect, no CUDA call.

@@ -303,18 +303,25 @@ impl DevicePool {
     /// with nothing cached. Other threads' cached blocks go back to the shared lists at
     /// their next allocation or free on this pool (or when they exit); trim again then.
     ///
+    /// Returns the bytes released: how much less the pool reserves from the device
+    /// afterwards (the driver pool and the page heap together), as [`Pool::trim`] returns
+    /// the bytes it gave back to its source.
+    ///
+    /// [`Pool::trim`]: crate::pool::Pool::trim
+    ///
     /// ```
     /// use cudalloc::{cuda::Stream, device::DevicePool};
     /// if let (Ok(pool), Ok(stream)) = (DevicePool::uncached(0), Stream::new(0)) {
     ///     drop(pool.alloc::<u8>(16 << 20, &stream).unwrap());
     ///     stream.synchronize().unwrap();
-    ///     assert!(pool.stats().reserved_bytes >= 16 << 20); // the driver pool keeps it
-    ///     pool.trim();
+    ///     let reserved = pool.stats().reserved_bytes; // the driver pool keeps the block
+    ///     assert!(reserved >= 16 << 20);
+    ///     assert_eq!(pool.trim() as u64, reserved);
     ///     assert_eq!(pool.stats().reserved_bytes, 0);
     /// }
     /// ```
-    pub fn trim(&self) {
-        local::with_thread_cache(self, |tc| self.cache().trim(tc));
+    pub fn trim(&self) -> usize {
+        local::with_thread_cache(self, |tc| self.cache().trim(tc))
     }
 
     /// Resets the peaks that [`stats`](Self::stats) reports (held bytes, and the driver
@@ -341,6 +348,7 @@ impl DevicePool {
     }
 
     /// The page heap's counters, on physical pages (benchmarks print them).
+    #[cfg(feature = "testing")]
     pub(crate) fn page_counters(&self) -> Option<String> {
         self.cache()
             .backend
@@ -401,7 +409,6 @@ impl DevicePool {
     /// waiting for that stream's work, and blocks freed with recorded uses are reused at
     /// once (the races the events prevent), so a negative-control test can show them.
     #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
     pub fn set_event_guard(&self, on: bool) {
         self.cache().set_guard(on);
     }

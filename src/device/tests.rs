@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 
+use super::backend::Backend;
 use super::cache::{Cache, Settings};
 use super::fake::{FakeBackend, FakeStream};
 use super::size_class::{class_of, class_size};
@@ -469,7 +470,13 @@ fn trim_gives_everything_back_and_drops_stream_handles() {
     let before = c.snapshot();
     assert_eq!(before.per_stream.len(), 3, "{before:?}");
     assert_eq!(before.pending_blocks, 1);
-    c.trim(Some(&mut tc));
+    let reserved = c.backend.reserved().unwrap();
+    let released = c.trim(Some(&mut tc));
+    assert_eq!(
+        released,
+        reserved - c.backend.reserved().unwrap(),
+        "trim returns the bytes released"
+    );
     let after = c.snapshot();
     assert_eq!((after.cached_bytes, after.pending_bytes), (0, 0), "{after:?}");
     assert!(after.per_stream.is_empty());
@@ -484,8 +491,11 @@ fn trim_gives_everything_back_and_drops_stream_handles() {
     }
     free(&c, Some(&mut tc), keep.0, keep.1, &keep.2, Vec::new());
     c.retire_thread_cache(&mut tc);
-    c.trim::<()>(None);
+    let reserved = c.backend.reserved().unwrap();
+    assert!(reserved > 0, "the simulated driver pool keeps what it was given");
+    assert_eq!(c.trim::<()>(None), reserved, "trim returns the bytes released");
     assert_eq!(c.backend.live_blocks(), 0);
+    assert_eq!(c.backend.reserved(), Some(0));
 }
 
 #[test]

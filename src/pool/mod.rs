@@ -521,7 +521,6 @@ impl<S: MemorySource + 'static> Pool<S> {
     /// Test switch: with `false`, blocks freed with unfinished recorded uses are reused
     /// at once (the bug the pending list prevents), so a test can show that it fails.
     #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
     pub fn set_pending_list_enabled(&self, enabled: bool) {
         self.shared
             .pending_enabled

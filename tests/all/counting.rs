@@ -89,13 +89,9 @@ fn counters_count_every_kind_of_operation() {
 
     let refusing = Counting::new(Refusing);
     assert!(refusing.allocate(l8).is_err());
-    assert_eq!(
-        refusing.snapshot(),
-        Snapshot {
-            failures: 1,
-            ..Snapshot::default()
-        }
-    );
+    let mut refused = Snapshot::default();
+    refused.failures = 1;
+    assert_eq!(refusing.snapshot(), refused);
 }
 
 #[test]

@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::{Allocator, Layout};
 use allocator_api2::vec::Vec as AVec;
 use cudalloc::arena::{Arena, ArenaConfig};
+use cudalloc::cuda::MemoryType;
 use cudalloc::fence::Fence;
 use cudalloc::pool::{Pool, PoolConfig};
-use cudalloc::source::{HostSource, HostVisible, MemoryKind, MemorySource};
+use cudalloc::source::{HostSource, HostVisible, MemorySource};
 use cudalloc::{Counting, Direct, Error};
 
 use crate::support::assert_balanced;
@@ -96,8 +97,8 @@ unsafe impl MemorySource for Faulty {
     fn align(&self) -> usize {
         HostSource.align()
     }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pageable
+    fn kind(&self) -> MemoryType {
+        MemoryType::Pageable
     }
     fn allocate(&self, size: usize) -> cudalloc::Result<NonNull<u8>> {
         let call = self.0.calls.fetch_add(1, Ordering::SeqCst);
