@@ -137,6 +137,7 @@ pub mod source;
 mod sync;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod thread_registry;
 pub mod trace;
 mod util;
 

@@ -24,6 +24,7 @@ use super::order::StreamOrder;
 use super::size_class::class_size;
 use crate::cuda::StreamId;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering};
+use crate::thread_registry::ThreadCounters;
 
 /// Streams a thread keeps bins for; a further stream evicts the one holding least.
 pub(crate) const MAX_STREAMS: usize = 8;
@@ -56,6 +57,12 @@ pub(crate) struct ThreadStats {
     pub(crate) hits: AtomicU64,
     /// Per stream slot (the index of the stream in [`ThreadCache`]'s table).
     pub(crate) slots: [SlotStats; MAX_STREAMS],
+}
+
+impl ThreadCounters for ThreadStats {
+    fn served(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
 }
 
 /// The handles a freed buffer leaves with its block: its stream's and its pool's.
