@@ -213,7 +213,7 @@ fn cross_stream_case(own_thread_cache: bool, guard: bool) -> (usize, u64) {
     }
     c.flush_thread(&mut tc);
     assert_balanced(&c, 0);
-    (tr.violations, c.snapshot().marks)
+    (tr.violations, c.snapshot().events)
 }
 
 #[test]
@@ -278,7 +278,7 @@ fn recorded_uses_gate_reuse_until_they_complete() {
     free(&c, Some(&mut tc), p, 1 << 20, &s, vec![u.clone()]);
     let snap = c.snapshot();
     assert_eq!((snap.pending_blocks, snap.pending_bytes), (1, 1 << 20));
-    assert_eq!(snap.marks, 1, "one mark on the using stream, at the free");
+    assert_eq!(snap.events, 1, "one mark on the using stream, at the free");
     assert_balanced(&c, 0);
     // U has not finished: S gets a new block.
     let q = alloc(&c, Some(&mut tc), 1 << 20, &s).unwrap();
@@ -353,7 +353,7 @@ fn blocks_above_the_cached_size_go_straight_to_the_backend() {
     c.free_slow::<()>(None, p, (1 << 20) + 1, s.clone(), vec![u.clone()]);
     assert_eq!(c.backend.held(), 0);
     assert_eq!(
-        c.snapshot().marks,
+        c.snapshot().events,
         1,
         "the home stream waited for the recorded use"
     );
@@ -807,7 +807,7 @@ fn threads_sharing_streams(c: Arc<Cache<FakeBackend>>, max_size: u64) {
     let s = c.snapshot();
     println!(
         "threads: {} hits, {} misses, {} steals, {} marks",
-        s.hits, s.misses, s.steals, s.marks
+        s.hits, s.misses, s.steals, s.events
     );
     streams.iter().for_each(FakeStream::complete_all);
     c.trim::<()>(None);

@@ -3,6 +3,7 @@
 
 use super::Cache;
 use crate::device::backend::Backend;
+use crate::device::report::{DevicePoolStats, StreamCacheStats};
 use crate::sync::{AtomicU64, Ordering};
 
 /// Event counters of a cache (read-modify-writes happen only on slow paths).
@@ -27,96 +28,81 @@ pub(crate) struct Counters {
     pub(crate) abandoned_bytes: AtomicU64,
 }
 
-/// What [`Cache::snapshot`] reads.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Snapshot {
-    pub(crate) held_bytes: u64,
-    pub(crate) held_blocks: u64,
-    pub(crate) peak_held_bytes: u64,
-    pub(crate) cached_bytes: u64,
-    pub(crate) cached_blocks: u64,
-    pub(crate) pending_bytes: u64,
-    pub(crate) pending_blocks: u64,
-    /// (stream id, cached bytes, cached blocks), the shared lists and thread caches merged.
-    pub(crate) per_stream: Vec<(u64, u64, u64)>,
-    pub(crate) thread_caches: u64,
-    pub(crate) hits: u64,
-    pub(crate) misses: u64,
-    pub(crate) steals: u64,
-    pub(crate) marks: u64,
-    pub(crate) failures: u64,
-    pub(crate) released: u64,
-    pub(crate) oom_recoveries: u64,
-    pub(crate) trims: u64,
-    pub(crate) abandoned_bytes: u64,
+impl Counters {
+    /// Fills the counters' fields of `s`.
+    fn fill(&self, s: &mut DevicePoolStats) {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        s.misses = load(&self.misses);
+        s.steals = load(&self.steals);
+        s.events = load(&self.marks);
+        s.failures = load(&self.failures);
+        s.released = load(&self.released);
+        s.oom_recoveries = load(&self.oom_recoveries);
+        s.trims = load(&self.trims);
+        s.abandoned_bytes = load(&self.abandoned_bytes);
+    }
+}
+
+/// Free blocks by stream, the shared lists and thread caches merged.
+#[derive(Default)]
+struct PerStream(Vec<StreamCacheStats>);
+
+impl PerStream {
+    fn add(&mut self, stream: u64, bytes: u64, blocks: u64) {
+        if blocks == 0 {
+            return;
+        }
+        match self.0.iter_mut().find(|e| e.stream == stream) {
+            Some(e) => {
+                e.bytes += bytes;
+                e.blocks += blocks;
+            }
+            None => self.0.push(StreamCacheStats {
+                stream,
+                bytes,
+                blocks,
+            }),
+        }
+    }
 }
 
 impl<B: Backend> Cache<B> {
-    /// A snapshot of the counters: no side effect, no CUDA call.
-    pub(crate) fn snapshot(&self) -> Snapshot {
-        let mut per_stream: Vec<(u64, u64, u64)> = Vec::new();
-        let mut add = |id: u64, bytes: u64, blocks: u64| {
-            if blocks == 0 {
-                return;
-            }
-            match per_stream.iter_mut().find(|e| e.0 == id) {
-                Some(e) => {
-                    e.1 += bytes;
-                    e.2 += blocks;
-                }
-                None => per_stream.push((id, bytes, blocks)),
-            }
-        };
-        let (mut cached_bytes, mut cached_blocks, pending_bytes, pending_blocks) = {
+    /// The cache's part of a pool's stats (its blocks, the thread caches, the counters;
+    /// the device and driver fields are left for the pool to fill): no side effect, no
+    /// CUDA call.
+    pub(crate) fn snapshot(&self) -> DevicePoolStats {
+        let mut s = DevicePoolStats::default();
+        let mut per_stream = PerStream::default();
+        {
             let sh = self.shared.lock();
-            for s in &sh.streams {
-                add(s.id.get(), s.bytes as u64, s.blocks as u64);
+            for l in &sh.streams {
+                per_stream.add(l.id.get(), l.bytes as u64, l.blocks as u64);
             }
-            (
-                sh.bytes as u64,
-                sh.blocks as u64,
-                sh.pending_bytes as u64,
-                sh.pending_blocks as u64,
-            )
-        };
+            (s.cached_bytes, s.cached_blocks) = (sh.bytes as u64, sh.blocks as u64);
+            (s.pending_bytes, s.pending_blocks) = (sh.pending_bytes as u64, sh.pending_blocks as u64);
+        }
         let seen = self.threads.visit(|t| {
-            for slot in &t.slots {
+            for slot in t.slots.iter().filter(|slot| slot.id.load(Ordering::Relaxed) != 0) {
                 let id = slot.id.load(Ordering::Relaxed);
-                if id != 0 {
-                    let (b, n) = (
-                        slot.bytes.load(Ordering::Relaxed),
-                        slot.blocks.load(Ordering::Relaxed),
-                    );
-                    cached_bytes += b;
-                    cached_blocks += n;
-                    add(id, b, n);
-                }
+                let (b, n) = (
+                    slot.bytes.load(Ordering::Relaxed),
+                    slot.blocks.load(Ordering::Relaxed),
+                );
+                s.cached_bytes += b;
+                s.cached_blocks += n;
+                per_stream.add(id, b, n);
             }
         });
-        let (hits, thread_caches) = (seen.served, seen.threads as u64);
-        per_stream.sort_unstable();
-        let c = &self.counters;
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        Snapshot {
-            held_bytes: self.held.held() as u64,
-            held_blocks: self.held_blocks.load(Ordering::Relaxed) as u64,
-            peak_held_bytes: self.held.peak() as u64,
-            cached_bytes,
-            cached_blocks,
-            pending_bytes,
-            pending_blocks,
-            per_stream,
-            thread_caches,
-            hits,
-            misses: load(&c.misses),
-            steals: load(&c.steals),
-            marks: load(&c.marks),
-            failures: load(&c.failures),
-            released: load(&c.released),
-            oom_recoveries: load(&c.oom_recoveries),
-            trims: load(&c.trims),
-            abandoned_bytes: load(&c.abandoned_bytes),
-        }
+        (s.hits, s.thread_caches) = (seen.served, seen.threads as u64);
+        per_stream.0.sort_unstable_by_key(|e| e.stream);
+        s.per_stream = per_stream.0;
+        s.held_bytes = self.held.held() as u64;
+        s.peak_held_bytes = self.held.peak() as u64;
+        let held_blocks = self.held_blocks.load(Ordering::Relaxed) as u64;
+        s.live_bytes = s.held_bytes.saturating_sub(s.cached_bytes + s.pending_bytes);
+        s.live_buffers = held_blocks.saturating_sub(s.cached_blocks + s.pending_blocks);
+        self.counters.fill(&mut s);
+        s
     }
 
     /// Resets the peak of held bytes to the current value.
