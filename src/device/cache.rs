@@ -61,6 +61,7 @@ mod settings;
 mod stats;
 
 use super::backend::Backend;
+use super::order::MarkSet;
 use super::reserve::Tally;
 use super::size_class::{class_of, class_size, round_to_granule, MAX_CLASS_SIZE};
 use super::thread_cache::{Evicted, ThreadCache, ThreadStats};
@@ -395,13 +396,10 @@ impl<B: Backend> Cache<B> {
         if batch.is_empty() {
             return;
         }
+        let mut batch = batch;
         let done: Vec<bool> = batch
-            .iter()
-            .map(|(_, g)| {
-                g.marks
-                    .iter()
-                    .all(|m| matches!(self.backend.is_complete(m), Ok(true)))
-            })
+            .iter_mut()
+            .map(|(_, g)| g.marks.poll(&self.backend))
             .collect();
         // Marks of finished blocks and handle clones are dropped after the lock.
         let mut after_lock: Vec<(B::Stream, Option<Gated<B>>)> = Vec::with_capacity(batch.len());
@@ -436,18 +434,21 @@ impl<B: Backend> Cache<B> {
             let rounded = round_to_granule(bytes).unwrap_or(bytes);
             return self.free_uncached(ptr, rounded, stream, uses);
         };
+        let had_uses = !uses.is_empty();
         if self.guarded() && uses.iter().any(|u| B::stream_id(u) != home) {
-            match self.mark_uses(home, &uses) {
-                Some(marks) if !marks.is_empty() => return self.push_gated(&stream, class, ptr, marks),
-                Some(_) => {} // every use was waited for on the host: an ordinary free
-                None => return self.abandon(class_size(class)),
-            }
+            let Some(marks) = self.mark_uses(home, uses) else {
+                return self.abandon(class_size(class));
+            };
+            if !marks.is_empty() {
+                return self.push_gated(&stream, class, ptr, marks);
+            } // else every use was waited for on the host: an ordinary free
+        } else {
+            drop(uses);
         }
-        if !uses.is_empty() {
+        if had_uses {
             // Its free was recorded as requested only (`Owned::release`): reusable now.
             self.freed(ptr, bytes, &stream);
         }
-        drop(uses);
         if let Some(t) = tc {
             if t.reclaim_requested() {
                 self.flush_thread(t);
@@ -487,27 +488,21 @@ impl<B: Backend> Cache<B> {
 
     /// One mark on each stream of `uses` other than `home`. A stream that cannot be
     /// marked is waited for on the host instead; `None` if that fails too.
-    fn mark_uses(&self, home: StreamId, uses: &[B::Stream]) -> Option<Vec<B::Mark>> {
-        let mut marks = Vec::with_capacity(uses.len());
-        for u in uses.iter().filter(|u| B::stream_id(u) != home) {
-            match self.backend.mark(u) {
-                Ok(m) => {
-                    self.counters.marks.fetch_add(1, Ordering::Relaxed);
-                    marks.push(m);
-                }
-                Err(e) => {
-                    log::warn!("cudalloc: could not record a use of a device block ({e}); synchronizing");
-                    if let Err(e) = self.backend.synchronize(u) {
-                        crate::cuda::record_drop_error("synchronizing a stream that used a device block", e);
-                        return None;
-                    }
-                }
+    fn mark_uses(&self, home: StreamId, uses: Vec<B::Stream>) -> Option<MarkSet<B>> {
+        let mut marks = MarkSet::of_uses(home, uses);
+        let mut recorded = 0;
+        let sealed = marks.seal(&self.backend, 0, &mut recorded);
+        self.counters.marks.fetch_add(recorded, Ordering::Relaxed);
+        match sealed {
+            Ok(()) => Some(marks),
+            Err(e) => {
+                crate::cuda::record_drop_error("synchronizing a stream that used a device block", e);
+                None
             }
         }
-        Some(marks)
     }
 
-    fn push_gated(&self, stream: &B::Stream, class: usize, ptr: u64, marks: Vec<B::Mark>) {
+    fn push_gated(&self, stream: &B::Stream, class: usize, ptr: u64, marks: MarkSet<B>) {
         self.shared.lock().push_gated(stream, Gated { ptr, class, marks });
     }
 

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 
 use crate::cuda::StreamId;
-use crate::device::order::StreamOrder;
+use crate::device::order::{MarkSet, StreamOrder};
 use crate::device::size_class::class_size;
 use crate::sync::{lock, AtomicUsize, Mutex, MutexGuard, Ordering};
 
@@ -16,7 +16,7 @@ pub(super) struct Gated<S: StreamOrder> {
     pub(super) ptr: u64,
     pub(super) class: usize,
     /// One mark per other stream, recorded at the free.
-    pub(super) marks: Vec<S::Mark>,
+    pub(super) marks: MarkSet<S>,
 }
 
 /// One stream's blocks waiting for their recorded uses, oldest first, and how many of

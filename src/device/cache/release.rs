@@ -82,8 +82,8 @@ impl<B: Backend> Cache<B> {
             drop(sh);
             drop(pruned);
         }
-        for (stream, g) in gated {
-            if self.wait_marks_on_host(&g.marks) {
+        for (stream, mut g) in gated {
+            if g.marks.wait_host(&self.backend) {
                 self.freed(g.ptr, class_size(g.class), &stream);
                 blocks.push((stream, g.class, g.ptr));
             } else {
@@ -98,16 +98,6 @@ impl<B: Backend> Cache<B> {
             }
         }
         touched
-    }
-
-    pub(super) fn wait_marks_on_host(&self, marks: &[B::Mark]) -> bool {
-        marks.iter().all(|m| match self.backend.wait_host(m) {
-            Ok(()) => true,
-            Err(e) => {
-                crate::cuda::record_drop_error("waiting for a recorded use of a device block", e);
-                false
-            }
-        })
     }
 
     /// Gives up on a block the GPU may still use: never reused, never freed (a leak is
@@ -175,10 +165,7 @@ impl<B: Backend> Drop for Cache<B> {
             for g in gated {
                 // The home stream waits for the recorded uses on the GPU; the host waits
                 // only if that fails.
-                let ordered = g
-                    .marks
-                    .iter()
-                    .all(|m| self.backend.wait(&s.stream, m).is_ok() || self.backend.wait_host(m).is_ok());
+                let ordered = g.marks.order_before(&self.backend, &s.stream, &mut 0);
                 if ordered {
                     self.give_back(g.ptr, class_size(g.class), &s.stream);
                 } else {
