@@ -5,9 +5,9 @@
 use std::collections::HashMap;
 
 use super::backend::Backend;
-use super::order::StreamOrder;
 use super::cache::{Cache, Settings};
 use super::fake::{FakeBackend, FakeStream};
+use super::order::StreamOrder;
 use super::size_class::{class_of, class_size};
 use super::thread_cache::ThreadCache;
 use crate::error::Error;
