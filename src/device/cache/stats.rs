@@ -105,6 +105,12 @@ impl<B: Backend> Cache<B> {
         s
     }
 
+    /// Blocks held from the backend (live, cached, pending and in transit).
+    #[cfg(test)]
+    pub(crate) fn held_blocks(&self) -> usize {
+        self.held_blocks.load(Ordering::Relaxed)
+    }
+
     /// Resets the peak of held bytes to the current value.
     pub(crate) fn reset_peak(&self) {
         self.held.reset_peak();
