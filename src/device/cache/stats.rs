@@ -106,7 +106,7 @@ impl<B: Backend> Cache<B> {
     }
 
     /// Blocks held from the backend (live, cached, pending and in transit).
-    #[cfg(test)]
+    #[cfg(all(test, loom))]
     pub(crate) fn held_blocks(&self) -> usize {
         self.held_blocks.load(Ordering::Relaxed)
     }
