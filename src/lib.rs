@@ -139,8 +139,9 @@ mod slot_table;
 pub mod source;
 pub mod staging;
 mod sync;
-#[doc(hidden)]
+#[cfg(feature = "testing")]
 pub mod testing;
+mod thread_registry;
 pub mod trace;
 mod util;
 

@@ -225,9 +225,9 @@ impl<'a, T> HostRegistration<'a, T> {
         drop(registry::remove_owner(id));
         let mut set = uses.close();
         set.seal(); // the memory is being freed: every use of it was queued before
-                    // Errors of single fences are counted by the wait and count as completion; it
-                    // fails only for a fence that panicked, which is still unregistered below (the
-                    // buffer goes back to its owner either way).
+                    // The wait fails for a fence whose wait errs (counted) or panics; the
+                    // range is still unregistered below (the buffer goes back to its owner
+                    // either way) and the error says so.
         let waited = set.wait(None);
         // SAFETY: the range was registered by `new` and is unregistered once (`registered`
         // was taken above); its recorded uses have completed.

@@ -44,10 +44,11 @@ use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
 use bump::{Bump, Hooks};
 
+use crate::cuda::MemoryType;
 use crate::cuda::{PooledEvent, Stream};
 use crate::error::Result;
 use crate::fence::{registry, SharedFence, UseSet};
-use crate::source::{HostSource, HostVisible, MemoryKind, PinnedSource};
+use crate::source::{HostSource, HostVisible, PinnedSource};
 use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
 use crate::util::dangling;
 
@@ -111,13 +112,15 @@ impl ArenaConfig {
     /// [`ArenaConfig::pinned`] for memory whose every allocation is a driver call.
     ///
     /// ```
-    /// use cudalloc::{arena::ArenaConfig, source::MemoryKind};
-    /// assert_eq!(ArenaConfig::for_kind(MemoryKind::Registered), ArenaConfig::pinned());
+    /// use cudalloc::{arena::ArenaConfig, cuda::MemoryType};
+    /// assert_eq!(ArenaConfig::for_kind(MemoryType::Registered), ArenaConfig::pinned());
     /// ```
-    pub const fn for_kind(kind: MemoryKind) -> Self {
+    pub const fn for_kind(kind: MemoryType) -> Self {
         match kind {
-            MemoryKind::Pageable => Self::host(),
-            MemoryKind::Pinned | MemoryKind::Registered | MemoryKind::Managed => Self::pinned(),
+            MemoryType::Pageable => Self::host(),
+            MemoryType::PinnedHost | MemoryType::Registered | MemoryType::Managed | MemoryType::Device => {
+                Self::pinned()
+            }
         }
     }
 
@@ -670,7 +673,6 @@ impl<S: HostVisible> Arena<S> {
     /// reuse memory without waiting for recorded GPU uses, which shows the race the wait
     /// prevents. Chunks still go back to the source only after the wait.
     #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
     pub fn set_skip_gpu_wait(&mut self, skip: bool) {
         self.skip_wait = skip;
     }

@@ -302,6 +302,7 @@ impl Counters {
 /// # drop(b);
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Snapshot {
     /// Successful allocations (reallocations not included).
     pub allocs: u64,
@@ -412,6 +413,7 @@ impl fmt::Display for Snapshot {
 /// assert!(d.to_string().contains("net +0 blocks, +9984 B"), "{d}");
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Delta {
     /// Allocations.
     pub allocs: u64,

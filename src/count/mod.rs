@@ -47,8 +47,6 @@ use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
 pub use counters::{Delta, Snapshot};
 pub use sites::LeakSite;
-#[allow(deprecated)]
-pub use window::{assert_no_leaks, check_leaks};
 pub use window::{
     assert_no_leaks_on_this_thread, check_leaks_on_this_thread, LeakReport, LeakScope, ProcessWindow, Window,
 };

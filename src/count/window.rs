@@ -191,19 +191,6 @@ pub fn check_leaks_on_this_thread(f: impl FnOnce()) -> Result<Delta, LeakReport>
     w.check()
 }
 
-/// Renamed [`assert_no_leaks_on_this_thread`]: the name now says what it checks.
-#[deprecated(note = "renamed `assert_no_leaks_on_this_thread` (it checks this thread, every allocator)")]
-#[track_caller]
-pub fn assert_no_leaks(f: impl FnOnce()) {
-    assert_no_leaks_on_this_thread(f)
-}
-
-/// Renamed [`check_leaks_on_this_thread`]: the name now says what it checks.
-#[deprecated(note = "renamed `check_leaks_on_this_thread` (it checks this thread, every allocator)")]
-pub fn check_leaks(f: impl FnOnce()) -> Result<Delta, LeakReport> {
-    check_leaks_on_this_thread(f)
-}
-
 /// Counts what one [`Counting`] allocator allocates and frees on *every* thread while
 /// the window is open: for code that spreads its work over threads. Leaks are judged
 /// as in a [`Window`] ([`Delta::is_balanced`]). Close it after
@@ -370,14 +357,6 @@ impl<A> Counting<A> {
         f();
         w.check()
     }
-
-    /// Renamed [`Counting::assert_no_leaks_across_threads`]: the name now says what it
-    /// checks.
-    #[deprecated(note = "renamed `assert_no_leaks_across_threads` (it checks every thread, this allocator)")]
-    #[track_caller]
-    pub fn assert_no_leaks(&self, f: impl FnOnce()) {
-        self.assert_no_leaks_across_threads(f)
-    }
 }
 
 /// How often, 2 ms apart, a process-wide window rereads unbalanced counts.
@@ -414,6 +393,7 @@ pub enum LeakScope {
 /// # drop(b);
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LeakReport {
     /// The kind of window.
     pub scope: LeakScope,

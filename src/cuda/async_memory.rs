@@ -51,12 +51,14 @@ fn keep_freed_memory(device: usize) -> Result<()> {
 /// }
 /// ```
 #[derive(Debug)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 pub struct AsyncDeviceMemory<'s> {
     ptr: u64,
     len: usize,
     stream: &'s Stream,
 }
 
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 impl<'s> AsyncDeviceMemory<'s> {
     /// Allocates `len` bytes (at least one) on `stream`'s device, usable by work queued
     /// on `stream` after this call.

@@ -107,8 +107,8 @@ impl MemPool {
         })
     }
 
-    /// Bytes reserved from the device now (one attribute query; the reservation policy of
-    /// the device cache reads it after releasing blocks).
+    /// Bytes reserved from the device now (one attribute query; the device cache's trims
+    /// read it to say what they gave back).
     pub(crate) fn reserved(&self) -> Result<u64> {
         bind(self.device)?;
         self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
@@ -193,7 +193,7 @@ fn location(ordinal: usize) -> Result<sys::CUmemLocation> {
 /// Reserved bytes of device `device`'s default memory pool (the one `cuMemAllocAsync`
 /// uses), now and at its high (reset to the current value with `reset_high`): what the
 /// `cuMemAllocAsync` reference of the benchmarks reserves.
-#[doc(hidden)]
+#[cfg(feature = "testing")]
 pub fn default_pool_reserved(device: usize, reset_high: bool) -> Result<(u64, u64)> {
     use sys::CUmemPool_attribute as A;
     driver()?;

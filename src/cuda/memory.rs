@@ -107,13 +107,25 @@ pub enum ManagedAdvice {
     UnsetAccessedBy(Location),
 }
 
-/// What the driver knows about an address.
+/// A kind of memory: what [`pointer_info`] finds at an address, and what a
+/// [`MemorySource`](crate::source::MemorySource) hands out (its
+/// [`kind`](crate::source::MemorySource::kind)).
+///
+/// ```
+/// use cudalloc::{cuda::MemoryType, source::{HostSource, MemorySource}};
+/// assert_eq!(HostSource.kind(), MemoryType::Pageable);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum MemoryType {
     /// Ordinary pageable host memory the driver does not know about.
     Pageable,
-    /// Page-locked host memory (from `cuMemHostAlloc` or registered with `cuMemHostRegister`).
+    /// Page-locked host memory from `cuMemHostAlloc`. [`pointer_info`] reports all
+    /// page-locked host memory as this, registered memory too (the driver's pointer
+    /// attributes do not tell the two apart).
     PinnedHost,
+    /// Host memory page-locked with `cuMemHostRegister` (as its source reports it).
+    Registered,
     /// Managed (unified) memory from `cuMemAllocManaged`.
     Managed,
     /// Device memory.
@@ -413,12 +425,14 @@ pub unsafe fn memset_d8_async(dst: u64, value: u8, len: usize, stream: &Stream) 
 /// let first: u8 = dev[0];
 /// ```
 #[derive(Debug)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 pub struct DeviceMemory {
     ptr: u64,
     len: usize,
     device: usize,
 }
 
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 impl DeviceMemory {
     /// Allocates `len` bytes (at least one) on device `device`.
     pub fn new(len: usize, device: usize) -> Result<Self> {

@@ -27,7 +27,7 @@ pub use driver::{
     device_count, device_name, driver_available, drop_errors, last_drop_error, mem_info, CudaError,
 };
 pub(crate) use event_pool::PooledEvent;
-#[doc(hidden)]
+#[cfg(feature = "testing")]
 pub use mem_pool::default_pool_reserved;
 pub(crate) use memory::raw;
 

@@ -15,7 +15,9 @@ use core::cell::{Cell, RefCell};
 use core::fmt;
 use core::marker::PhantomData;
 
+use super::backend::CudaBackend;
 use super::buffer::{copy_from_host_async, copy_to_host_async, DeviceBuffer};
+use super::order::MarkSet;
 use super::pool::DevicePool;
 use super::size_class::{round_to_granule, GRANULE};
 use super::DeviceCopy;
@@ -92,7 +94,7 @@ pub struct DeviceArena {
     /// The size of the next chunk (doubles up to MAX_CHUNK).
     next_chunk: Cell<usize>,
     /// Streams other than the arena's whose work uses its memory, since the last reset.
-    foreign: RefCell<Vec<Stream>>,
+    foreign: RefCell<MarkSet<CudaBackend>>,
     id: u64,
     /// Moves at every reset: checkpoints from before are stale.
     epoch: Cell<u64>,
@@ -157,7 +159,7 @@ impl DeviceArena {
             current: Cell::new(0),
             offset: Cell::new(0),
             next_chunk: Cell::new(chunk),
-            foreign: RefCell::new(Vec::new()),
+            foreign: RefCell::new(MarkSet::default()),
             id: NEXT_ARENA.fetch_add(1, Ordering::Relaxed),
             epoch: Cell::new(0),
             foreign_waits: Cell::new(0),
@@ -327,30 +329,32 @@ impl DeviceArena {
         if stream.id() == self.stream.id() {
             return;
         }
-        let mut foreign = self.foreign.borrow_mut();
-        if !foreign.iter().any(|s| s == stream) {
-            foreign.push(stream.clone());
-        }
+        self.foreign.borrow_mut().add(stream.clone());
     }
 
     /// Orders the arena's stream after the recorded uses (an event on each of those
     /// streams, waited for by the arena's stream). False if that failed: the memory must
     /// not be reused.
     fn order_after_uses(&mut self) -> bool {
-        let foreign = core::mem::take(self.foreign.get_mut());
-        if !self.guard {
+        let mut foreign = core::mem::take(self.foreign.get_mut());
+        if !self.guard || foreign.is_empty() {
             return true;
         }
-        for s in &foreign {
-            match self.stream.wait_for(s) {
-                Ok(()) => self.foreign_waits.set(self.foreign_waits.get() + 1),
-                Err(e) => {
-                    crate::cuda::record_drop_error("ordering a device arena after a recorded use", e);
-                    return false;
-                }
-            }
+        let backend = &self.pool.cache().backend;
+        if let Err(e) = foreign.seal(backend, 0, &mut 0) {
+            crate::cuda::record_drop_error("ordering a device arena after a recorded use", e);
+            return false;
         }
-        true
+        let mut waits = 0;
+        let ordered = foreign.order_before(backend, &self.stream, &mut waits);
+        self.foreign_waits.set(self.foreign_waits.get() + waits);
+        if !ordered {
+            crate::cuda::record_drop_error(
+                "ordering a device arena after a recorded use",
+                "waiting for its event failed on the GPU and on the host",
+            );
+        }
+        ordered
     }
 
     /// Gives up on every chunk after ordering failed: the GPU may still use them, so they
@@ -466,7 +470,6 @@ impl DeviceArena {
     /// Test switch: with `false`, resets and rewinds reuse memory without ordering the
     /// arena's stream after recorded uses (the race the events prevent).
     #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
     pub fn set_event_guard(&mut self, on: bool) {
         self.guard = on;
     }

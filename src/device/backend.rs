@@ -5,9 +5,10 @@
 //! simulates streams as counters so that the cache's algorithm runs in CPU tests and loom
 //! models, and checks every cross-stream hand-over it makes.
 
-use super::config::PageTuning;
+use super::config::{Backing, DevicePoolConfig, PageTuning};
 use super::order::StreamOrder;
 use super::pages::PageHeap;
+use super::report::DevicePoolStats;
 use super::reserve::{PoolSide, Reservations};
 use crate::cuda::mem_pool::MemPool;
 use crate::cuda::nvtx;
@@ -42,13 +43,13 @@ pub(crate) trait Backend: StreamOrder {
 /// [`Backing::PhysicalPages`](super::Backing::PhysicalPages) a page heap for large blocks.
 #[derive(Debug)]
 pub(crate) struct CudaBackend {
-    pub(crate) pool: MemPool,
+    pool: MemPool,
     /// The device's memory, in bytes.
-    pub(crate) device_bytes: usize,
+    device_bytes: usize,
     /// Large blocks on physical pages (`None`: all on the driver pool).
-    pub(crate) pages: Option<PageHeap<Vmm, CudaBackend>>,
+    pages: Option<PageHeap<Vmm, CudaBackend>>,
     /// The driver pool's and the page heap's reservations, under the pool's limit.
-    pub(crate) reservations: Arc<Reservations>,
+    reservations: Arc<Reservations>,
     /// The pool's events, named `DevicePool(<ordinal>)`.
     trace: Tag,
     /// Whether its blocks are NVTX heaps (`DevicePoolConfig::nvtx`).
@@ -101,7 +102,24 @@ impl PoolSide for DriverPool<'_> {
 }
 
 impl CudaBackend {
-    pub(crate) fn new(
+    /// The backend of a new pool on `device` as `config` asks: a driver pool of its own
+    /// (its maxSize of 0 is the driver's default, the device's memory: a limit of 0 bytes
+    /// is enforced by the cache, which then refuses every allocation), and with
+    /// [`Backing::PhysicalPages`] (or [`Backing::Auto`] where the device supports it) a
+    /// page heap.
+    pub(crate) fn open(device: usize, config: &DevicePoolConfig) -> Result<Self> {
+        config.pages.check()?;
+        let pool = MemPool::new(device, config.limit.unwrap_or(0), config.release_threshold)?;
+        let (_, device_bytes) = mem_info(device)?;
+        let vmm = match config.backing {
+            Backing::DriverPool => None,
+            Backing::PhysicalPages => Some(Vmm::new(device)?),
+            Backing::Auto => Vmm::new(device).ok(),
+        };
+        Ok(Self::new(pool, device_bytes, vmm, config.pages, config.limit))
+    }
+
+    fn new(
         pool: MemPool,
         device_bytes: usize,
         pages: Option<Vmm>,
@@ -128,6 +146,99 @@ impl CudaBackend {
     pub(crate) fn with_nvtx(mut self, nvtx: bool) -> Self {
         self.nvtx = nvtx;
         self
+    }
+
+    /// The backing it has: [`Backing::PhysicalPages`] with a page heap, else
+    /// [`Backing::DriverPool`].
+    pub(crate) fn backing(&self) -> Backing {
+        match self.pages {
+            Some(_) => Backing::PhysicalPages,
+            None => Backing::DriverPool,
+        }
+    }
+
+    /// Turns the page heap's ordering of takers after other streams' frees off (negative
+    /// controls only) or on.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn set_guard(&self, on: bool) {
+        if let Some(h) = &self.pages {
+            h.set_guard(on);
+        }
+    }
+
+    /// The allocation granule of the page heap's device (`None`: no page heap).
+    pub(crate) fn page_granule(&self) -> Option<usize> {
+        self.pages.as_ref().map(PageHeap::granule)
+    }
+
+    /// The device's memory, in bytes.
+    pub(crate) fn device_bytes(&self) -> usize {
+        self.device_bytes
+    }
+
+    /// Fills the device side of `s`: what the driver pool and the page heap reserve and
+    /// use, now and at their peaks, and the device's free and total memory (driver
+    /// numbers it cannot get read as 0).
+    pub(crate) fn fill_usage(&self, s: &mut DevicePoolStats) {
+        let mut usage = self.pool.usage().unwrap_or_default();
+        if let Some(h) = &self.pages {
+            let p = h.stats();
+            usage.reserved += p.reserved as u64;
+            usage.reserved_high += p.peak_reserved as u64;
+            usage.used += p.block_bytes as u64;
+            usage.used_high += p.peak_block_bytes as u64;
+        }
+        s.reserved_bytes = usage.reserved;
+        // Under a limit the pool reads the sum at every change (`reserve.rs`): the peak of
+        // the sum. Without one, the two peaks added.
+        s.peak_reserved_bytes = if self.reservations.limited() {
+            self.reservations.peak() as u64
+        } else {
+            usage.reserved_high
+        };
+        s.used_bytes = usage.used;
+        s.peak_used_bytes = usage.used_high;
+        let (free, total) = mem_info(self.pool.device()).unwrap_or((0, self.device_bytes));
+        s.device_free_bytes = free as u64;
+        s.device_total_bytes = total as u64;
+    }
+
+    /// Resets the peaks of the page heap, of the reservations and the driver pool's
+    /// highs to their current values.
+    pub(crate) fn reset_peaks(&self) {
+        if let Some(h) = &self.pages {
+            h.reset_peak();
+        }
+        self.reservations.reset_peak();
+        if let Err(e) = self.pool.reset_highs() {
+            log::warn!("cudalloc: could not reset the driver pool's highs: {e}");
+        }
+    }
+
+    /// Lets device `peer` access every block, present and future (the driver pool's, and
+    /// the page heap's mapped chunks).
+    pub(crate) fn enable_peer(&self, peer: usize) -> Result<()> {
+        self.pool.set_access(peer, true)?;
+        match &self.pages {
+            Some(h) => h.enable_peer(peer),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether device `peer` may access every block.
+    pub(crate) fn peer_access(&self, peer: usize) -> Result<bool> {
+        Ok(self.pool.access(peer)? && self.pages.as_ref().is_none_or(|h| h.has_peer(peer)))
+    }
+
+    /// Sets how many freed bytes the driver pool keeps across synchronizations.
+    pub(crate) fn set_release_threshold(&self, bytes: u64) -> Result<()> {
+        self.pool.set_release_threshold(bytes)
+    }
+
+    /// The page heap's counters, on physical pages (benchmarks print them).
+    #[cfg(feature = "testing")]
+    pub(crate) fn page_counters(&self) -> Option<String> {
+        self.pages.as_ref().map(|h| format!("{:?}", h.stats()))
     }
 
     /// Refuses, before any driver allocation, what cannot fit: for requests of an eighth

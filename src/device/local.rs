@@ -462,8 +462,6 @@ fn release_slow<P: PoolHandle>(
     }
     let uses = uses.map_or_else(Vec::new, |b| *b);
     with_thread_cache(&pool, |tc| {
-        pool.core()
-            .cache
-            .free_slow::<P>(tc, ptr, bytes, stream, None, uses)
+        pool.core().cache.free_slow::<P>(tc, ptr, bytes, stream, uses)
     });
 }

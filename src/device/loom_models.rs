@@ -34,7 +34,7 @@ fn free_on_one_stream_races_a_take_on_another() {
             let (c, s) = (c.clone(), s.clone());
             thread::spawn(move || {
                 let used_at = s.enqueue();
-                c.free_slow::<()>(None, p, 4096, s, None, Vec::new());
+                c.free_slow::<()>(None, p, 4096, s, Vec::new());
                 used_at
             })
         };
@@ -47,10 +47,10 @@ fn free_on_one_stream_races_a_take_on_another() {
         if q == p {
             assert!(t.covers(&s, used_at), "T got S's block unordered after S's use");
         }
-        c.free_slow::<()>(None, q, 4096, t.clone(), None, Vec::new());
+        c.free_slow::<()>(None, q, 4096, t.clone(), Vec::new());
         let snap = c.snapshot();
         assert_eq!(snap.held_bytes, snap.cached_bytes, "{snap:?}");
-        assert_eq!(snap.held_blocks, if q == p { 1 } else { 2 });
+        assert_eq!(c.held_blocks(), if q == p { 1 } else { 2 });
     });
 }
 
@@ -62,7 +62,7 @@ fn two_takers_race_for_one_block() {
         let s = FakeStream::new();
         let p = c.alloc_slow::<()>(None, 4096, &s).unwrap();
         let used_at = s.enqueue();
-        c.free_slow::<()>(None, p, 4096, s.clone(), None, Vec::new());
+        c.free_slow::<()>(None, p, 4096, s.clone(), Vec::new());
         let takers: Vec<_> = (0..2)
             .map(|_| {
                 let (c, s) = (c.clone(), s.clone());
@@ -80,7 +80,7 @@ fn two_takers_race_for_one_block() {
         assert_ne!(got[0].0, got[1].0, "one block handed to two streams");
         assert!(got.iter().any(|(q, _)| *q == p), "the free block was reused");
         for (q, t) in got {
-            c.free_slow::<()>(None, q, 4096, t, None, Vec::new());
+            c.free_slow::<()>(None, q, 4096, t, Vec::new());
         }
     });
 }
@@ -95,7 +95,7 @@ fn a_thread_cache_flush_races_a_steal() {
         let mut owner: Tc = c.new_thread_cache().unwrap();
         let p = c.alloc_slow(Some(&mut owner), 4096, &s).unwrap();
         let used_at = s.enqueue();
-        c.free_slow(Some(&mut owner), p, 4096, s.clone(), Some(()), Vec::new());
+        c.free_slow(Some(&mut owner), p, 4096, s.clone(), Vec::new());
         let exiting = {
             let c = c.clone();
             thread::spawn(move || {
@@ -115,7 +115,7 @@ fn a_thread_cache_flush_races_a_steal() {
         };
         exiting.join().unwrap();
         let q = stealer.join().unwrap();
-        c.free_slow::<()>(None, q, 4096, t.clone(), None, Vec::new());
+        c.free_slow::<()>(None, q, 4096, t.clone(), Vec::new());
         let snap = c.snapshot();
         assert_eq!(snap.thread_caches, 0);
         assert_eq!(snap.held_bytes, snap.cached_bytes, "{snap:?}");
@@ -132,7 +132,7 @@ fn a_gated_block_polled_while_trimmed() {
         let (s, u) = (FakeStream::new(), FakeStream::new());
         let p = c.alloc_slow::<()>(None, 4096, &s).unwrap();
         let used_at = u.enqueue();
-        c.free_slow::<()>(None, p, 4096, s.clone(), None, vec![u.clone()]);
+        c.free_slow::<()>(None, p, 4096, s.clone(), vec![u.clone()]);
         let user = {
             let (c, s, u) = (c.clone(), s.clone(), u.clone());
             thread::spawn(move || {
@@ -145,8 +145,8 @@ fn a_gated_block_polled_while_trimmed() {
                 if late == p {
                     assert!(s.covers(&u, used_at));
                 }
-                c.free_slow::<()>(None, early, 4096, s.clone(), None, Vec::new());
-                c.free_slow::<()>(None, late, 4096, s, None, Vec::new());
+                c.free_slow::<()>(None, early, 4096, s.clone(), Vec::new());
+                c.free_slow::<()>(None, late, 4096, s, Vec::new());
             })
         };
         let trimmer = {
@@ -157,7 +157,7 @@ fn a_gated_block_polled_while_trimmed() {
         trimmer.join().unwrap();
         c.trim::<()>(None);
         let snap = c.snapshot();
-        assert_eq!((snap.held_blocks, snap.pending_blocks), (0, 0), "{snap:?}");
+        assert_eq!((c.held_blocks(), snap.pending_blocks), (0, 0), "{snap:?}");
         assert_eq!(c.backend.live_blocks(), 0);
     });
 }

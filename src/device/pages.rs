@@ -428,6 +428,11 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         &self.phys
     }
 
+    /// The device's allocation granule.
+    pub(crate) fn granule(&self) -> usize {
+        self.granule
+    }
+
     /// Turns the ordering of takers after other streams' frees off (negative controls
     /// only) or on.
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]

@@ -8,9 +8,7 @@ use super::cache::{Cache, Settings};
 use super::config::{Backing, DevicePoolConfig};
 use super::local::{self, Core, LocalCache, PoolHandle};
 use super::pages::page_threshold;
-use super::report::{DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport, StreamCacheStats};
-use crate::cuda::mem_pool::MemPool;
-use crate::cuda::vmm::Vmm;
+use super::report::{DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport};
 use crate::cuda::{device_count, device_name, mem_info};
 use crate::error::{Error, Result};
 use crate::slot_table::{SlotBits, SlotTable};
@@ -90,22 +88,9 @@ impl fmt::Debug for DevicePool {
 impl DevicePool {
     /// A new pool on device `device`, with a driver pool of its own.
     pub fn new(device: usize, config: DevicePoolConfig) -> Result<Self> {
-        config.pages.check()?;
-        // The driver pool's maxSize of 0 is its default (the device's memory); a limit of
-        // 0 bytes is enforced by the cache, which then refuses every allocation.
-        let pool = MemPool::new(device, config.limit.unwrap_or(0), config.release_threshold)?;
-        let (_, device_bytes) = mem_info(device)?;
-        let pages = match config.backing {
-            Backing::DriverPool => None,
-            Backing::PhysicalPages => Some(Vmm::new(device)?),
-            Backing::Auto => Vmm::new(device).ok(),
-        };
+        let backend = CudaBackend::open(device, &config)?;
         let config = DevicePoolConfig {
-            backing: if pages.is_some() {
-                Backing::PhysicalPages
-            } else {
-                Backing::DriverPool
-            },
+            backing: backend.backing(),
             ..config
         };
         // Under compute-sanitizer, the process-wide pools' cached memory goes back at exit.
@@ -114,11 +99,10 @@ impl DevicePool {
             // The page heap's blocks are not cached by size class: freed, they serve
             // blocks of any size at once (a class cache holds memory only its class can
             // use, and rounds each block up to its class).
-            let max_cached = pages.as_ref().map_or(config.max_cached_block, |v| {
-                config.max_cached_block.min(page_threshold(v.granule()) - 1)
-            });
+            let page_min = backend.page_granule().map(page_threshold);
+            let max_cached = page_min.map_or(config.max_cached_block, |m| config.max_cached_block.min(m - 1));
             let mut settings = Settings::new(max_cached, config.thread_cache_bytes, config.limit);
-            if pages.is_some() {
+            if page_min.is_some() {
                 // Freed page-heap blocks up to the cached size wait in the thread caches'
                 // large slots for an allocation of the same size until the thread's next
                 // large miss.
@@ -130,11 +114,7 @@ impl DevicePool {
         };
         Ok(Self {
             inner: Arc::new(Inner {
-                core: Core::new::<DevicePool>(Cache::new(
-                    CudaBackend::new(pool, device_bytes, pages, config.pages, config.limit)
-                        .with_nvtx(config.nvtx),
-                    settings,
-                )),
+                core: Core::new::<DevicePool>(Cache::new(backend.with_nvtx(config.nvtx), settings)),
                 device,
                 config,
             }),
@@ -201,7 +181,7 @@ impl DevicePool {
 
     /// The device's memory, in bytes (the most one request may ask for).
     pub(super) fn device_bytes(&self) -> usize {
-        self.cache().backend.device_bytes
+        self.cache().backend.device_bytes()
     }
 
     /// Turns an out-of-memory error into one naming the device, the size and the pool's
@@ -235,67 +215,12 @@ impl DevicePool {
     /// }
     /// ```
     pub fn stats(&self) -> DevicePoolStats {
-        let snap = self.cache().snapshot();
-        let backend = &self.cache().backend;
-        let mut usage = backend.pool.usage().unwrap_or_default();
-        if let Some(h) = &backend.pages {
-            let p = h.stats();
-            usage.reserved += p.reserved as u64;
-            usage.reserved_high += p.peak_reserved as u64;
-            usage.used += p.block_bytes as u64;
-            usage.used_high += p.peak_block_bytes as u64;
-        }
-        let (free, total) = mem_info(self.inner.device).unwrap_or((0, backend.device_bytes));
-        let live_bytes = snap
-            .held_bytes
-            .saturating_sub(snap.cached_bytes + snap.pending_bytes);
-        let live_buffers = snap
-            .held_blocks
-            .saturating_sub(snap.cached_blocks + snap.pending_blocks);
-        DevicePoolStats {
-            device: self.inner.device,
-            caching: self.inner.config.cache,
-            live_bytes,
-            live_buffers,
-            cached_bytes: snap.cached_bytes,
-            cached_blocks: snap.cached_blocks,
-            pending_bytes: snap.pending_bytes,
-            pending_blocks: snap.pending_blocks,
-            held_bytes: snap.held_bytes,
-            peak_held_bytes: snap.peak_held_bytes,
-            reserved_bytes: usage.reserved,
-            // Under a limit the pool reads the sum at every change (`reserve.rs`): the
-            // peak of the sum. Without one, the two peaks added.
-            peak_reserved_bytes: if backend.reservations.limited() {
-                backend.reservations.peak() as u64
-            } else {
-                usage.reserved_high
-            },
-            used_bytes: usage.used,
-            peak_used_bytes: usage.used_high,
-            limit: self.inner.config.limit,
-            device_free_bytes: free as u64,
-            device_total_bytes: total as u64,
-            per_stream: snap
-                .per_stream
-                .iter()
-                .map(|&(stream, bytes, blocks)| StreamCacheStats {
-                    stream,
-                    bytes,
-                    blocks,
-                })
-                .collect(),
-            thread_caches: snap.thread_caches,
-            hits: snap.hits,
-            misses: snap.misses,
-            steals: snap.steals,
-            events: snap.marks,
-            failures: snap.failures,
-            released: snap.released,
-            oom_recoveries: snap.oom_recoveries,
-            trims: snap.trims,
-            abandoned_bytes: snap.abandoned_bytes,
-        }
+        let mut s = self.cache().snapshot();
+        s.device = self.inner.device;
+        s.caching = self.inner.config.cache;
+        s.limit = self.inner.config.limit;
+        self.cache().backend.fill_usage(&mut s);
+        s
     }
 
     fn summary(&self) -> DeviceMemorySummary {
@@ -318,18 +243,25 @@ impl DevicePool {
     /// with nothing cached. Other threads' cached blocks go back to the shared lists at
     /// their next allocation or free on this pool (or when they exit); trim again then.
     ///
+    /// Returns the bytes released: how much less the pool reserves from the device
+    /// afterwards (the driver pool and the page heap together), as [`Pool::trim`] returns
+    /// the bytes it gave back to its source.
+    ///
+    /// [`Pool::trim`]: crate::pool::Pool::trim
+    ///
     /// ```
     /// use cudalloc::{cuda::Stream, device::DevicePool};
     /// if let (Ok(pool), Ok(stream)) = (DevicePool::uncached(0), Stream::new(0)) {
     ///     drop(pool.alloc::<u8>(16 << 20, &stream).unwrap());
     ///     stream.synchronize().unwrap();
-    ///     assert!(pool.stats().reserved_bytes >= 16 << 20); // the driver pool keeps it
-    ///     pool.trim();
+    ///     let reserved = pool.stats().reserved_bytes; // the driver pool keeps the block
+    ///     assert!(reserved >= 16 << 20);
+    ///     assert_eq!(pool.trim() as u64, reserved);
     ///     assert_eq!(pool.stats().reserved_bytes, 0);
     /// }
     /// ```
-    pub fn trim(&self) {
-        local::with_thread_cache(self, |tc| self.cache().trim(tc));
+    pub fn trim(&self) -> usize {
+        local::with_thread_cache(self, |tc| self.cache().trim(tc))
     }
 
     /// Resets the peaks that [`stats`](Self::stats) reports (held bytes, and the driver
@@ -346,27 +278,18 @@ impl DevicePool {
     /// ```
     pub fn reset_peaks(&self) {
         self.cache().reset_peak();
-        if let Some(h) = &self.cache().backend.pages {
-            h.reset_peak();
-        }
-        self.cache().backend.reservations.reset_peak();
-        if let Err(e) = self.cache().backend.pool.reset_highs() {
-            log::warn!("cudalloc: could not reset the driver pool's highs: {e}");
-        }
+        self.cache().backend.reset_peaks();
     }
 
     /// The page heap's counters, on physical pages (benchmarks print them).
+    #[cfg(feature = "testing")]
     pub(crate) fn page_counters(&self) -> Option<String> {
-        self.cache()
-            .backend
-            .pages
-            .as_ref()
-            .map(|h| format!("{:?}", h.stats()))
+        self.cache().backend.page_counters()
     }
 
     /// Sets how many freed bytes the driver pool keeps across synchronizations.
     pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
-        self.cache().backend.pool.set_release_threshold(bytes)
+        self.cache().backend.set_release_threshold(bytes)
     }
 
     /// Lets kernels and copies on device `peer` read and write this pool's memory (every
@@ -394,12 +317,7 @@ impl DevicePool {
                 "the devices have no peer path: the peer cannot access this device's memory",
             ));
         }
-        let backend = &self.cache().backend;
-        backend.pool.set_access(peer, true)?;
-        match &backend.pages {
-            Some(h) => h.enable_peer(peer),
-            None => Ok(()),
-        }
+        self.cache().backend.enable_peer(peer)
     }
 
     /// Whether device `peer` may access this pool's memory (always true for the pool's
@@ -408,20 +326,16 @@ impl DevicePool {
         if peer == self.inner.device {
             return Ok(true);
         }
-        let backend = &self.cache().backend;
-        Ok(backend.pool.access(peer)? && backend.pages.as_ref().is_none_or(|h| h.has_peer(peer)))
+        self.cache().backend.peer_access(peer)
     }
 
     /// Test switch: with `false`, a stream takes blocks freed on another stream without
     /// waiting for that stream's work, and blocks freed with recorded uses are reused at
     /// once (the races the events prevent), so a negative-control test can show them.
     #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
     pub fn set_event_guard(&self, on: bool) {
         self.cache().set_guard(on);
-        if let Some(h) = &self.cache().backend.pages {
-            h.set_guard(on);
-        }
+        self.cache().backend.set_guard(on);
     }
 }
 

@@ -126,6 +126,14 @@ impl fmt::Display for Bytes {
 /// ```
 impl fmt::Display for DevicePoolStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.fmt_memory(f)?;
+        self.fmt_activity(f)
+    }
+}
+
+impl DevicePoolStats {
+    /// The report's lines on memory: the device, the pool's bytes, its limit.
+    fn fmt_memory(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
             "device {}: {} total, {} free",
@@ -155,6 +163,12 @@ impl fmt::Display for DevicePoolStats {
             None => writeln!(f, "no limit")?,
             Some(l) => writeln!(f, "limit {}", Bytes(l as u64))?,
         }
+        Ok(())
+    }
+
+    /// The report's lines on what the pool did: cached bytes by stream, allocations,
+    /// releases.
+    fn fmt_activity(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if !self.per_stream.is_empty() {
             write!(f, "  cached by stream:")?;
             for (i, s) in self.per_stream.iter().enumerate() {
@@ -283,5 +297,56 @@ impl fmt::Display for DeviceReport {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pool_report_prints_every_line() {
+        let s = DevicePoolStats {
+            device: 0,
+            caching: true,
+            live_bytes: 10 << 30,
+            live_buffers: 1234,
+            cached_bytes: 3 << 29,
+            cached_blocks: 77,
+            held_bytes: 23 << 29,
+            peak_held_bytes: 14 << 30,
+            reserved_bytes: 12 << 30,
+            peak_reserved_bytes: 14 << 30,
+            device_total_bytes: 140 << 30,
+            device_free_bytes: 120 << 30,
+            per_stream: vec![
+                StreamCacheStats {
+                    stream: 3,
+                    bytes: 1 << 30,
+                    blocks: 50,
+                },
+                StreamCacheStats {
+                    stream: 7,
+                    bytes: 512 << 20,
+                    blocks: 27,
+                },
+            ],
+            hits: 123456,
+            misses: 1234,
+            steals: 12,
+            events: 12,
+            released: 1200,
+            trims: 30,
+            oom_recoveries: 1,
+            ..DevicePoolStats::default()
+        };
+        let want = "device 0: 140.0 GiB total, 120.0 GiB free\n\
+                    \x20 pool: live 10.0 GiB in 1234 buffers, cached 1.5 GiB in 77 blocks, pending 0 B\n\
+                    \x20 held 11.5 GiB (peak 14.0 GiB), reserved 12.0 GiB (peak 14.0 GiB), no limit\n\
+                    \x20 cached by stream: stream#3 1.0 GiB in 50 blocks; stream#7 512.0 MiB in 27 blocks\n\
+                    \x20 allocations: 123456 hits, 1234 from the driver, 12 cross-stream takes (12 events), \
+                    0 failed, 1 out-of-memory recoveries\n\
+                    \x20 released: 1200 blocks to the driver pool or pages, 30 trims of its idle reservations";
+        assert_eq!(s.to_string(), want);
     }
 }

@@ -198,6 +198,6 @@ mod tests {
             assert_eq!(pool.hits() - hits, 1000, "size {size}");
         }
         let snap = pool.core.cache.snapshot();
-        assert_eq!((snap.misses, snap.marks), (4, 0), "{snap:?}");
+        assert_eq!((snap.misses, snap.events), (4, 0), "{snap:?}");
     }
 }

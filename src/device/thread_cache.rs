@@ -24,6 +24,7 @@ use super::order::StreamOrder;
 use super::size_class::class_size;
 use crate::cuda::StreamId;
 use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering};
+use crate::thread_registry::ThreadCounters;
 
 /// Streams a thread keeps bins for; a further stream evicts the one holding least.
 pub(crate) const MAX_STREAMS: usize = 8;
@@ -59,6 +60,12 @@ pub(crate) struct ThreadStats {
     pub(crate) hits: AtomicU64,
     /// Per stream slot (the index of the stream in [`ThreadCache`]'s table).
     pub(crate) slots: [SlotStats; MAX_STREAMS],
+}
+
+impl ThreadCounters for ThreadStats {
+    fn served(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
 }
 
 /// The handles a freed buffer leaves with its block: its stream's and its pool's.
@@ -451,24 +458,6 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     pub(crate) fn put_block(&mut self, i: usize, class: usize, ptr: u64) -> bool {
         self.reserve_bin(i, class);
         self.put(i, class, ptr, &mut None)
-    }
-
-    /// Keeps a block of `class` for slot `i` with the freed buffer's handles (allocating
-    /// the bin if needed); gives them back when it does not fit.
-    pub(crate) fn put_block_with(
-        &mut self,
-        i: usize,
-        class: usize,
-        ptr: u64,
-        stream: B::Stream,
-        pool: P,
-    ) -> Result<(), Handles<B, P>> {
-        self.reserve_bin(i, class);
-        let mut handles = Some((stream, pool));
-        if self.put(i, class, ptr, &mut handles) {
-            return Ok(());
-        }
-        handles.map_or(Ok(()), Err)
     }
 
     /// Allocates the bin of `class` of slot `i` at its capacity, if not yet.

@@ -47,11 +47,17 @@ use crate::sync::Arc;
 /// # Safety
 /// Allocators hand memory to a new owner once its fences report completion, so an
 /// implementor promises:
-/// 1. `is_complete` returns `Ok(true)` (and `wait` returns) only when the use it stands for
-///    no longer reads or writes the memory. (`Err` is treated as completion: a GPU that
-///    reports an error has stopped running the work, and keeping the memory forever would
-///    leak it.)
+/// 1. `is_complete` returns `Ok(true)` (and `wait` returns `Ok`) only when the use it stands
+///    for no longer reads or writes the memory.
 /// 2. Once it has reported completion it keeps doing so.
+///
+/// **A failed query is not completion** (one rule for every allocator of the crate, host
+/// and device): an `Err` from `is_complete` is counted in
+/// [`cuda::drop_errors`](crate::cuda::drop_errors) and the memory stays pending (it is
+/// polled again later); an `Err` from `wait` where waiting was the last resort gives the
+/// memory up, neither reused nor freed. A leak is better than memory handed to a new owner
+/// while the GPU may still write it, and an error may come from the query alone (a lost
+/// context, an invalid handle) while the work it stands for still runs.
 ///
 /// A fence that never completes holds its memory back for good, but never a thread: an
 /// allocation waits for it at most [`PoolConfig::pending_wait`](crate::pool::PoolConfig),
@@ -201,8 +207,8 @@ impl UseSet {
     }
 
     /// Queries the fences (no lock may be held: driver calls) and drops the completed
-    /// ones; true when none is left. An error counts as completion (logged and counted);
-    /// a fence that panics stays, to be polled again.
+    /// ones; true when none is left. A fence whose query fails (counted) or panics stays,
+    /// to be polled again ([`Fence`]'s rule).
     pub(crate) fn poll(&mut self) -> bool {
         self.fences.retain(|f| !poll_one(f));
         self.fences.is_empty()
@@ -210,8 +216,8 @@ impl UseSet {
 
     /// Blocks until every fence has completed, or `deadline` passes (then false). Without a
     /// deadline it uses each fence's own blocking wait; with one it polls with a short,
-    /// growing sleep. A fence that panics while waited for without a deadline is kept and
-    /// the wait fails (the caller gives the memory up rather than reuse it).
+    /// growing sleep. A fence whose wait fails or panics is kept and the wait fails (the
+    /// caller gives the memory up rather than reuse it).
     pub(crate) fn wait(&mut self, deadline: Option<Instant>) -> bool {
         match deadline {
             None => {
@@ -220,7 +226,7 @@ impl UseSet {
                         Some(Ok(())) => false,
                         Some(Err(e)) => {
                             crate::cuda::record_drop_error("waiting for a recorded GPU use", e);
-                            false
+                            true
                         }
                         None => true,
                     });
@@ -244,14 +250,14 @@ impl UseSet {
     }
 }
 
-/// Polls one fence: true when it completed (or failed, counted), false while pending or
-/// after a panic.
+/// Polls one fence: true when it completed; false while pending, after a failed query
+/// (counted: [`Fence`]'s rule) or a panic.
 pub(crate) fn poll_one(f: &SharedFence) -> bool {
     match guarded("querying a fence", || f.is_complete()) {
         Some(Ok(done)) => done,
         Some(Err(e)) => {
             crate::cuda::record_drop_error("querying a recorded GPU use", e);
-            true
+            false
         }
         None => false,
     }

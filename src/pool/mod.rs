@@ -33,7 +33,7 @@
 //!   free blocks per class (and a few large blocks). Allocating pops from the bin, freeing
 //!   pushes to it: no lock, no atomic read-modify-write. A full bin moves half its blocks
 //!   to the shared list of its class; a thread's cache is flushed when the thread exits.
-//! - **Pending list** (`pending.rs`): [`Pool::record_use`] records an event on the stream
+//! - **Pending list** (`uses.rs`): [`Pool::record_use`] records an event on the stream
 //!   of a GPU use of a block; a block freed while such events are unfinished waits in the
 //!   pending list and is reused only once they have completed. Events are queried with
 //!   no lock held and come from a per-device pool of reusable events.
@@ -523,7 +523,6 @@ impl<S: MemorySource + 'static> Pool<S> {
     /// Test switch: with `false`, blocks freed with unfinished recorded uses are reused
     /// at once (the bug the pending list prevents), so a test can show that it fails.
     #[cfg(feature = "test-hooks")]
-    #[doc(hidden)]
     pub fn set_pending_list_enabled(&self, enabled: bool) {
         self.shared
             .pending_enabled

@@ -28,7 +28,8 @@ use crate::budget::Budget;
 use crate::error::{Error, Result};
 use crate::fence::{registry, SharedFence, UseSet};
 use crate::source::MemorySource;
-use crate::sync::{lock, Arc, AtomicUsize, Mutex, Ordering};
+use crate::sync::{Arc, AtomicUsize, Ordering};
+use crate::thread_registry::ThreadRegistry;
 use crate::trace::Code;
 use crate::util::{align_up, PAGE_SIZE};
 
@@ -47,13 +48,6 @@ pub(crate) struct Settings {
     pub(crate) pending_wait: Option<Duration>,
 }
 
-/// The per-thread counters of a pool, and what threads that exited left behind.
-#[derive(Default)]
-struct ThreadRegistry {
-    live: Vec<Arc<ThreadStats>>,
-    retired_allocs: u64,
-}
-
 /// The state a pool's threads share.
 pub(crate) struct Shared<S: MemorySource> {
     pub(crate) source: S,
@@ -69,7 +63,7 @@ pub(crate) struct Shared<S: MemorySource> {
     pub(crate) uses: UseTracker,
     /// The pool's place in allocation traces.
     pub(crate) trace: crate::trace::Tag,
-    threads: Mutex<ThreadRegistry>,
+    threads: ThreadRegistry<ThreadStats>,
     /// Moves of blocks between thread caches and the shared state, for `stats()`.
     pub(crate) transfers: Transfers,
     /// Counts drains while some block has uses; every `PRUNE_EVERY`th forgets the
@@ -145,7 +139,7 @@ impl<S: MemorySource> Shared<S> {
             large: LargeShared::new(min_split),
             uses: UseTracker::default(),
             trace: crate::trace::Tag::new(crate::trace::pool_name::<S>),
-            threads: Mutex::new(ThreadRegistry::default()),
+            threads: ThreadRegistry::new(),
             transfers: Transfers::default(),
             prune_tick: AtomicUsize::new(0),
             waits: AtomicUsize::new(0),
@@ -159,8 +153,7 @@ impl<S: MemorySource> Shared<S> {
 
     /// A cache for a new thread, registered for `stats()`.
     pub(crate) fn new_cache(&self) -> CacheCore {
-        let stats = Arc::new(ThreadStats::default());
-        lock(&self.threads).live.push(stats.clone());
+        let stats = self.threads.register();
         CacheCore::new(&self.settings.caps, self.settings.thread_cache_bytes, stats)
     }
 
@@ -597,9 +590,7 @@ impl<S: MemorySource> Shared<S> {
 
     /// Merges an exiting thread's counters into the totals.
     pub(crate) fn retire_cache(&self, stats: &Arc<ThreadStats>) {
-        let mut t = lock(&self.threads);
-        t.retired_allocs += stats.allocs.load(Ordering::Relaxed);
-        t.live.retain(|s| !Arc::ptr_eq(s, stats));
+        self.threads.retire(stats);
     }
 
     // ---- trim and stats ---------------------------------------------------------------
@@ -690,21 +681,17 @@ impl<S: MemorySource> Shared<S> {
     /// Threads with a live cache for this pool (models wait for exiting threads with it).
     #[cfg(all(test, loom))]
     pub(crate) fn live_threads(&self) -> usize {
-        lock(&self.threads).live.len()
+        self.threads.visit(|_| {}).threads
     }
 
     /// Bytes and blocks parked in thread caches, and the allocations threads served.
     fn thread_cache_totals(&self) -> (usize, usize, u64) {
-        let t = lock(&self.threads);
-        t.live
-            .iter()
-            .fold((0usize, 0usize, t.retired_allocs), |(b, n, a), s| {
-                (
-                    b + s.cached_bytes.load(Ordering::Relaxed),
-                    n + s.cached_blocks.load(Ordering::Relaxed),
-                    a + s.allocs.load(Ordering::Relaxed),
-                )
-            })
+        let (mut bytes, mut blocks) = (0, 0);
+        let seen = self.threads.visit(|s| {
+            bytes += s.cached_bytes.load(Ordering::Relaxed);
+            blocks += s.cached_blocks.load(Ordering::Relaxed);
+        });
+        (bytes, blocks, seen.served)
     }
 
     /// Checks the accounting equations (see [`Accounting`]); exact only while no thread

@@ -6,8 +6,9 @@ use core::ptr::NonNull;
 use allocator_api2::alloc::{Allocator, Layout};
 
 use super::*;
+use crate::cuda::MemoryType;
 use crate::fence::fake::FlagFence;
-use crate::source::{HostSource, MemoryKind};
+use crate::source::HostSource;
 use crate::sync::global::{AtomicUsize as GlobalUsize, Ordering as GOrd};
 
 fn layout(size: usize, align: usize) -> Layout {
@@ -381,8 +382,8 @@ unsafe impl crate::source::MemorySource for Flaky {
     fn align(&self) -> usize {
         HostSource.align()
     }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pageable
+    fn kind(&self) -> MemoryType {
+        MemoryType::Pageable
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         if self.0.load(GOrd::Relaxed) > 0 {

@@ -15,6 +15,7 @@
 use super::size_class::class_size;
 use super::BlockPtr;
 use crate::sync::{Arc, AtomicU64, AtomicUsize, Ordering};
+use crate::thread_registry::ThreadCounters;
 
 /// Large blocks a thread keeps for one pool.
 const LARGE_ENTRIES: usize = 4;
@@ -37,6 +38,12 @@ pub(crate) struct ThreadStats {
     pub(crate) cached_blocks: AtomicUsize,
     /// Allocations served from the thread's cache.
     pub(crate) allocs: AtomicU64,
+}
+
+impl ThreadCounters for ThreadStats {
+    fn served(&self) -> u64 {
+        self.allocs.load(Ordering::Relaxed)
+    }
 }
 
 struct Bin {

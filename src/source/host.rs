@@ -4,7 +4,8 @@
 use core::ptr::NonNull;
 use std::alloc::{GlobalAlloc, Layout, System};
 
-use super::{HostVisible, MemoryKind, MemorySource};
+use super::{HostVisible, MemorySource};
+use crate::cuda::MemoryType;
 use crate::error::{Error, Result};
 use crate::util::PAGE_SIZE;
 
@@ -33,8 +34,8 @@ unsafe impl MemorySource for HostSource {
     fn align(&self) -> usize {
         PAGE_SIZE
     }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pageable
+    fn kind(&self) -> MemoryType {
+        MemoryType::Pageable
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0);

@@ -6,8 +6,9 @@
 
 use core::ptr::NonNull;
 
-use super::{HostVisible, MemoryKind, MemorySource};
+use super::{HostVisible, MemorySource};
 use crate::budget::Budget;
+use crate::cuda::MemoryType;
 use crate::cuda::{mem_info, raw, Location, ManagedAdvice, Stream};
 use crate::error::{Error, Result};
 use crate::sync::global::OnceLock;
@@ -56,6 +57,7 @@ fn budget() -> Result<&'static Budget> {
 }
 
 /// Managed bytes currently allocated through the crate (all handles and pools).
+#[cfg(feature = "testing")]
 pub fn managed_bytes_held() -> usize {
     budget().map_or(0, Budget::held)
 }
@@ -85,8 +87,8 @@ unsafe impl MemorySource for ManagedSource {
     fn align(&self) -> usize {
         MANAGED_ALIGN
     }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Managed
+    fn kind(&self) -> MemoryType {
+        MemoryType::Managed
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0, "zero-size requests never reach CUDA");

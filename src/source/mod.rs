@@ -17,20 +17,8 @@ pub use pinned::PinnedSource;
 pub use pinned_pool::{PinnedGrowth, PinnedPoolSource};
 pub use registered::RegisteredSource;
 
+use crate::cuda::MemoryType;
 use crate::error::Result;
-
-/// The kinds of memory the crate can hand out.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MemoryKind {
-    /// Ordinary pageable host memory.
-    Pageable,
-    /// Page-locked host memory from `cuMemHostAlloc`.
-    Pinned,
-    /// Host memory page-locked with `cuMemHostRegister`.
-    Registered,
-    /// Managed (unified) memory from `cuMemAllocManaged`.
-    Managed,
-}
 
 /// Where raw memory comes from.
 ///
@@ -44,8 +32,12 @@ pub unsafe trait MemorySource: Send + Sync {
     /// The alignment of every block this source returns.
     fn align(&self) -> usize;
 
-    /// The kind of memory, for statistics and reports.
-    fn kind(&self) -> MemoryKind;
+    /// The kind of memory, for statistics and reports ([`MemoryType`]; a source says
+    /// whether its page-locked memory is `PinnedHost` or `Registered`, which
+    /// [`pointer_info`] does not tell apart).
+    ///
+    /// [`pointer_info`]: crate::cuda::pointer_info
+    fn kind(&self) -> MemoryType;
 
     /// Allocates `size` bytes; `size` is never zero (callers handle zero-size requests).
     fn allocate(&self, size: usize) -> Result<NonNull<u8>>;
@@ -70,7 +62,7 @@ unsafe impl<S: MemorySource + ?Sized> MemorySource for &S {
     fn align(&self) -> usize {
         (**self).align()
     }
-    fn kind(&self) -> MemoryKind {
+    fn kind(&self) -> MemoryType {
         (**self).kind()
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {

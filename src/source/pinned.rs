@@ -2,7 +2,8 @@
 
 use core::ptr::NonNull;
 
-use super::{HostSource, HostVisible, MemoryKind, MemorySource};
+use super::{HostSource, HostVisible, MemorySource};
+use crate::cuda::MemoryType;
 use crate::cuda::{raw, HostAllocFlags};
 use crate::error::{Error, Result};
 
@@ -77,8 +78,8 @@ unsafe impl MemorySource for PinnedSource {
     fn align(&self) -> usize {
         PINNED_ALIGN
     }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pinned
+    fn kind(&self) -> MemoryType {
+        MemoryType::PinnedHost
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0, "zero-size requests never reach CUDA");

@@ -3,8 +3,9 @@
 
 use core::ptr::NonNull;
 
-use super::{HostVisible, MemoryKind, MemorySource, PinnedSource, RegisteredSource};
+use super::{HostVisible, MemorySource, PinnedSource, RegisteredSource};
 use crate::cuda::HostAllocFlags;
+use crate::cuda::MemoryType;
 use crate::error::Result;
 
 /// How a pinned pool takes memory from the driver.
@@ -124,10 +125,10 @@ unsafe impl MemorySource for PinnedPoolSource {
             .align()
             .min(self.registered().align())
     }
-    fn kind(&self) -> MemoryKind {
+    fn kind(&self) -> MemoryType {
         match self.growth {
-            PinnedGrowth::Register => MemoryKind::Registered,
-            PinnedGrowth::HostAlloc | PinnedGrowth::Auto => MemoryKind::Pinned,
+            PinnedGrowth::Register => MemoryType::Registered,
+            PinnedGrowth::HostAlloc | PinnedGrowth::Auto => MemoryType::PinnedHost,
         }
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
@@ -162,7 +163,7 @@ mod tests {
         let s = PinnedPoolSource::new(HostAllocFlags::WRITE_COMBINED, PinnedGrowth::Register);
         assert_eq!(s.growth(), PinnedGrowth::HostAlloc);
         let s = PinnedPoolSource::new(HostAllocFlags::DEVICE_MAP, PinnedGrowth::Register);
-        assert_eq!(s.kind(), MemoryKind::Registered);
+        assert_eq!(s.kind(), MemoryType::Registered);
     }
 
     #[test]

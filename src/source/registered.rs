@@ -3,8 +3,9 @@
 
 use core::ptr::NonNull;
 
-use super::{prefault, HostVisible, MemoryKind, MemorySource};
+use super::{prefault, HostVisible, MemorySource};
 use crate::cuda::raw;
+use crate::cuda::MemoryType;
 use crate::error::{Error, Result};
 use crate::util::{align_up, PAGE_SIZE};
 
@@ -51,8 +52,8 @@ unsafe impl MemorySource for RegisteredSource {
     fn align(&self) -> usize {
         PAGE_SIZE
     }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Registered
+    fn kind(&self) -> MemoryType {
+        MemoryType::Registered
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0);

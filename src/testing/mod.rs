@@ -2,7 +2,8 @@
 //! raw CUDA reference points (plain `cuMemAlloc` and `cuMemAllocAsync` device memory,
 //! `cuMemHostAlloc` host buffers) that the crate's own types are measured against.
 //!
-//! Hidden from the documentation and outside the API's stability promise: these types
+//! Behind the `testing` feature (the crate's own benches, examples and tests get it through
+//! its dev-dependency on itself) and outside the API's stability promise: these types
 //! exist to make A/B comparisons honest, not for applications, which use
 //! [`DevicePool`](crate::device::DevicePool), [`PinnedAlloc`](crate::PinnedAlloc) and
 //! [`copy`](crate::copy) instead.

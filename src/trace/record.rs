@@ -820,23 +820,25 @@ pub(crate) fn fallback(kind: &str) -> &'static Tag {
 
 /// The tag of every `Direct` over memory of `kind` (a `Direct` is `Copy` and has no
 /// room for one of its own): `Direct(pageable)`, `Direct(pinned)`, `Direct(registered)`,
-/// `Direct(managed)`.
-pub(crate) fn direct(kind: crate::source::MemoryKind) -> &'static Tag {
-    use crate::source::MemoryKind;
+/// `Direct(managed)`, `Direct(device)`.
+pub(crate) fn direct(kind: crate::cuda::MemoryType) -> &'static Tag {
+    use crate::cuda::MemoryType;
     fn unnamed() -> String {
         "Direct".to_owned()
     }
-    static TAGS: [Tag; 4] = [
+    static TAGS: [Tag; 5] = [
         Tag::named("Direct(pageable)", unnamed),
         Tag::named("Direct(pinned)", unnamed),
         Tag::named("Direct(registered)", unnamed),
         Tag::named("Direct(managed)", unnamed),
+        Tag::named("Direct(device)", unnamed),
     ];
     match kind {
-        MemoryKind::Pageable => &TAGS[0],
-        MemoryKind::Pinned => &TAGS[1],
-        MemoryKind::Registered => &TAGS[2],
-        MemoryKind::Managed => &TAGS[3],
+        MemoryType::Pageable => &TAGS[0],
+        MemoryType::PinnedHost => &TAGS[1],
+        MemoryType::Registered => &TAGS[2],
+        MemoryType::Managed => &TAGS[3],
+        MemoryType::Device => &TAGS[4],
     }
 }
 

@@ -12,7 +12,7 @@ use allocator_api2::{boxed::Box, vec::Vec};
 use cudalloc::arena::{Arena, ArenaConfig};
 use cudalloc::cuda::{pointer_info, MemoryType, Stream};
 use cudalloc::error::Result;
-use cudalloc::source::{HostSource, HostVisible, MemoryKind, MemorySource, PinnedSource};
+use cudalloc::source::{HostSource, HostVisible, MemorySource, PinnedSource};
 use cudalloc::testing::DeviceMemory;
 
 use crate::conformance::{suite, Options};
@@ -75,8 +75,8 @@ unsafe impl MemorySource for Recorded {
     fn align(&self) -> usize {
         HostSource.align()
     }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pageable
+    fn kind(&self) -> MemoryType {
+        MemoryType::Pageable
     }
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         assert!(size > 0, "a zero-size request reached the source");

@@ -78,8 +78,8 @@ unsafe impl cudalloc::source::MemorySource for PoolSource {
     fn align(&self) -> usize {
         4096
     }
-    fn kind(&self) -> cudalloc::source::MemoryKind {
-        cudalloc::source::MemoryKind::Pageable
+    fn kind(&self) -> cudalloc::cuda::MemoryType {
+        cudalloc::cuda::MemoryType::Pageable
     }
     fn allocate(&self, size: usize) -> cudalloc::Result<std::ptr::NonNull<u8>> {
         self.0

@@ -84,8 +84,8 @@ fn freed_memory_is_reused_in_stream_order_without_new_reservations() {
     );
     assert_eq!(st.held_bytes, 16 * MIB as u64);
     assert_eq!(st.events, 0, "same-stream reuse records no event");
-    // trim gives it back to the device.
-    pool.trim();
+    // trim gives it back to the device, and says how much.
+    assert_eq!(pool.trim() as u64, reserved, "trim returns the bytes released");
     let st = pool.stats();
     assert_eq!(
         (st.reserved_bytes, st.held_bytes, st.cached_bytes),

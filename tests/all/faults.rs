@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::{Allocator, Layout};
 use allocator_api2::vec::Vec as AVec;
 use cudalloc::arena::{Arena, ArenaConfig};
+use cudalloc::cuda::MemoryType;
 use cudalloc::fence::Fence;
 use cudalloc::pool::{Pool, PoolConfig};
-use cudalloc::source::{HostSource, HostVisible, MemoryKind, MemorySource};
+use cudalloc::source::{HostSource, HostVisible, MemorySource};
 use cudalloc::{Counting, Direct, Error};
 
 use crate::support::assert_balanced;
@@ -96,8 +97,8 @@ unsafe impl MemorySource for Faulty {
     fn align(&self) -> usize {
         HostSource.align()
     }
-    fn kind(&self) -> MemoryKind {
-        MemoryKind::Pageable
+    fn kind(&self) -> MemoryType {
+        MemoryType::Pageable
     }
     fn allocate(&self, size: usize) -> cudalloc::Result<NonNull<u8>> {
         let call = self.0.calls.fetch_add(1, Ordering::SeqCst);
@@ -604,13 +605,14 @@ fn pending_block(pool: &Pool<Faulty>, l: Layout, fence: &Scripted) -> usize {
     addr
 }
 
-/// A fence that reports an error is taken as complete (the GPU stopped running the work)
-/// and counted in `cuda::drop_errors()`; the block comes back. Likewise for a fence whose
-/// seal fails.
+/// A fence that reports an error is not completion (the rule stated on `Fence`): the error
+/// is counted in `cuda::drop_errors()`, the block stays pending (neither reused nor
+/// lost), and comes back once the fence answers. Likewise for a fence whose seal fails.
+/// An arena whose fence fails its wait gives its memory up (counted) and works on.
 #[test]
-fn a_fence_that_errors_is_counted_and_taken_as_complete() {
+fn a_fence_that_errors_is_counted_and_its_memory_stays_pending() {
     if crate::support::in_a_child_process_with_a_driver(
-        "faults::a_fence_that_errors_is_counted_and_taken_as_complete",
+        "faults::a_fence_that_errors_is_counted_and_its_memory_stays_pending",
     ) {
         return;
     }
@@ -622,11 +624,17 @@ fn a_fence_that_errors_is_counted_and_taken_as_complete() {
         assert_eq!(pool.stats().pending_blocks, 1);
         let errors = cudalloc::cuda::drop_errors();
         fence.set(ERRORS);
-        assert_eq!(pool.collect_pending(), 1, "an error is completion");
+        assert_eq!(pool.collect_pending(), 0, "an error is not completion");
         assert!(cudalloc::cuda::drop_errors() > errors, "and it is counted");
         let s = pool.stats();
-        assert_eq!((s.pending_blocks, s.live_blocks), (0, 0), "{s:?}");
+        assert_eq!((s.pending_blocks, s.live_blocks), (1, 0), "{s:?}");
         assert_balanced(&s);
+        fence.set(COMPLETE);
+        assert_eq!(
+            pool.collect_pending(),
+            1,
+            "the block comes back once the fence answers"
+        );
 
         // A fence whose seal (at the free) fails: counted, and still polled for reuse.
         let mut fence = Scripted::new(ERRORS);
@@ -635,26 +643,39 @@ fn a_fence_that_errors_is_counted_and_taken_as_complete() {
         pending_block(&pool, l, &fence);
         assert!(cudalloc::cuda::drop_errors() > errors);
         pool.collect_pending();
+        assert_eq!(pool.stats().pending_blocks, 1);
+        fence.set(COMPLETE);
+        pool.collect_pending();
         assert_eq!(pool.stats().pending_blocks, 0);
         pool.trim();
         assert_eq!((pool.stats().source_bytes, pool.source().held()), (0, 0));
     }
 
-    // An arena: reset waits, the error counts as completion, memory is reused.
+    // An arena: reset waits, the wait fails, the memory is given up; the arena works on.
     let source = Faulty::default();
     let mut arena = Arena::with_config(source.clone(), ArenaConfig::host());
     let p = arena.try_alloc_layout(layout(100, 8)).unwrap();
-    assert!(cudalloc::record_fence(p.as_ptr(), Scripted::new(ERRORS)).unwrap());
+    let fence = Scripted::new(ERRORS);
+    assert!(cudalloc::record_fence(p.as_ptr(), fence.clone()).unwrap());
     let errors = cudalloc::cuda::drop_errors();
     arena.reset();
     assert!(cudalloc::cuda::drop_errors() > errors);
     let s = arena.stats();
     assert_eq!(
-        (s.pending_uses, s.gpu_wait_errors, s.abandoned_bytes),
-        (0, 0, 0),
+        (s.gpu_wait_errors, s.abandoned_bytes, s.held_bytes),
+        (1, 64 * KIB, 0),
         "{s:?}"
     );
-    assert_eq!(arena.allocated_bytes(), source.held());
+    assert!(
+        arena.try_alloc_layout(layout(100, 8)).is_ok(),
+        "the arena works on"
+    );
+    fence.set(COMPLETE);
+    arena.reset();
+    let s = arena.stats();
+    assert_eq!((s.gpu_wait_errors, s.pending_uses, s.chunks), (1, 0, 1), "{s:?}");
+    drop(arena);
+    assert_eq!(source.held(), 64 * KIB, "only the abandoned chunk is kept");
 }
 
 /// A fence that panics is not completion and is not lost: its block stays pending (the

@@ -554,11 +554,11 @@ fn pinned_cap_and_stats_on_the_gpu() {
 #[test]
 fn pinned_growth_sources_report_their_kind() {
     let s = PinnedPoolSource::new(HostAllocFlags::PORTABLE, PinnedGrowth::Register);
-    assert_eq!(s.kind(), cudalloc::source::MemoryKind::Registered);
+    assert_eq!(s.kind(), cudalloc::cuda::MemoryType::Registered);
     let s = PinnedPoolSource::new(HostAllocFlags::PORTABLE, PinnedGrowth::HostAlloc);
-    assert_eq!(s.kind(), cudalloc::source::MemoryKind::Pinned);
+    assert_eq!(s.kind(), cudalloc::cuda::MemoryType::PinnedHost);
     let s = PinnedPoolSource::new(HostAllocFlags::PORTABLE, PinnedGrowth::Auto);
-    assert_eq!(s.kind(), cudalloc::source::MemoryKind::Pinned);
+    assert_eq!(s.kind(), cudalloc::cuda::MemoryType::PinnedHost);
 }
 
 #[test]

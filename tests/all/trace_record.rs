@@ -15,9 +15,10 @@ use allocator_api2::alloc::{Allocator, Layout};
 use allocator_api2::boxed::Box;
 use allocator_api2::vec::Vec as AVec;
 use cudalloc::arena::Arena;
+use cudalloc::cuda::MemoryType;
 use cudalloc::fence::Fence;
 use cudalloc::pool::{Pool, PoolConfig};
-use cudalloc::source::{HostSource, HostVisible, MemoryKind, MemorySource};
+use cudalloc::source::{HostSource, HostVisible, MemorySource};
 use cudalloc::trace::{self, Action, Event, Trace, TraceConfig, Traced};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -57,7 +58,7 @@ unsafe impl<const N: usize> MemorySource for Src<N> {
     fn align(&self) -> usize {
         HostSource.align()
     }
-    fn kind(&self) -> MemoryKind {
+    fn kind(&self) -> MemoryType {
         HostSource.kind()
     }
     fn allocate(&self, size: usize) -> cudalloc::Result<NonNull<u8>> {
