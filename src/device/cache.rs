@@ -261,6 +261,9 @@ impl<B: Backend> Cache<B> {
                     self.flush_thread(t);
                 }
                 self.give_large(t);
+                if self.is_large(rounded) {
+                    t.large_missed(B::stream_id(stream), rounded);
+                }
             }
             return self.alloc_backend(tc, rounded, stream);
         };

@@ -435,7 +435,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 
     /// Turns the ordering of takers after other streams' frees off (negative controls
     /// only) or on.
-    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
+    #[cfg(feature = "test-hooks")]
     pub(crate) fn set_guard(&self, on: bool) {
         self.guard.store(on, Ordering::Relaxed);
     }

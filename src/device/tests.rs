@@ -1257,6 +1257,39 @@ fn large_blocks_are_reused_at_their_size_and_given_back_at_the_next_miss() {
 }
 
 #[test]
+fn large_slots_stop_keeping_sizes_that_do_not_repeat_and_start_again_when_one_does() {
+    let phys = FakePhys::new(GRANULE, usize::MAX);
+    let backend = FakeBackend::paged(u64::MAX, phys.clone(), GRANULE, PageTuning::default());
+    let mut settings = Settings::new(GRANULE - 1, 256 << 20, None);
+    settings.max_large_bytes = 1 << 30;
+    let c = Cache::new(backend, settings);
+    let mut tc: Tc = c.new_thread_cache().unwrap();
+    let s = FakeStream::new();
+    // Sizes that never repeat: after a few misses in a row the frees go straight back to
+    // the heap (RMM's random workload: the slots would only hold memory).
+    for i in 0..16 {
+        let p = alloc(&c, Some(&mut tc), (8 + i) * MIB, &s).unwrap();
+        free(&c, Some(&mut tc), p, (8 + i) * MIB, &s, Vec::new());
+    }
+    assert_eq!(c.snapshot().cached_bytes, 0, "no longer kept");
+    // A size freed lately comes again (a ghost): kept again, and the next one hits.
+    let p = alloc(&c, Some(&mut tc), 20 * MIB, &s).unwrap();
+    free(&c, Some(&mut tc), p, 20 * MIB, &s, Vec::new());
+    assert_eq!(c.snapshot().cached_bytes, 0);
+    let p = alloc(&c, Some(&mut tc), 20 * MIB, &s).unwrap();
+    free(&c, Some(&mut tc), p, 20 * MIB, &s, Vec::new());
+    assert_eq!(c.snapshot().cached_bytes, 20 * MIB as u64, "kept again");
+    let hits = c.snapshot().hits;
+    let q = alloc(&c, Some(&mut tc), 20 * MIB, &s).unwrap();
+    assert_eq!((q, c.snapshot().hits), (p, hits + 1));
+    free(&c, Some(&mut tc), q, 20 * MIB, &s, Vec::new());
+    c.retire_thread_cache(&mut tc);
+    assert_balanced(&c, 0);
+    c.trim::<()>(None);
+    assert_eq!(phys.violations(), 0);
+}
+
+#[test]
 fn page_thresholds_compared() {
     // Which blocks go to pages (and are not cached by class): from 1 granule (the
     // crate's threshold) 1.108 with the default tuning, 1.115 from 2, then the driver

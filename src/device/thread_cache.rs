@@ -33,6 +33,10 @@ const MAX_BIN: usize = 64;
 /// The most large blocks (not cached by class: the page heap's) a thread keeps for reuse
 /// at the same size.
 pub(crate) const LARGE_SLOTS: usize = 4;
+/// Large misses in a row (no slot served them) after which the thread stops keeping large
+/// blocks: sizes that do not repeat would only hold memory the heap could give to any
+/// size. A miss for a size the thread freed lately (a ghost) starts keeping them again.
+const LARGE_COLD: u32 = 8;
 
 const _: () = assert!(MAX_STREAMS.is_power_of_two(), "slot indices are masked");
 
@@ -126,6 +130,11 @@ pub(crate) struct ThreadCache<B: StreamOrder, P> {
     /// Large blocks, most recently freed last (at most [`LARGE_SLOTS`]); counted in their
     /// slot's bytes and blocks like the bins'.
     large: Vec<Large<B, P>>,
+    /// Large misses in a row ([`LARGE_COLD`]).
+    large_misses: u32,
+    /// The (stream, size) of the last large blocks freed while not kept.
+    ghosts: [(Option<StreamId>, usize); LARGE_SLOTS],
+    ghost_next: usize,
     // bytes == sum over bins of len * size == sum over slots of stats.slots[i].bytes;
     // bytes <= max_bytes
     bytes: usize,
@@ -148,6 +157,9 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             streams: [const { None }; MAX_STREAMS],
             caps,
             large: Vec::with_capacity(LARGE_SLOTS),
+            large_misses: 0,
+            ghosts: [(None, 0); LARGE_SLOTS],
+            ghost_next: 0,
             bytes: 0,
             max_bytes,
             hits: 0,
@@ -289,6 +301,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let i = self.find(id)?;
         let k = self.large.iter().rposition(|l| l.bytes == bytes && l.slot == i)?;
         let l = self.large.swap_remove(k);
+        self.large_misses = 0;
         self.count(i, -1, bytes);
         self.hits += 1;
         self.stats.hits.store(self.hits, Ordering::Relaxed);
@@ -307,6 +320,11 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         ptr: u64,
         handles: Option<Handles<B, P>>,
     ) -> Result<(), Option<Handles<B, P>>> {
+        if self.large_misses >= LARGE_COLD {
+            self.ghosts[self.ghost_next % LARGE_SLOTS] = (Some(id), bytes);
+            self.ghost_next = self.ghost_next.wrapping_add(1);
+            return Err(handles);
+        }
         if self.reclaim_requested() || self.large.len() >= LARGE_SLOTS || bytes > self.max_bytes - self.bytes
         {
             return Err(handles);
@@ -322,6 +340,18 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         });
         self.count(i, 1, bytes);
         Ok(())
+    }
+
+    /// Notes a large allocation of `bytes` on stream `id` that no slot served: one more
+    /// miss in a row, or, for a size the thread freed lately without keeping it, a reason
+    /// to keep large blocks again.
+    pub(crate) fn large_missed(&mut self, id: StreamId, bytes: usize) {
+        if self.ghosts.contains(&(Some(id), bytes)) {
+            self.large_misses = 0;
+            self.ghosts = [(None, 0); LARGE_SLOTS];
+        } else {
+            self.large_misses = self.large_misses.saturating_add(1);
+        }
     }
 
     /// Whether the large slots are all taken.

@@ -529,6 +529,11 @@ macro_rules! sanitizer_test {
             return;
         }
         gpu!();
+        println!(
+            "NVTX_INJECTION64_PATH={:?}; tool attached: {}",
+            std::env::var_os("NVTX_INJECTION64_PATH"),
+            cudalloc::cuda::nvtx::attached()
+        );
     };
 }
 
