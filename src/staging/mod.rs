@@ -41,6 +41,9 @@ use crate::cuda::{Event, EventCompleted, Stream};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, Mutex};
 
+mod pipeline;
+pub use pipeline::{Pipeline, PipelineRun};
+
 /// A ring of host-visible staging buffers from any allocator of host memory (
 /// [`PinnedAlloc`](crate::PinnedAlloc), `&Pool<S>`, `&Arena<S>`, ...), `per_stream` of them
 /// for each of its streams, handed out in turn once the GPU is done with them. A cheap,
