@@ -11,6 +11,9 @@
 //! an event by hand; the buffer is handed out again only once that event has completed.
 //! Work on another stream is covered by [`Staged::record_use`].
 //!
+//! [`StagingRing::pipeline`] runs the whole double-buffered loop over a ring: the user
+//! gives the host fill, the launch and the drain ([`Pipeline`]).
+//!
 //! ```
 //! use cudalloc::{cuda::Stream, staging::StagingRing, PinnedAlloc};
 //! use std::time::Duration;
