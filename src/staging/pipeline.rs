@@ -22,7 +22,9 @@ use crate::error::Error;
 /// drain needs; the helper records an event after that work and calls `drain` with the
 /// launch's value once the event has completed, while later batches are being filled and
 /// run. Up to `in_flight` batches (default: the ring's buffer count) are launched and not
-/// yet drained; consecutive batches go to the ring's streams in turn.
+/// yet drained; consecutive batches go to the ring's streams in turn. A buffer's last
+/// batch is drained before the buffer is filled again: device buffers or host outputs kept
+/// per ring buffer (indexed by [`Staged::index`]) are reused safely without a free list.
 #[derive(Debug)]
 pub struct Pipeline<'r, A: Allocator> {
     ring: &'r StagingRing<A>,
@@ -44,6 +46,8 @@ pub struct PipelineRun {
 /// A launched batch waiting for its drain.
 struct InFlight<T> {
     batch: usize,
+    /// The ring's buffer it was staged in ([`Staged::index`]).
+    buffer: usize,
     done: Event,
     value: T,
 }
@@ -148,6 +152,12 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
                 let t0 = Instant::now();
                 let mut lease = self.ring.next(self.timeout)?;
                 run.buffer_wait += t0.elapsed();
+                // The buffer's last batch is drained before the buffer is filled again,
+                // so state kept per buffer (`lease.index()`) is free to reuse too.
+                while queue.iter().any(|q| q.buffer == lease.index()) {
+                    self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
+                }
+                let buffer = lease.index();
                 fill(batch, &mut lease)?;
                 let value = launch(batch, &lease)?;
                 let done = match spare.pop() {
@@ -162,7 +172,12 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
                     return Err(e.into());
                 }
                 drop(lease);
-                queue.push_back(InFlight { batch, done, value });
+                queue.push_back(InFlight {
+                    batch,
+                    buffer,
+                    done,
+                    value,
+                });
             }
             while !queue.is_empty() {
                 self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
@@ -199,7 +214,10 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
         // An error leaves the batch in the queue: `run` waits for it before dropping.
         oldest.done.synchronize()?;
         run.drain_wait += t0.elapsed();
-        let Some(InFlight { batch, done, value }) = queue.pop_front() else {
+        let Some(InFlight {
+            batch, done, value, ..
+        }) = queue.pop_front()
+        else {
             return Ok(());
         };
         spare.push(done);

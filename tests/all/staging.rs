@@ -49,7 +49,28 @@ struct Outcome {
     elements: usize,
     calls: Vec<Call>,
     streams: HashSet<cudalloc::cuda::StreamId>,
+    /// The ring buffer (`Staged::index`) of each batch.
+    buffer_of: Vec<usize>,
     batches: usize,
+}
+
+impl Outcome {
+    fn at(&self, c: Call) -> usize {
+        self.calls.iter().position(|&x| x == c).unwrap()
+    }
+
+    /// Each batch's ring buffer was filled again only after the buffer's last batch was
+    /// drained (state kept per buffer is safe to reuse).
+    fn assert_buffers_drained_before_refill(&self) {
+        for (b, &k) in self.buffer_of.iter().enumerate() {
+            if let Some(prev) = self.buffer_of[..b].iter().rposition(|&j| j == k) {
+                assert!(
+                    self.at(Call::Drain(prev)) < self.at(Call::Fill(b)),
+                    "buffer {k} filled for batch {b} before batch {prev} was drained"
+                );
+            }
+        }
+    }
 }
 
 /// Queues `out[i] = hash_rounds(input[i], ROUNDS)` on `stream`.
@@ -95,6 +116,7 @@ fn hash_pipeline(
     let kernel = module.function(KERNEL).unwrap();
     let mut calls = Vec::new();
     let mut used = HashSet::new();
+    let mut buffer_of = Vec::new();
     let (mut wrong, mut elements) = (0, 0);
     let calls_cell = std::cell::RefCell::new(&mut calls);
     let run = ring
@@ -116,6 +138,7 @@ fn hash_pipeline(
             |b, buf| {
                 calls_cell.borrow_mut().push(Call::Launch(b));
                 used.insert(buf.stream().id());
+                buffer_of.push(buf.index());
                 let s = buf.stream();
                 let mut input = pool.alloc::<u8>(buf.len(), s)?;
                 let output = pool.alloc::<u32>(n, s)?;
@@ -147,6 +170,7 @@ fn hash_pipeline(
         elements,
         calls,
         streams: used,
+        buffer_of,
         batches: run.batches,
     }
 }
@@ -171,7 +195,8 @@ fn a_pipeline_on_one_stream_delivers_every_batch_intact_and_double_buffers() {
     assert_eq!(drains, (0..batches).collect::<Vec<_>>());
     // Double buffering: batch b+1 is filled and launched before batch b is drained
     // (its fill overlaps batch b's compute), and never more than 2 batches in flight.
-    let at = |c: Call| out.calls.iter().position(|&x| x == c).unwrap();
+    let at = |c: Call| out.at(c);
+    out.assert_buffers_drained_before_refill();
     for b in 0..batches - 1 {
         assert!(
             at(Call::Launch(b + 1)) < at(Call::Drain(b)),
@@ -202,6 +227,7 @@ fn a_pipeline_on_eight_streams_delivers_every_batch_intact_on_every_stream() {
         "batches went to {} of 8 streams",
         out.streams.len()
     );
+    out.assert_buffers_drained_before_refill();
 }
 
 #[test]
