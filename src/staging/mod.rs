@@ -564,7 +564,8 @@ pub mod hooks {
     pub(super) static SKIP_RELEASE_EVENT: AtomicBool = AtomicBool::new(false);
 
     /// Makes every staging ring hand a given-back buffer out at once, without waiting for
-    /// the GPU (the defect the ring exists to prevent): for negative controls.
+    /// the GPU (the defect the ring exists to prevent), and every pipeline refill a buffer
+    /// without draining its last batch first: for negative controls.
     pub fn skip_release_events(skip: bool) {
         SKIP_RELEASE_EVENT.store(skip, crate::sync::global::Ordering::SeqCst);
     }

@@ -295,8 +295,9 @@ fn a_pipeline_with_more_batches_in_flight_than_buffers_waits_for_the_gpu() {
     assert_eq!(wrong, 0, "bytes arrived wrong");
 }
 
-/// The negative control: without the ring's events the pipeline refills the buffer
-/// behind the held copies, and batches 0-2 arrive with batch 3's bytes.
+/// The negative control: without the ring's events (and without the pipeline's drain of
+/// a buffer's last batch before its refill, its second guard) the pipeline refills the
+/// buffer behind the held copies, and batches 0-2 arrive with batch 3's bytes.
 #[cfg(feature = "test-hooks")]
 #[test]
 fn without_the_rings_events_a_pipeline_refills_buffers_the_gpu_still_reads() {
