@@ -159,18 +159,26 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
                 }
                 let buffer = lease.index();
                 fill(batch, &mut lease)?;
-                let value = launch(batch, &lease)?;
-                let done = match spare.pop() {
-                    Some(e) => e,
-                    None => Event::new(lease.stream().device())?,
+                let launched = launch(batch, &lease).and_then(|value| {
+                    let done = match spare.pop() {
+                        Some(e) => e,
+                        None => Event::new(lease.stream().device())?,
+                    };
+                    // The lease, dropped below, records the ring's own event after it.
+                    done.record(lease.stream())?;
+                    Ok((value, done))
+                });
+                let (value, done) = match launched {
+                    Ok(v) => v,
+                    Err(e) => {
+                        // Work of this batch may be queued but is not tracked by an
+                        // event: wait for it on the host before the value is dropped, so
+                        // the run returns with none of its work running. The error is
+                        // the one to report.
+                        let _ = lease.stream().synchronize();
+                        return Err(e);
+                    }
                 };
-                // Recorded before anything else can be queued on the stream by the
-                // helper; the lease, dropped here, records the ring's own event after it.
-                if let Err(e) = done.record(lease.stream()) {
-                    // The value's work cannot be tracked: wait for it on the host.
-                    let _ = lease.stream().synchronize();
-                    return Err(e.into());
-                }
                 drop(lease);
                 queue.push_back(InFlight {
                     batch,
