@@ -27,7 +27,7 @@
 //!   --streams LIST         stream counts of the PinnedAlloc and raw rows (1,2,4,8)
 //!   --staging-streams N    streams of the arena, fresh-Vec and ring rows (4)
 //!   --work LIST            transfer, balanced, compute, or rounds per element (all three)
-//!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring (all)
+//!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring (all); pipeline (only when named)
 //!   --samples N            positions checked per batch besides the first and last (256)
 //!   --verify-all           write and check every element (slow)
 //!   --fill-threads N       threads that write a whole batch (half the cores, at most 8)

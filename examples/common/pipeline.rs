@@ -11,6 +11,7 @@
 //! | `arena-S` | input staged in a per-stream `Arena<PinnedSource>`, reset per batch |
 //! | `fresh-S` | input in a fresh `Vec<u32, PinnedAlloc>` per batch, dropped right after its copy is queued: the pool's event-guarded reuse is the ring |
 //! | `ring-S` | input in an explicit ring of S+1 `Vec<u32, PinnedAlloc>`, reused after an event |
+//! | `pipeline-S` | the library's `staging::Pipeline` over a `StagingRing` of 2 buffers per stream, S streams (only with `--variants pipeline`) |
 //!
 //! Fixed-buffer variants (pageable, pinned, double, raw) write a batch's input at its
 //! checked positions only ("stamp"): like the hand-written reference, they measure the
@@ -123,6 +124,8 @@ pub enum Variant {
     Arena(usize),
     FreshVec(usize),
     Ring(usize),
+    /// `cudalloc::staging::Pipeline` (the library's helper) on S streams.
+    Pipeline(usize),
 }
 
 impl Variant {
@@ -142,6 +145,7 @@ impl Variant {
             Variant::Arena(s) => format!("Arena<PinnedSource> per stream, {}", streams(s)),
             Variant::FreshVec(s) => format!("fresh Vec<PinnedAlloc> per batch, {}", streams(s)),
             Variant::Ring(s) => format!("ring of {} Vec<PinnedAlloc>, {}", s + 1, streams(s)),
+            Variant::Pipeline(s) => format!("staging::Pipeline, {}", streams(s)),
         }
     }
 
@@ -155,6 +159,7 @@ impl Variant {
             Variant::Arena(s) => format!("arena-{s}"),
             Variant::FreshVec(s) => format!("fresh-{s}"),
             Variant::Ring(s) => format!("ring-{s}"),
+            Variant::Pipeline(s) => format!("pipeline-{s}"),
         }
     }
 
@@ -167,28 +172,35 @@ impl Variant {
             | Variant::Raw(s)
             | Variant::Arena(s)
             | Variant::FreshVec(s)
-            | Variant::Ring(s) => s,
+            | Variant::Ring(s)
+            | Variant::Pipeline(s) => s,
         }
     }
 
     /// Whether each batch gets a new staging buffer (and so the host writes all of it).
     fn staged(self) -> bool {
-        matches!(self, Variant::Arena(_) | Variant::FreshVec(_) | Variant::Ring(_))
+        matches!(
+            self,
+            Variant::Arena(_) | Variant::FreshVec(_) | Variant::Ring(_) | Variant::Pipeline(_)
+        )
     }
 
     /// The raw reference with as many streams, for the `vs raw` column.
     fn reference(self) -> Option<Variant> {
         match self {
-            Variant::Pinned(s) | Variant::Arena(s) | Variant::FreshVec(s) | Variant::Ring(s) => {
-                Some(Variant::Raw(s))
-            }
+            Variant::Pinned(s)
+            | Variant::Arena(s)
+            | Variant::FreshVec(s)
+            | Variant::Ring(s)
+            | Variant::Pipeline(s) => Some(Variant::Raw(s)),
             _ => None,
         }
     }
 
     /// Every variant: `streams` for the pinned and raw rows, `staging` streams for the
     /// arena, fresh-Vec and ring rows. `names` filters by kind (`pageable`, `pinned`,
-    /// `double`, `raw`, `arena`, `fresh`, `ring`).
+    /// `double`, `raw`, `arena`, `fresh`, `ring`); `pipeline` (the library's
+    /// `staging::Pipeline`, `staging` streams) runs only when named.
     pub fn all(streams: &[usize], staging: usize, names: Option<&[String]>) -> Vec<Variant> {
         let wants = |k: &str| names.is_none_or(|n| n.iter().any(|x| x == k));
         let mut v = Vec::new();
@@ -212,6 +224,9 @@ impl Variant {
         }
         if wants("ring") {
             v.push(Variant::Ring(staging));
+        }
+        if names.is_some_and(|n| n.iter().any(|x| x == "pipeline")) {
+            v.push(Variant::Pipeline(staging));
         }
         v
     }
@@ -1645,6 +1660,106 @@ fn run_double(ctx: &Ctx<'_>, db: &mut Double, batches: usize, full: bool) -> Res
     Ok(tally)
 }
 
+/// The library's pipeline (`cudalloc::staging::Pipeline`): a `StagingRing` of 2 input
+/// buffers per stream, and per ring buffer a device input/output pair and a host output.
+struct Piped {
+    streams: Vec<Stream>,
+    ring: cudalloc::staging::StagingRing<PinnedAlloc>,
+    /// Indexed by the ring buffer (`Staged::index`); buffer k belongs to stream k % S.
+    slots: Vec<Slot>,
+}
+
+impl Piped {
+    fn new(n: usize, streams: usize) -> Result<Self> {
+        let streams: Vec<Stream> = (0..streams).map(|_| Stream::new(0)).collect::<Result<_>>()?;
+        let ring = cudalloc::staging::StagingRing::new(PinnedAlloc, &streams, 2, n * 4)?;
+        let slots = (0..ring.buffers())
+            .map(|k| {
+                let s = &streams[k % streams.len()];
+                Ok(Slot {
+                    dev_in: DevBuf::pool(n, s)?,
+                    dev_out: DevBuf::pool(n, s)?,
+                    host_in: HostBuf::Pageable(Vec::new()), // the ring's buffer is the input
+                    host_out: HostBuf::pinned(n)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { streams, ring, slots })
+    }
+}
+
+/// A staging buffer's bytes as u32s (the ring's pinned buffers are page-aligned).
+fn as_words(bytes: &[u8]) -> Result<&[u32]> {
+    if bytes.as_ptr().align_offset(4) != 0 || bytes.len() % 4 != 0 {
+        return Err(Error::InvalidArgument("a staging buffer not aligned for u32s"));
+    }
+    // SAFETY: aligned and a whole number of u32s (checked); any bytes are a valid u32;
+    // the view borrows `bytes`.
+    Ok(unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast(), bytes.len() / 4) })
+}
+
+fn as_words_mut(bytes: &mut [u8]) -> Result<&mut [u32]> {
+    if bytes.as_ptr().align_offset(4) != 0 || bytes.len() % 4 != 0 {
+        return Err(Error::InvalidArgument("a staging buffer not aligned for u32s"));
+    }
+    // SAFETY: as in `as_words`, and the view borrows `bytes` mutably.
+    Ok(unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast(), bytes.len() / 4) })
+}
+
+/// The ring row's work on the library's `staging::Pipeline`: the helper leases the input
+/// buffers, keeps 2 batches per stream in flight and waits for each batch before its
+/// check; the user code is the fill, the launch and the check.
+fn run_pipeline(ctx: &Ctx<'_>, p: &mut Piped, batches: usize) -> Result<Tally> {
+    ctx.start(&p.streams)?;
+    let chain = ctx.chain_copies && p.streams.len() > 1;
+    let slots = std::cell::RefCell::new(&mut p.slots);
+    let mut tally = Tally::default();
+    let run = p.ring.pipeline().run(
+        batches,
+        |b, bytes| {
+            Checker::fill_with(b, as_words_mut(bytes)?, ctx.fill_threads);
+            Ok::<_, Error>(())
+        },
+        |b, buf| {
+            let (s, ev) = (buf.stream(), &ctx.events[b]);
+            let mut slots = slots.borrow_mut();
+            let Slot {
+                dev_in,
+                dev_out,
+                host_out,
+                ..
+            } = &mut slots[buf.index()];
+            if chain && b > 0 {
+                s.wait(&ctx.events[b - 1].h1)?;
+            }
+            ev.h0.record(s)?;
+            // SAFETY: the pipeline does not refill the ring's buffer before this copy is done.
+            unsafe { dev_in.upload(as_words(buf)?, s) }?;
+            ev.h1.record(s)?;
+            ev.k0.record(s)?;
+            // SAFETY: both device buffers hold `n` u32s, are this ring buffer's (the
+            // pipeline drains a buffer's last batch before reusing it) and used on `s`.
+            unsafe { launch_hash(ctx.kernel, s, dev_in.ptr(), dev_out.ptr(), ctx.n, ctx.rounds) }?;
+            ev.k1.record(s)?;
+            if chain && b > 0 {
+                s.wait(&ctx.events[b - 1].d1)?;
+            }
+            ev.d0.record(s)?;
+            // SAFETY: `host_out` is read by this batch's check only, after the batch completed.
+            unsafe { dev_out.download(host_out, s) }?;
+            ev.d1.record(s)?;
+            Ok(buf.index())
+        },
+        |b, k| {
+            ctx.checker
+                .check(b, ctx.rounds, &slots.borrow()[k].host_out, &mut tally);
+            Ok(())
+        },
+    )?;
+    tally.blocked_s = (run.buffer_wait + run.drain_wait).as_secs_f64();
+    Ok(tally)
+}
+
 /// Everything the variants run on, allocated once per run.
 struct Resources {
     pinned: Vec<Lane>,
@@ -1653,6 +1768,8 @@ struct Resources {
     double: Option<Double>,
     arenas: Vec<Arena<PinnedSource>>,
     ring: Vec<PVec<u32, PinnedAlloc>>,
+    /// One per `Pipeline(s)` variant: (s, its ring and buffers).
+    pipelines: Vec<(usize, Piped)>,
 }
 
 impl Resources {
@@ -1699,6 +1816,14 @@ impl Resources {
                 _ => unreachable!("HostBuf::pinned makes pinned buffers"),
             })
             .collect::<Result<_>>()?;
+        let mut pipelines = Vec::new();
+        for &x in v {
+            if let Variant::Pipeline(s) = x {
+                if !pipelines.iter().any(|(k, _)| *k == s) {
+                    pipelines.push((s, Piped::new(n, s)?));
+                }
+            }
+        }
         Ok(Self {
             pinned,
             raw,
@@ -1706,6 +1831,7 @@ impl Resources {
             double,
             arenas: (0..arenas).map(|_| Arena::pinned()).collect(),
             ring,
+            pipelines,
         })
     }
 
@@ -1716,6 +1842,9 @@ impl Resources {
         }
         if let Some(d) = &self.double {
             d.synchronize();
+        }
+        for s in self.pipelines.iter().flat_map(|(_, p)| &p.streams) {
+            let _ = s.synchronize();
         }
     }
 
@@ -1768,6 +1897,10 @@ impl Resources {
                     full,
                 )
             }
+            Variant::Pipeline(s) => match self.pipelines.iter_mut().find(|(k, _)| *k == s) {
+                Some((_, p)) => run_pipeline(ctx, p, batches),
+                None => Err(Error::InvalidArgument("no staging pipeline of that many streams")),
+            },
         };
         self.synchronize();
         out

@@ -11,6 +11,9 @@
 //! an event by hand; the buffer is handed out again only once that event has completed.
 //! Work on another stream is covered by [`Staged::record_use`].
 //!
+//! [`StagingRing::pipeline`] runs the whole double-buffered loop over a ring: the user
+//! gives the host fill, the launch and the drain ([`Pipeline`]).
+//!
 //! ```
 //! use cudalloc::{cuda::Stream, staging::StagingRing, PinnedAlloc};
 //! use std::time::Duration;
@@ -40,6 +43,9 @@ use allocator_api2::vec::Vec;
 use crate::cuda::{Event, EventCompleted, Stream};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, Mutex};
+
+mod pipeline;
+pub use pipeline::{Pipeline, PipelineRun};
 
 /// A ring of host-visible staging buffers from any allocator of host memory (
 /// [`PinnedAlloc`](crate::PinnedAlloc), `&Pool<S>`, `&Arena<S>`, ...), `per_stream` of them
@@ -558,7 +564,8 @@ pub mod hooks {
     pub(super) static SKIP_RELEASE_EVENT: AtomicBool = AtomicBool::new(false);
 
     /// Makes every staging ring hand a given-back buffer out at once, without waiting for
-    /// the GPU (the defect the ring exists to prevent): for negative controls.
+    /// the GPU (the defect the ring exists to prevent), and every pipeline refill a buffer
+    /// without draining its last batch first: for negative controls.
     pub fn skip_release_events(skip: bool) {
         SKIP_RELEASE_EVENT.store(skip, crate::sync::global::Ordering::SeqCst);
     }

@@ -19,3 +19,282 @@ fn a_ring_refuses_empty_shapes() {
         assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
     }
 }
+
+// ----- the pipeline helper (`StagingRing::pipeline`) ---------------------------------
+
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::time::Duration;
+
+use allocator_api2::vec::Vec as AVec;
+use cudalloc::copy;
+use cudalloc::cuda::{Kernel, Module};
+use cudalloc::device::DevicePool;
+
+use crate::pipeline::{hash_rounds, input_value, KERNEL, PTX};
+
+const ROUNDS: u32 = 8;
+
+/// What the closures saw, in the order they were called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Fill(usize),
+    Launch(usize),
+    Drain(usize),
+}
+
+struct Outcome {
+    /// Output elements not equal to `hash_rounds(input_value(batch, i), ROUNDS)`.
+    wrong: usize,
+    elements: usize,
+    calls: Vec<Call>,
+    streams: HashSet<cudalloc::cuda::StreamId>,
+    /// The ring buffer (`Staged::index`) of each batch.
+    buffer_of: Vec<usize>,
+    batches: usize,
+}
+
+impl Outcome {
+    fn at(&self, c: Call) -> usize {
+        self.calls.iter().position(|&x| x == c).unwrap()
+    }
+
+    /// Each batch's ring buffer was filled again only after the buffer's last batch was
+    /// drained (state kept per buffer is safe to reuse).
+    fn assert_buffers_drained_before_refill(&self) {
+        for (b, &k) in self.buffer_of.iter().enumerate() {
+            if let Some(prev) = self.buffer_of[..b].iter().rposition(|&j| j == k) {
+                assert!(
+                    self.at(Call::Drain(prev)) < self.at(Call::Fill(b)),
+                    "buffer {k} filled for batch {b} before batch {prev} was drained"
+                );
+            }
+        }
+    }
+}
+
+/// Queues `out[i] = hash_rounds(input[i], ROUNDS)` on `stream`.
+///
+/// # Safety
+/// `input` and `output` hold `n` u32s on the device until the kernel completes, ordered
+/// with other work by `stream`; `kernel` is kept until then.
+unsafe fn launch_hash(
+    kernel: &Kernel,
+    stream: &Stream,
+    input: u64,
+    output: u64,
+    n: usize,
+) -> cudalloc::Result<()> {
+    let (mut input, mut output, mut n64, mut rounds) = (input, output, n as u64, ROUNDS);
+    let mut args: [*mut c_void; 4] = [
+        (&mut input as *mut u64).cast(),
+        (&mut output as *mut u64).cast(),
+        (&mut n64 as *mut u64).cast(),
+        (&mut rounds as *mut u32).cast(),
+    ];
+    let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
+    // SAFETY: the arguments match `pipeline_hash(const u32*, u32*, u64, u32)` and live
+    // across the call; this function's contract covers the buffers and the kernel.
+    unsafe { kernel.launch((grid, 1, 1), (256, 1, 1), 0, stream, &mut args) }
+}
+
+/// `batches` batches of `n` u32s through a ring of `per_stream` buffers on each of
+/// `streams` new streams: fill with `input_value`, H2D, the hash kernel, D2H into pinned
+/// memory, and every element checked in the drain. `corrupt`: a batch filled wrong (the
+/// check's negative control).
+fn hash_pipeline(
+    streams: usize,
+    per_stream: usize,
+    batches: usize,
+    n: usize,
+    corrupt: Option<usize>,
+) -> Outcome {
+    let streams: Vec<Stream> = (0..streams).map(|_| Stream::new(0).unwrap()).collect();
+    let ring = StagingRing::new(PinnedAlloc, &streams, per_stream, n * 4).unwrap();
+    let pool = DevicePool::get(0).unwrap();
+    let module = Module::load_ptx(0, PTX).unwrap();
+    let kernel = module.function(KERNEL).unwrap();
+    let mut calls = Vec::new();
+    let mut used = HashSet::new();
+    let mut buffer_of = Vec::new();
+    let (mut wrong, mut elements) = (0, 0);
+    let calls_cell = std::cell::RefCell::new(&mut calls);
+    let run = ring
+        .pipeline()
+        .run(
+            batches,
+            |b, bytes| {
+                calls_cell.borrow_mut().push(Call::Fill(b));
+                for (i, w) in bytes.chunks_exact_mut(4).enumerate() {
+                    let v = if corrupt == Some(b) {
+                        !input_value(b, i)
+                    } else {
+                        input_value(b, i)
+                    };
+                    w.copy_from_slice(&v.to_ne_bytes());
+                }
+                Ok::<_, Error>(())
+            },
+            |b, buf| {
+                calls_cell.borrow_mut().push(Call::Launch(b));
+                used.insert(buf.stream().id());
+                buffer_of.push(buf.index());
+                let s = buf.stream();
+                let mut input = pool.alloc::<u8>(buf.len(), s)?;
+                let output = pool.alloc::<u32>(n, s)?;
+                // SAFETY: the pipeline keeps `buf` from the next lease until the copy completed.
+                unsafe { copy::host_to_device_async(buf, &mut input, 0) }?;
+                // SAFETY: both buffers hold `n` u32s, live in the value until the drain
+                // (after the kernel), on `s`; `kernel` outlives the run.
+                unsafe { launch_hash(&kernel, s, input.device_ptr(), output.device_ptr(), n) }?;
+                let mut back: AVec<u32, PinnedAlloc> = AVec::new_in(PinnedAlloc);
+                back.resize(n, 0);
+                // SAFETY: `back` is read by the drain only, after the batch's work completed.
+                unsafe { copy::device_to_host_async(&output, 0, &mut back) }?;
+                Ok((input, output, back))
+            },
+            |b, (_input, _output, back)| {
+                calls_cell.borrow_mut().push(Call::Drain(b));
+                elements += back.len();
+                wrong += back
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, &v)| v != hash_rounds(input_value(b, i), ROUNDS))
+                    .count();
+                Ok(())
+            },
+        )
+        .unwrap();
+    Outcome {
+        wrong,
+        elements,
+        calls,
+        streams: used,
+        buffer_of,
+        batches: run.batches,
+    }
+}
+
+#[test]
+fn a_pipeline_on_one_stream_delivers_every_batch_intact_and_double_buffers() {
+    gpu!();
+    let (batches, n) = (48, 1 << 18);
+    let out = hash_pipeline(1, 2, batches, n, None);
+    assert_eq!(out.batches, batches);
+    assert_eq!(out.elements, batches * n, "every element of every batch checked");
+    assert_eq!(out.wrong, 0, "wrong elements");
+    // Each batch filled, launched, drained once, drains in order.
+    let drains: Vec<usize> = out
+        .calls
+        .iter()
+        .filter_map(|c| match c {
+            Call::Drain(b) => Some(*b),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(drains, (0..batches).collect::<Vec<_>>());
+    // Double buffering: batch b+1 is filled and launched before batch b is drained
+    // (its fill overlaps batch b's compute), and never more than 2 batches in flight.
+    let at = |c: Call| out.at(c);
+    out.assert_buffers_drained_before_refill();
+    for b in 0..batches - 1 {
+        assert!(
+            at(Call::Launch(b + 1)) < at(Call::Drain(b)),
+            "batch {} launched after batch {b}'s drain",
+            b + 1
+        );
+        if b + 2 < batches {
+            assert!(
+                at(Call::Drain(b)) < at(Call::Fill(b + 2)),
+                "3 batches in flight on a ring of 2"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_pipeline_on_eight_streams_delivers_every_batch_intact_on_every_stream() {
+    gpu!();
+    // The seeds' layout: 8 streams, 2 buffers each.
+    let (batches, n) = (128, 1 << 17);
+    let out = hash_pipeline(8, 2, batches, n, None);
+    assert_eq!(out.batches, batches);
+    assert_eq!(out.elements, batches * n);
+    assert_eq!(out.wrong, 0, "wrong elements");
+    assert_eq!(
+        out.streams.len(),
+        8,
+        "batches went to {} of 8 streams",
+        out.streams.len()
+    );
+    out.assert_buffers_drained_before_refill();
+}
+
+#[test]
+fn the_pipeline_check_sees_a_batch_filled_wrong() {
+    gpu!();
+    // The negative control of the two tests above: their check can fail.
+    let n = 1 << 12;
+    let out = hash_pipeline(2, 1, 6, n, Some(3));
+    assert_eq!(out.wrong, n, "the corrupted batch was not seen");
+}
+
+#[test]
+fn a_pipeline_refuses_no_batches_in_flight() {
+    gpu!();
+    let s = Stream::new(0).unwrap();
+    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, 4096).unwrap();
+    let mut called = false;
+    let err = ring
+        .pipeline()
+        .in_flight(0)
+        .run(
+            4,
+            |_, _| {
+                called = true;
+                Ok::<_, Error>(())
+            },
+            |_, _| Ok(()),
+            |_, ()| Ok(()),
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+    assert!(!called, "a closure ran before the arguments were checked");
+}
+
+#[test]
+fn a_failing_launch_stops_the_pipeline_and_gives_every_buffer_back() {
+    gpu!();
+    let streams = [Stream::new(0).unwrap(), Stream::new(0).unwrap()];
+    let ring = StagingRing::new(PinnedAlloc, &streams, 2, 4096).unwrap();
+    let mut drained = Vec::new();
+    let err = ring
+        .pipeline()
+        .run(
+            10,
+            |_, _| Ok::<_, Error>(()),
+            |b, _| {
+                if b == 5 {
+                    Err(Error::InvalidArgument("batch 5 fails"))
+                } else {
+                    Ok(b)
+                }
+            },
+            |b, v| {
+                assert_eq!(b, v);
+                drained.push(b);
+                Ok(())
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument("batch 5 fails")), "{err:?}");
+    assert!(
+        drained.len() < 5 && drained.iter().copied().eq(0..drained.len()),
+        "{drained:?}"
+    );
+    // Every buffer is back in the ring.
+    let all: Vec<_> = (0..ring.buffers())
+        .map(|_| ring.next(Duration::from_secs(10)).unwrap())
+        .collect();
+    assert_eq!(all.len(), 4);
+}

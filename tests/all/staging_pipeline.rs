@@ -456,3 +456,72 @@ fn every_variant_delivers_every_element_of_every_batch() {
         cudalloc::cuda::last_drop_error()
     );
 }
+
+#[test]
+fn the_library_pipeline_row_runs_only_when_named() {
+    assert!(!Variant::all(&[1, 2], 3, None)
+        .iter()
+        .any(|v| matches!(v, Variant::Pipeline(_))));
+    let named = Variant::all(&[1, 2], 8, Some(&["ring".to_string(), "pipeline".to_string()]));
+    assert_eq!(named, [Variant::Ring(8), Variant::Pipeline(8)]);
+    assert_eq!(Variant::Pipeline(8).key(), "pipeline-8");
+    assert_eq!(Variant::Pipeline(1).label(), "staging::Pipeline, 1 stream");
+    assert_eq!(Variant::Pipeline(8).streams(), 8);
+}
+
+/// The row on the library's `staging::Pipeline` (1, 2 and the seeds' 8 streams), beside
+/// the hand-written ring: every element of every batch right, in both regimes.
+#[test]
+fn the_library_pipeline_delivers_every_element_of_every_batch() {
+    gpu!();
+    let batches = 23;
+    let batch_bytes = 1 << 20;
+    for chain_copies in [true, false] {
+        let cfg = Config {
+            batches,
+            batch_bytes,
+            regimes: vec![Regime::Rounds(2), Regime::Rounds(17)],
+            variants: vec![
+                Variant::Ring(2),
+                Variant::Pipeline(1),
+                Variant::Pipeline(2),
+                Variant::Pipeline(8),
+            ],
+            samples: 64,
+            verify_all: true,
+            warmup: true,
+            fresh_headroom: None,
+            fill_threads: 3,
+            chain_copies,
+        };
+        let results = pipeline::run(&cfg, &|_| {}).unwrap();
+        for g in &results.regimes {
+            assert_eq!(g.rows.len(), cfg.variants.len());
+            for row in &g.rows {
+                let who = format!(
+                    "{} at {} (chained: {chain_copies})",
+                    row.variant.label(),
+                    g.regime.name()
+                );
+                let m = row
+                    .outcome
+                    .as_ref()
+                    .unwrap_or_else(|e| panic!("{who} failed: {e}"));
+                assert_eq!(m.mismatches, 0, "{who}: {:?}", m.first_mismatch);
+                assert_eq!(m.batches_checked, batches, "{who}");
+                assert_eq!(m.elements_checked, batches * batch_bytes / 4, "{who}");
+                assert!(
+                    (0.0..=1.0 + 1e-9).contains(&m.gpu_busy),
+                    "{who}: busy {}",
+                    m.gpu_busy
+                );
+            }
+        }
+    }
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
+}

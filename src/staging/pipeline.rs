@@ -1,0 +1,246 @@
+//! The double-buffered pipeline over a [`StagingRing`]: the user gives the host fill, the
+//! launch (work queued on the buffer's stream) and the drain (run once the batch's work
+//! has completed); the helper leases the buffers, keeps up to `in_flight` batches queued
+//! on the GPU and records and waits for the events, so batch i+1's fill and copy overlap
+//! batch i's compute on as many streams as the ring has.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use allocator_api2::alloc::Allocator;
+
+use super::{Staged, StagingRing};
+use crate::cuda::Event;
+use crate::error::Error;
+
+/// A double-buffered pipeline over a [`StagingRing`], made by
+/// [`StagingRing::pipeline`]: configure it, then [`run`](Self::run) it.
+///
+/// Each batch: a buffer of the ring is leased (once the GPU is done with its last use),
+/// `fill` writes the batch into it on the host, `launch` queues the batch's work on the
+/// buffer's stream (the copy to the device, kernels, a copy back) and returns what the
+/// drain needs; the helper records an event after that work and calls `drain` with the
+/// launch's value once the event has completed, while later batches are being filled and
+/// run. Up to `in_flight` batches (default: the ring's buffer count) are launched and not
+/// yet drained; consecutive batches go to the ring's streams in turn. A buffer's last
+/// batch is drained before the buffer is filled again: device buffers or host outputs kept
+/// per ring buffer (indexed by [`Staged::index`]) are reused safely without a free list.
+#[derive(Debug)]
+pub struct Pipeline<'r, A: Allocator> {
+    ring: &'r StagingRing<A>,
+    in_flight: usize,
+    timeout: Duration,
+}
+
+/// What a [`Pipeline::run`] did: the batches drained and where the issuing thread waited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PipelineRun {
+    /// Batches filled, launched and drained.
+    pub batches: usize,
+    /// Time spent waiting for a staging buffer the GPU still used.
+    pub buffer_wait: Duration,
+    /// Time spent waiting for a batch's work to complete before its drain.
+    pub drain_wait: Duration,
+}
+
+/// A launched batch waiting for its drain.
+struct InFlight<T> {
+    batch: usize,
+    /// The ring's buffer it was staged in ([`Staged::index`]).
+    buffer: usize,
+    done: Event,
+    value: T,
+}
+
+impl<A: Allocator> StagingRing<A> {
+    /// A double-buffered [`Pipeline`] over this ring (see its docs; `in_flight` defaults
+    /// to [`buffers`](Self::buffers), the lease timeout to 10 s).
+    ///
+    /// ```
+    /// use cudalloc::{copy, cuda::Stream, device::DevicePool, staging::StagingRing, PinnedAlloc};
+    /// if let (Ok(a), Ok(b)) = (Stream::new(0), Stream::new(0)) {
+    ///     let ring = StagingRing::new(PinnedAlloc, &[a, b], 2, 1 << 16).unwrap();
+    ///     let pool = DevicePool::get(0).unwrap();
+    ///     let run = ring
+    ///         .pipeline()
+    ///         .run(
+    ///             8,
+    ///             |batch, buf| {
+    ///                 buf.fill(batch as u8); // the host fill
+    ///                 Ok::<_, cudalloc::Error>(())
+    ///             },
+    ///             |_, buf| {
+    ///                 let mut dev = pool.alloc::<u8>(buf.len(), buf.stream())?;
+    ///                 // SAFETY: the pipeline does not hand `buf` out again before the
+    ///                 // copy has completed.
+    ///                 unsafe { copy::host_to_device_async(buf, &mut dev, 0) }?;
+    ///                 // ... kernels on buf.stream() ...
+    ///                 let mut back = vec![0u8; buf.len()];
+    ///                 // SAFETY: `back` is read only by the drain, after the copy completed.
+    ///                 unsafe { copy::device_to_host_async(&dev, 0, &mut back) }?;
+    ///                 Ok((dev, back))
+    ///             },
+    ///             |batch, (_dev, back)| {
+    ///                 assert!(back.iter().all(|&b| b == batch as u8)); // the host check
+    ///                 Ok(())
+    ///             },
+    ///         )
+    ///         .unwrap();
+    ///     assert_eq!(run.batches, 8);
+    /// }
+    /// ```
+    pub fn pipeline(&self) -> Pipeline<'_, A> {
+        Pipeline {
+            ring: self,
+            in_flight: self.buffers(),
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl<'r, A: Allocator> Pipeline<'r, A> {
+    /// At most `n` batches launched and not yet drained (at least 1; 2 on one stream is
+    /// double buffering). More than the ring's buffers adds nothing: a batch waits for a
+    /// buffer anyway. [`run`](Self::run) refuses 0.
+    pub fn in_flight(mut self, n: usize) -> Self {
+        self.in_flight = n;
+        self
+    }
+
+    /// How long one batch waits at most for a free staging buffer (default 10 s) before
+    /// [`run`](Self::run) fails with [`Error::TimedOut`].
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs `batches` batches: for each, `fill(batch, bytes)` on the host, then
+    /// `launch(batch, &lease)` queues its work on `lease.stream()` and returns a value
+    /// (device buffers, a host buffer a copy back writes), then, once that work has
+    /// completed, `drain(batch, value)`. Batches are drained in order. Returns what it
+    /// did ([`PipelineRun`]).
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `in_flight(0)` (before any call); the first
+    /// error of a closure or of the driver (a CUDA error, [`Error::TimedOut`] for a
+    /// buffer), converted into `E`. On an error the batches in flight are waited for
+    /// (their values are dropped only once the GPU is done with them) and not drained.
+    pub fn run<T, E, F, L, D>(
+        &self,
+        batches: usize,
+        mut fill: F,
+        mut launch: L,
+        mut drain: D,
+    ) -> core::result::Result<PipelineRun, E>
+    where
+        E: From<Error>,
+        F: FnMut(usize, &mut [u8]) -> core::result::Result<(), E>,
+        L: FnMut(usize, &Staged<A>) -> core::result::Result<T, E>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        if self.in_flight == 0 {
+            return Err(Error::InvalidArgument("a pipeline needs at least one batch in flight").into());
+        }
+        let mut run = PipelineRun::default();
+        let mut queue: VecDeque<InFlight<T>> = VecDeque::with_capacity(self.in_flight);
+        // Events of drained batches, recorded again by later ones.
+        let mut spare: std::vec::Vec<Event> = std::vec::Vec::new();
+        let out = (|| {
+            for batch in 0..batches {
+                if queue.len() == self.in_flight {
+                    self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
+                }
+                let t0 = Instant::now();
+                let mut lease = self.ring.next(self.timeout)?;
+                run.buffer_wait += t0.elapsed();
+                // The buffer's last batch is drained before the buffer is filled again,
+                // so state kept per buffer (`lease.index()`) is free to reuse too.
+                while drain_before_refill() && queue.iter().any(|q| q.buffer == lease.index()) {
+                    self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
+                }
+                let buffer = lease.index();
+                fill(batch, &mut lease)?;
+                let launched = launch(batch, &lease).and_then(|value| {
+                    let done = match spare.pop() {
+                        Some(e) => e,
+                        None => Event::new(lease.stream().device())?,
+                    };
+                    // The lease, dropped below, records the ring's own event after it.
+                    done.record(lease.stream())?;
+                    Ok((value, done))
+                });
+                let (value, done) = match launched {
+                    Ok(v) => v,
+                    Err(e) => {
+                        // Work of this batch may be queued but is not tracked by an
+                        // event: wait for it on the host before the value is dropped, so
+                        // the run returns with none of its work running. The error is
+                        // the one to report.
+                        let _ = lease.stream().synchronize();
+                        return Err(e);
+                    }
+                };
+                drop(lease);
+                queue.push_back(InFlight {
+                    batch,
+                    buffer,
+                    done,
+                    value,
+                });
+            }
+            while !queue.is_empty() {
+                self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
+            }
+            Ok(())
+        })();
+        if out.is_err() {
+            // The values may hold memory the GPU still writes: drop them only after it.
+            for b in queue.drain(..) {
+                if b.done.synchronize().is_err() {
+                    // Its state is unknown: leak the value rather than free memory in use.
+                    core::mem::forget(b.value);
+                }
+            }
+        }
+        out.map(|()| run)
+    }
+
+    fn drain_oldest<T, E, D>(
+        &self,
+        queue: &mut VecDeque<InFlight<T>>,
+        spare: &mut std::vec::Vec<Event>,
+        drain: &mut D,
+        run: &mut PipelineRun,
+    ) -> core::result::Result<(), E>
+    where
+        E: From<Error>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        let Some(oldest) = queue.front() else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        // An error leaves the batch in the queue: `run` waits for it before dropping.
+        oldest.done.synchronize()?;
+        run.drain_wait += t0.elapsed();
+        let Some(InFlight {
+            batch, done, value, ..
+        }) = queue.pop_front()
+        else {
+            return Ok(());
+        };
+        spare.push(done);
+        drain(batch, value)?;
+        run.batches += 1;
+        Ok(())
+    }
+}
+
+/// Whether a buffer's last batch is drained before its refill: always, but for the
+/// negative controls of `test-hooks` ([`super::hooks::skip_release_events`]).
+fn drain_before_refill() -> bool {
+    #[cfg(feature = "test-hooks")]
+    if super::hooks::SKIP_RELEASE_EVENT.load(crate::sync::global::Ordering::SeqCst) {
+        return false;
+    }
+    true
+}
