@@ -348,8 +348,10 @@ fn a_threaded_prefault_leaves_nothing_in_the_callers_window() {
         drop(cudalloc::testing::PrefaultedPages::new(24 << 20).unwrap());
     });
     let after = GLOBAL.snapshot();
+    // Blocks live before may be freed meanwhile (other threads', the runtime's): at most
+    // those, and 2 of the threads' own, are frees without their allocation in between.
     assert!(
-        after.frees - before.frees <= after.allocs - before.allocs + 2,
+        after.frees - before.frees <= after.allocs - before.allocs + before.live_count() + 2,
         "{before} / {after}"
     );
 }

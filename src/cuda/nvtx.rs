@@ -437,6 +437,30 @@ struct Registry {
     regions: HashMap<u64, u64>,
 }
 
+/// Why no tool is attached (the last reason the loader gave), for diagnostics.
+static WHY_NOT: OnceLock<String> = OnceLock::new();
+
+/// Records why no tool is attached, and logs it.
+fn not_attached(why: String) {
+    log::warn!("cudalloc: {why}");
+    let _ = WHY_NOT.set(why);
+}
+
+/// Whether a tool is attached, or why not: `"attached"`, `"no tool"` (no
+/// `NVTX_INJECTION64_PATH`), or the loader's reason (diagnostics: the sanitizer tests
+/// print it).
+///
+/// ```
+/// let s = cudalloc::cuda::nvtx::status();
+/// assert!(!s.is_empty());
+/// ```
+pub fn status() -> String {
+    if attached() {
+        return "attached".into();
+    }
+    WHY_NOT.get().cloned().unwrap_or_else(|| "no tool".into())
+}
+
 fn load() -> Option<Tool> {
     let enabled = crate::util::env_var(
         "CUDALLOC_NVTX",
@@ -456,10 +480,10 @@ fn load() -> Option<Tool> {
     let library = match unsafe { libloading::Library::new(&path) } {
         Ok(l) => l,
         Err(e) => {
-            log::warn!(
-                "cudalloc: NVTX_INJECTION64_PATH={}: {e}; no NVTX annotations",
+            not_attached(format!(
+                "NVTX_INJECTION64_PATH={}: {e}; no NVTX annotations",
                 std::path::Path::new(&path).display()
-            );
+            ));
             return None;
         }
     };
@@ -471,10 +495,10 @@ fn load() -> Option<Tool> {
     let ext = match unsafe { library.get::<ExtInit>(b"InitializeInjectionNvtxExtension\0") } {
         Ok(s) => *s,
         Err(_) => {
-            log::info!(
-                "cudalloc: {} has no InitializeInjectionNvtxExtension (no NVTX memory API); no annotations",
+            not_attached(format!(
+                "{} has no InitializeInjectionNvtxExtension (no NVTX memory API); no annotations",
                 std::path::Path::new(&path).display()
-            );
+            ));
             return None;
         }
     };
@@ -504,7 +528,7 @@ fn attach(core: Option<CoreInit>, ext: ExtInit, library: Option<libloading::Libr
                 domain = unsafe { f(c"cudalloc".as_ptr()) };
             }
         } else {
-            log::warn!("cudalloc: the NVTX tool refused InitializeInjectionNvtx2");
+            not_attached("the NVTX tool refused InitializeInjectionNvtx2".into());
         }
     }
     // The module state word then MEM_FN_NUM slots (nvtxExtImplMem_v1.h 53-55), leaked:
@@ -527,7 +551,7 @@ fn attach(core: Option<CoreInit>, ext: ExtInit, library: Option<libloading::Libr
     }));
     // SAFETY: the tool's entry point with a module described as nvtxExtImplMem_v1.h does.
     if unsafe { ext(module) } == 0 {
-        log::warn!("cudalloc: the NVTX tool refused the memory module");
+        not_attached("the NVTX tool refused the memory module".into());
         return None;
     }
     // SAFETY: the tool wrote its functions (or left 0) through `function_slots`; read
@@ -542,7 +566,10 @@ fn attach(core: Option<CoreInit>, ext: ExtInit, library: Option<libloading::Libr
     // 0 is NVTX_EXTENSION_FRESH (not written), 1 NVTX_EXTENSION_DISABLED
     // (nvtxDetail/nvtxExtImpl.h 83-84): neither is a function.
     if [hr, hu, rr, ru].iter().any(|&f| f <= 1) {
-        log::info!("cudalloc: the NVTX tool does not take heaps and regions; no annotations");
+        not_attached(format!(
+            "the NVTX tool does not take heaps and regions (slots {hr:#x} {hu:#x} {rr:#x} {ru:#x}, \
+             domain {domain:?}); no annotations"
+        ));
         return None;
     }
     log::info!("cudalloc: NVTX tool attached: pools annotate their heaps and regions");

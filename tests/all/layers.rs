@@ -108,6 +108,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "source/prefault.rs",
     "source/registered.rs",
     "staging/mod.rs",
+    "staging/pipeline.rs",
     "sync.rs",
     "testing/mod.rs",
     "testing/raw_pinned.rs",

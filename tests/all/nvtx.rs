@@ -530,9 +530,9 @@ macro_rules! sanitizer_test {
         }
         gpu!();
         println!(
-            "NVTX_INJECTION64_PATH={:?}; tool attached: {}",
+            "NVTX_INJECTION64_PATH={:?}; tool: {}",
             std::env::var_os("NVTX_INJECTION64_PATH"),
-            cudalloc::cuda::nvtx::attached()
+            cudalloc::cuda::nvtx::status()
         );
     };
 }
