@@ -202,6 +202,25 @@ impl<B: Backend> Cache<B> {
         drop(handles);
     }
 
+    /// The slow free of a large block of `bytes` (rounded) with no recorded uses, whose
+    /// slots were full or whose stream had no slot in `t`: into the large slots (making
+    /// the stream's slot, and room), else back to the backend.
+    fn free_large<P>(&self, t: &mut ThreadCache<B, P>, ptr: u64, bytes: usize, stream: B::Stream) {
+        if t.reclaim_requested() {
+            self.flush_thread(t);
+        }
+        let (_, evicted) = t.entry(&stream);
+        if let Some(ev) = evicted {
+            self.give_evicted([ev]);
+        }
+        if t.large_full() {
+            self.give_large(t);
+        }
+        if t.push_large(B::stream_id(&stream), bytes, ptr, None).is_err() {
+            self.give_back(ptr, bytes, &stream);
+        }
+    }
+
     /// Gives this thread's large blocks back to the backend (at a large allocation they
     /// do not serve: they hold memory only between a free and the thread's next miss).
     fn give_large<P>(&self, tc: &mut ThreadCache<B, P>) {
@@ -467,22 +486,7 @@ impl<B: Backend> Cache<B> {
         let Some(class) = self.class_for(bytes) else {
             let rounded = round_to_granule(bytes).unwrap_or(bytes);
             if let (Some(t), true) = (tc, uses.is_empty() && self.is_large(rounded)) {
-                // A large block whose slots were full or whose stream had no slot.
-                if t.reclaim_requested() {
-                    self.flush_thread(t);
-                }
-                let (_, evicted) = t.entry(&stream);
-                if let Some(ev) = evicted {
-                    self.give_evicted([ev]);
-                }
-                if t.large_full() {
-                    self.give_large(t);
-                }
-                if t.push_large(home, rounded, ptr, None).is_err() {
-                    self.give_back(ptr, rounded, &stream);
-                }
-                drop(stream);
-                return;
+                return self.free_large(t, ptr, rounded, stream);
             }
             return self.free_uncached(ptr, rounded, stream, uses);
         };
