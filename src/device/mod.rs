@@ -76,6 +76,7 @@ mod phys;
 mod pool;
 mod report;
 mod reserve;
+mod runs;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
 mod size_class;

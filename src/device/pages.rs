@@ -77,13 +77,14 @@
 //! [`StreamOrder`] (its marks), so CPU tests drive it with `device/fake.rs`, whose fake
 //! physical memory checks every mapping, unmapping and use against the simulated streams.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::marker::PhantomData;
 
 use super::config::PageTuning;
 use super::order::StreamOrder;
 use super::phys::Phys;
 use super::reserve::Reservations;
+use super::runs::Runs;
 use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
@@ -269,9 +270,9 @@ struct State<B: StreamOrder> {
     next_index: usize,
     /// By chunk index (unit index / units per chunk).
     chunks: Vec<Chunk>,
-    /// Free runs by first unit, and by (length, first unit) for the best fit.
-    free: BTreeMap<usize, Run>,
-    by_len: BTreeSet<(usize, usize)>,
+    /// Free runs by first unit, and by (length, first unit) for the best fit, each with
+    /// the frees that touched it.
+    free: Runs<Stamps>,
     /// Mapped chunks with no unit in a block (and not stuck).
     idle: BTreeSet<usize>,
     /// Handles mapped nowhere.
@@ -362,8 +363,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 regions: Vec::new(),
                 next_index: 0,
                 chunks: Vec::new(),
-                free: BTreeMap::new(),
-                by_len: BTreeSet::new(),
+                free: Runs::default(),
                 idle: BTreeSet::new(),
                 spare: Vec::new(),
                 retired: Vec::new(),
@@ -569,7 +569,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// those with the fewest chunks to map (the smallest among equals).
     fn place(&self, st: &State<B>, n: usize) -> Option<usize> {
         let mut best: Option<(usize, usize)> = None;
-        for &(_, start) in st.by_len.range((n, 0)..).take(PLACE_TRIES) {
+        for start in st.free.fitting(n).take(PLACE_TRIES) {
             let unmapped = self
                 .chunks_of(start, n)
                 .filter(|&(c, _)| st.chunks[c].handle.is_none())
@@ -668,16 +668,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 
     /// Adds `stamps` to the free runs overlapping units `lo..hi`.
     fn stamp_free(&self, st: &mut State<B>, lo: usize, hi: usize, stamps: &Stamps) {
-        let starts: Vec<usize> = st
-            .free
-            .range(..hi)
-            .rev()
-            .take_while(|(&s, r)| s + r.len > lo)
-            .map(|(&s, _)| s)
-            .collect();
-        for s in starts {
-            if let Some(run) = st.free.get_mut(&s) {
-                merge(&st.clocks, &mut run.stamps, stamps.clone());
+        for s in st.free.overlapping(lo, hi) {
+            if let Some(run) = st.free.payload_mut(s) {
+                merge(&st.clocks, run, stamps.clone());
             }
         }
     }
@@ -736,11 +729,11 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             };
             below = c;
             let first = c * self.chunk_units;
-            let Some((&rs, run)) = st.free.range(..=first).next_back() else {
+            let Some((rs, _, stamps)) = st.free.at_or_before(first) else {
                 continue;
             };
             let last = first + self.chunk_units;
-            let frees = touching(&run.stamps, first, last);
+            let frees = touching(stamps, first, last);
             let done = frees.iter().all(|s| match how {
                 Reclaim::Wait => self.wait_done(st, b, s),
                 Reclaim::Retire => self.settle(st, b, s),
@@ -861,15 +854,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 
     /// Removes the free run starting at `start`.
     fn take_run(&self, st: &mut State<B>, start: usize) -> Run {
-        let run = st.free.remove(&start).expect("a free run from the index");
-        st.by_len.remove(&(run.len, start));
-        run
+        let (len, stamps) = st.free.remove(start).expect("a free run from the index");
+        Run { len, stamps }
     }
 
     /// Inserts a free run as it is (its neighbours are not free).
     fn put_run(&self, st: &mut State<B>, start: usize, len: usize, stamps: Stamps) {
-        st.by_len.insert((len, start));
-        st.free.insert(start, Run { len, stamps });
+        st.free.insert(start, len, stamps);
     }
 
     /// Frees units `start..start + n` (of a block or a failed allocation) with
@@ -883,13 +874,12 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }
         }
         let (mut start, mut len) = (start, n);
-        let before = st.free.range(..start).next_back().map(|(&s, r)| (s, r.len));
-        if let Some((s, l)) = before.filter(|&(s, l)| s + l == start) {
+        if let Some((s, l)) = st.free.ending_at(start) {
             let run = self.take_run(st, s);
             merge(&st.clocks, &mut stamps, run.stamps);
             (start, len) = (s, len + l);
         }
-        if st.free.contains_key(&(start + len)) {
+        if st.free.len_at(start + len).is_some() {
             let run = self.take_run(st, start + len);
             len += run.len;
             merge(&st.clocks, &mut stamps, run.stamps);
@@ -1098,7 +1088,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         while i < st.regions.len() {
             let r = &st.regions[i];
             let (first, units, va) = (r.first, r.units, r.va);
-            let empty = st.free.get(&first).is_some_and(|run| run.len == units)
+            let empty = st.free.len_at(first) == Some(units)
                 && (first / cu..(first + units) / cu).all(|c| st.chunks[c].handle.is_none());
             if !empty {
                 i += 1;

@@ -68,6 +68,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "device/pool.rs",
     "device/report.rs",
     "device/reserve.rs",
+    "device/runs.rs",
     "device/sim.rs",
     "device/size_class.rs",
     "device/tests.rs",
