@@ -14,7 +14,7 @@ use core::ptr::NonNull;
 use super::backend::Backend;
 use super::cache::Cache;
 use super::order::StreamOrder;
-use super::size_class::class_size;
+use super::size_class::{class_size, round_to_granule};
 use super::thread_cache::ThreadCache;
 use crate::cuda::{nvtx, StreamId};
 use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
@@ -123,21 +123,35 @@ pub(crate) fn try_alloc_fast<P: PoolHandle>(
     // `local_cache`); this is the only reference to it, and `pop` does not reach the
     // table (it moves a block and its handles out of the cache, dropping nothing).
     let (ptr, handles) = unsafe { e.as_mut() }.cache.pop(id, class)?;
-    core.cache.backend.trace().event(|| Note {
-        given: class_size(class),
+    Some(hit(pool, stream, bytes, (ptr, class, class_size(class)), handles))
+}
+
+/// What a hit hands out: the block `(ptr, class, given bytes)` owned with the handles it
+/// was freed with (recycled) or clones; its allocation recorded (trace, NVTX).
+#[inline(always)]
+fn hit<P: PoolHandle>(
+    pool: &P,
+    stream: &StreamOf<P>,
+    bytes: usize,
+    (ptr, class, given): (u64, usize, usize),
+    handles: Option<(StreamOf<P>, P)>,
+) -> Owned<P> {
+    let id = P::B::stream_id(stream);
+    pool.core().cache.backend.trace().event(|| Note {
+        given,
         ..alloc_note(ptr, bytes, id)
     });
     if nvtx::on() {
         nvtx::region_register(ptr, bytes);
     }
     let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
-    Some(Owned {
+    Owned {
         ptr,
         class,
         stream: ManuallyDrop::new(stream),
         pool: ManuallyDrop::new(pool),
         uses: ManuallyDrop::new(None),
-    })
+    }
 }
 
 /// The allocation hit of a large block (not cached by class): one of the same block size
@@ -146,7 +160,7 @@ pub(crate) fn try_alloc_fast<P: PoolHandle>(
 fn try_alloc_large<P: PoolHandle>(pool: &P, bytes: usize, stream: &StreamOf<P>) -> Option<Owned<P>> {
     let core = pool.core();
     let slot = core.slot?;
-    let rounded = large_bytes(bytes)?;
+    let rounded = round_to_granule(bytes)?;
     if !core.cache.is_large(rounded) {
         return None;
     }
@@ -155,27 +169,7 @@ fn try_alloc_large<P: PoolHandle>(pool: &P, bytes: usize, stream: &StreamOf<P>) 
     // SAFETY: as in `try_alloc_fast`: the entry stays in its table during this call, this
     // is the only reference to it, and `pop_large` drops nothing.
     let (ptr, handles) = unsafe { e.as_mut() }.cache.pop_large(id, rounded)?;
-    core.cache.backend.trace().event(|| Note {
-        given: rounded,
-        ..alloc_note(ptr, bytes, id)
-    });
-    if nvtx::on() {
-        nvtx::region_register(ptr, bytes);
-    }
-    let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
-    Some(Owned {
-        ptr,
-        class: LARGE,
-        stream: ManuallyDrop::new(stream),
-        pool: ManuallyDrop::new(pool),
-        uses: ManuallyDrop::new(None),
-    })
-}
-
-/// The block size of a request not cached by class (rounded to [`BLOCK_ALIGN`]).
-#[inline(always)]
-fn large_bytes(bytes: usize) -> Option<usize> {
-    Some(bytes.checked_add(BLOCK_ALIGN - 1)? & !(BLOCK_ALIGN - 1))
+    Some(hit(pool, stream, bytes, (ptr, LARGE, rounded), handles))
 }
 
 /// The allocation slow path: a block for `bytes` (nonzero) on `stream`, through this
@@ -191,7 +185,7 @@ pub(crate) fn alloc_slow<P: PoolHandle>(
     let ptr = with_thread_cache(pool, |tc| cache.alloc_slow(tc, bytes, stream))?;
     let class = match cache.class_for(bytes) {
         Some(c) => c,
-        None if large_bytes(bytes).is_some_and(|b| cache.is_large(b)) => LARGE,
+        None if round_to_granule(bytes).is_some_and(|b| cache.is_large(b)) => LARGE,
         None => NOT_CACHED,
     };
     cache.backend.trace().event(|| Note {
@@ -417,7 +411,7 @@ impl<P: PoolHandle> Owned<P> {
 #[inline(always)]
 fn release_large<P: PoolHandle>(pool: P, ptr: u64, bytes: usize, stream: StreamOf<P>, slot: usize) {
     let core = pool.core();
-    let (Some(rounded), Some(mut e)) = (large_bytes(bytes), local_cache::<P>(slot, core.uid)) else {
+    let (Some(rounded), Some(mut e)) = (round_to_granule(bytes), local_cache::<P>(slot, core.uid)) else {
         return release_slow(pool, ptr, bytes, stream, None);
     };
     let id = P::B::stream_id(&stream);

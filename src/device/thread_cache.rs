@@ -366,15 +366,16 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let mut k = 0;
         while k < self.large.len() {
             let slot = self.large[k].slot;
-            let stream = self.streams[slot].clone();
-            match stream {
-                Some(stream) if i.is_none_or(|i| slot == i) => {
-                    let l = self.large.remove(k);
-                    self.count(slot, -1, l.bytes);
-                    out.push((stream, l.ptr, l.bytes));
+            let stream = match &self.streams[slot] {
+                Some(s) if i.is_none_or(|i| slot == i) => s.clone(),
+                _ => {
+                    k += 1;
+                    continue;
                 }
-                _ => k += 1,
-            }
+            };
+            let l = self.large.remove(k);
+            self.count(slot, -1, l.bytes);
+            out.push((stream, l.ptr, l.bytes));
         }
         out
     }
