@@ -436,11 +436,7 @@ pub struct DeviceMemory {
 impl DeviceMemory {
     /// Allocates `len` bytes (at least one) on device `device`.
     pub fn new(len: usize, device: usize) -> Result<Self> {
-        driver()?;
-        bind(device)?;
-        let mut ptr: u64 = 0;
-        // SAFETY: cuMemAlloc writes the new address into `ptr`.
-        check(unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) })?;
+        let ptr = plain_alloc(device, len.max(1))?;
         Ok(Self { ptr, len, device })
     }
 
@@ -518,13 +514,34 @@ impl DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
-        if let Err(e) = bind(self.device) {
-            return record_drop_error("binding a context for cuMemFree", e);
-        }
-        // SAFETY: `ptr` came from cuMemAlloc and is freed once, here.
-        if let Err(e) = check(unsafe { sys::cuMemFree_v2(self.ptr) }) {
-            record_drop_error("cuMemFree", e);
-        }
+        // SAFETY: `ptr` came from plain_alloc on this device and is freed once, here.
+        unsafe { plain_free(self.device, self.ptr) }
+    }
+}
+
+/// `bytes` (nonzero) of plain device memory on `device` (`cuMemAlloc`: not stream
+/// ordered, usable by every stream at once).
+pub(crate) fn plain_alloc(device: usize, bytes: usize) -> Result<u64> {
+    driver()?;
+    bind(device)?;
+    let mut ptr: u64 = 0;
+    // SAFETY: cuMemAlloc writes the new address into `ptr`.
+    check(unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
+    Ok(ptr)
+}
+
+/// Frees memory [`plain_alloc`] gave (`cuMemFree`, which waits for the device's work
+/// using it); an error is recorded, not returned (it runs in drops).
+///
+/// # Safety
+/// 1. `ptr` came from [`plain_alloc`] on `device` and is not used or freed again.
+pub(crate) unsafe fn plain_free(device: usize, ptr: u64) {
+    if let Err(e) = bind(device) {
+        return record_drop_error("binding a context for cuMemFree", e);
+    }
+    // SAFETY: obligation 1.
+    if let Err(e) = check(unsafe { sys::cuMemFree_v2(ptr) }) {
+        record_drop_error("cuMemFree", e);
     }
 }
 

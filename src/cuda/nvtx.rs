@@ -12,8 +12,13 @@
 //!    `nvtxDetail/nvtxInit.h` 111 and 271, tables as `nvtxDetail/nvtxImpl.h` 371-425), so
 //!    the tool attaches as to any NVTX client and creates our domain (`cudalloc`), then
 //! 2. the memory extension's module (`InitializeInjectionNvtxExtension(&moduleInfo)`,
-//!    `nvtxDetail/nvtxExtInit.h` 124 and 348, module as `nvtxDetail/nvtxExtImplMem_v1.h`
-//!    57-78), whose function slots the tool fills.
+//!    `nvtxDetail/nvtxExtInit.h` 124 and 348), whose function slots the tool fills. The
+//!    module is laid out as NVTX 3.2's `nvtxDetail/nvtxExtImplMem_v1.h` (the headers of
+//!    CUDA 13.0) lays it out: one segment with id 1 and 63 slots, the functions numbered
+//!    from 0. compute-sanitizer 2025.3.1 fills no slot of a module laid out as the older
+//!    headers did (segment 0, 17 slots, numbered from 1: what this module sent until
+//!    2026-12-02, and why the sanitizer saw nothing); `tools/nvtx-reference/` holds the C
+//!    probes and the logging shim that found it.
 //!
 //! Without a tool (or with `CUDALLOC_NVTX=0`) every annotation is one predictable branch
 //! on a process-wide state (`on`); with one, the calls go to the tool, off the hot path.
@@ -103,9 +108,9 @@ pub type ExtInit = unsafe extern "C" fn(module: *mut ExtModuleInfo) -> c_int;
 #[repr(C)]
 #[derive(Debug)]
 pub struct ExtModuleSegment {
-    /// `segmentId` (unused: one segment).
+    /// `segmentId`: [`MEM_SEGMENT_ID`].
     pub segment_id: usize,
-    /// `slotCount`: `NVTX3EXT_CBID_MEM_FN_NUM` (17).
+    /// `slotCount`: [`MEM_SLOT_COUNT`].
     pub slot_count: usize,
     /// `functionSlots`: slot `i` is the function of callback id `i`.
     pub function_slots: *mut isize,
@@ -143,21 +148,35 @@ pub const MODULE_ID_MEM: u16 = 1;
 /// `NVTX_EXT_COMPATID_MEM` (`nvToolsExtMem.h` 36).
 #[doc(hidden)]
 pub const COMPAT_ID_MEM: u16 = 0x0102;
-/// `NVTX3EXT_CBID_MEM_FN_NUM` (`nvToolsExtMem.h` 679).
+/// `NVTX3EXT_CBID_MEM_FN_NUM` (`nvToolsExtMem.h` 679): the memory API's functions.
 #[doc(hidden)]
 pub const MEM_FN_NUM: usize = 17;
-/// `NVTX3EXT_CBID_nvtxMemHeapRegister` and the others used here (`nvToolsExtMem.h` 660-665, enum `NvtxExtMemCallbackId`).
+/// The memory module's one segment id, hard-coded as 1 by NVTX 3.2's
+/// `nvtxExtImplMem_v1.h` (`nvtxExtMemInitOnce`); the older headers sent 0 ("unused"),
+/// which compute-sanitizer 2025.3.1 does not serve.
 #[doc(hidden)]
-pub const CBID_HEAP_REGISTER: usize = 1;
+pub const MEM_SEGMENT_ID: usize = 1;
+/// `NVTX_EXT_MEM_SLOT_COUNT` (NVTX 3.2's `nvtxExtImplMem_v1.h`): the slots the module
+/// offers, of which the tool fills the first [`MEM_FN_NUM`].
+#[doc(hidden)]
+pub const MEM_SLOT_COUNT: usize = 63;
+/// `NVTX3EXT_CBID_nvtxMemHeapRegister` and the others used here, numbered from 0 as in
+/// NVTX 3.2's `nvToolsExtMem.h` (CUDA 13.0: 694-699, `#define`s). The older headers
+/// numbered them from 1 (enum `NvtxExtMemCallbackId`, "CBID 0 is invalid"); a tool of
+/// CUDA 13 fills slots 0-16, so a caller counting from 1 calls the wrong functions
+/// (compute-sanitizer 2025.3.1 then reports "nvtxMemHeapUnregister failed" at a heap
+/// registration, and crashes at a region's).
+#[doc(hidden)]
+pub const CBID_HEAP_REGISTER: usize = 0;
 /// `NVTX3EXT_CBID_nvtxMemHeapUnregister`.
 #[doc(hidden)]
-pub const CBID_HEAP_UNREGISTER: usize = 2;
+pub const CBID_HEAP_UNREGISTER: usize = 1;
 /// `NVTX3EXT_CBID_nvtxMemRegionsRegister`.
 #[doc(hidden)]
-pub const CBID_REGIONS_REGISTER: usize = 4;
+pub const CBID_REGIONS_REGISTER: usize = 3;
 /// `NVTX3EXT_CBID_nvtxMemRegionsUnregister`.
 #[doc(hidden)]
-pub const CBID_REGIONS_UNREGISTER: usize = 6;
+pub const CBID_REGIONS_UNREGISTER: usize = 5;
 
 /// `NVTX_ETID_CALLBACKS` and `NVTX_ETID_VERSIONINFO` (`nvtxDetail/nvtxTypes.h` 269-271).
 #[doc(hidden)]
@@ -531,12 +550,12 @@ fn attach(core: Option<CoreInit>, ext: ExtInit, library: Option<libloading::Libr
             not_attached("the NVTX tool refused InitializeInjectionNvtx2".into());
         }
     }
-    // The module state word then MEM_FN_NUM slots (nvtxExtImplMem_v1.h 53-55), leaked:
-    // the tool may keep the module's pointers.
-    let slots: &'static mut [isize] = Box::leak(vec![0isize; MEM_FN_NUM].into_boxed_slice());
+    // MEM_SLOT_COUNT slots, slot `i` for callback id `i` (as `nvtxExtMemSlots + 1` in
+    // nvtxExtImplMem_v1.h), leaked: the tool may keep the module's pointers.
+    let slots: &'static mut [isize] = Box::leak(vec![0isize; MEM_SLOT_COUNT].into_boxed_slice());
     let segment: &'static mut ExtModuleSegment = Box::leak(Box::new(ExtModuleSegment {
-        segment_id: 0,
-        slot_count: MEM_FN_NUM,
+        segment_id: MEM_SEGMENT_ID,
+        slot_count: MEM_SLOT_COUNT,
         function_slots: slots.as_mut_ptr(),
     }));
     let module: &'static mut ExtModuleInfo = Box::leak(Box::new(ExtModuleInfo {
@@ -620,9 +639,27 @@ pub(crate) fn heap_register(ptr: u64, bytes: usize) {
     // SAFETY: the tool's nvtxMemHeapRegister with a valid descriptor; called under the
     // registry's lock so that the registry and the tool agree.
     let handle = unsafe { (t.heap_register)(t.domain, &desc) } as usize;
-    if handle != HEAP_HANDLE_NO_TOOL {
+    // A heap of virtual addresses is named by its base address (nvToolsExtMem.h, on
+    // nvtxMemHeapRegister): any other answer is a refusal (compute-sanitizer 2025.3.1
+    // returns null or garbage for memory it does not take as a heap, and crashes on
+    // regions registered in it), so the heap's blocks stay unannotated.
+    if handle as u64 == ptr {
         r.heaps.insert(ptr, (ptr + bytes as u64, handle));
+    } else if handle != HEAP_HANDLE_NO_TOOL {
+        refused_heap(ptr, bytes, handle);
     }
+}
+
+/// Logs (once) that the tool refused a heap.
+#[cold]
+fn refused_heap(ptr: u64, bytes: usize, handle: usize) {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        log::warn!(
+            "cudalloc: the NVTX tool refused the heap {ptr:#x}+{bytes} (handle {handle:#x}): \
+             its blocks are not annotated"
+        );
+    });
 }
 
 /// The heap at `ptr` goes back to the driver: unregistered, with any region still in it.

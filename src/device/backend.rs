@@ -11,11 +11,12 @@ use super::pages::PageHeap;
 use super::report::DevicePoolStats;
 use super::reserve::{PoolSide, Reservations};
 use crate::cuda::mem_pool::MemPool;
+use crate::cuda::memory::{plain_alloc, plain_free};
 use crate::cuda::nvtx;
 use crate::cuda::vmm::Vmm;
 use crate::cuda::{mem_info, PooledEvent, Stream, StreamId};
 use crate::error::{Error, Result};
-use crate::sync::Arc;
+use crate::sync::{Arc, AtomicUsize, Ordering};
 use crate::trace::Tag;
 
 /// Stream-ordered memory, as the cache uses it (stream order itself is its
@@ -54,6 +55,42 @@ pub(crate) struct CudaBackend {
     trace: Tag,
     /// Whether its blocks are NVTX heaps (`DevicePoolConfig::nvtx`).
     nvtx: bool,
+    /// Bytes of the blocks taken with `cuMemAlloc` because an NVTX tool is attached
+    /// (`Some`): compute-sanitizer 2025.3.1 takes heaps over `cuMemAlloc` memory only
+    /// (it refuses stream-ordered and mapped memory, `tools/nvtx-reference/`), so under
+    /// it neither the driver pool nor the page heap serves the cache.
+    visible: Option<Visible>,
+}
+
+/// The bytes a backend holds in `cuMemAlloc` blocks (with an NVTX tool attached), and
+/// their peak.
+#[derive(Debug, Default)]
+struct Visible {
+    bytes: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Visible {
+    fn add(&self, n: usize) {
+        let now = self.bytes.fetch_add(n, Ordering::Relaxed) + n;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn sub(&self, n: usize) {
+        self.bytes.fetch_sub(n, Ordering::Relaxed);
+    }
+
+    fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    fn reset_peak(&self) {
+        self.peak.store(self.bytes(), Ordering::Relaxed);
+    }
 }
 
 /// A block taken from the driver (`bytes` > 0) or given back (0): an NVTX heap, in which
@@ -139,13 +176,40 @@ impl CudaBackend {
             }),
             reservations,
             nvtx: true,
+            visible: None,
         }
     }
 
-    /// This backend with its blocks described to NVTX tools (`cuda::nvtx`) or not.
+    /// This backend with its blocks described to NVTX tools (`cuda::nvtx`) or not. With
+    /// a tool attached, its blocks are then taken with `cuMemAlloc`, the memory the tool
+    /// can see inside.
     pub(crate) fn with_nvtx(mut self, nvtx: bool) -> Self {
         self.nvtx = nvtx;
+        self.visible = (nvtx && nvtx::attached()).then(Visible::default);
+        if self.visible.is_some() {
+            log::info!(
+                "cudalloc: NVTX tool attached: DevicePool({}) takes its blocks with cuMemAlloc \
+                 (the tool sees no heap in stream-ordered or mapped memory)",
+                self.pool.device()
+            );
+        }
         self
+    }
+
+    /// A block for the cache while an NVTX tool is attached: `cuMemAlloc`, under the
+    /// pool's limit.
+    fn alloc_visible(&self, visible: &Visible, bytes: usize) -> Result<u64> {
+        self.reservations.take(bytes)?;
+        match plain_alloc(self.pool.device(), bytes) {
+            Ok(ptr) => {
+                visible.add(bytes);
+                Ok(ptr)
+            }
+            Err(e) => {
+                self.reservations.give(bytes);
+                Err(e)
+            }
+        }
     }
 
     /// The backing it has: [`Backing::PhysicalPages`] with a page heap, else
@@ -188,6 +252,13 @@ impl CudaBackend {
             usage.used += p.block_bytes as u64;
             usage.used_high += p.peak_block_bytes as u64;
         }
+        if let Some(v) = &self.visible {
+            // Every cuMemAlloc block is the cache's: reserved and used alike.
+            usage.reserved += v.bytes() as u64;
+            usage.reserved_high += v.peak() as u64;
+            usage.used += v.bytes() as u64;
+            usage.used_high += v.peak() as u64;
+        }
         s.reserved_bytes = usage.reserved;
         // Under a limit the pool reads the sum at every change (`reserve.rs`): the peak of
         // the sum. Without one, the two peaks added.
@@ -210,6 +281,9 @@ impl CudaBackend {
             h.reset_peak();
         }
         self.reservations.reset_peak();
+        if let Some(v) = &self.visible {
+            v.reset_peak();
+        }
         if let Err(e) = self.pool.reset_highs() {
             log::warn!("cudalloc: could not reset the driver pool's highs: {e}");
         }
@@ -304,6 +378,11 @@ impl StreamOrder for CudaBackend {
 impl Backend for CudaBackend {
     fn alloc(&self, bytes: usize, stream: &Stream) -> Result<u64> {
         self.check_fits(bytes)?;
+        if let Some(v) = &self.visible {
+            return self
+                .alloc_visible(v, bytes)
+                .inspect(|&ptr| nvtx_heap(self.nvtx, ptr, bytes));
+        }
         match PageHeap::serving(&self.pages, bytes) {
             Some(h) => h.alloc(self, bytes, stream),
             None => self.reservations.pool_alloc(
@@ -319,6 +398,18 @@ impl Backend for CudaBackend {
 
     unsafe fn free(&self, ptr: u64, bytes: usize, stream: &Stream) {
         nvtx_heap(self.nvtx, ptr, 0);
+        if let Some(v) = &self.visible {
+            // cuMemFree is not stream ordered: the work queued on `stream` is waited for.
+            if let Err(e) = stream.synchronize() {
+                crate::cuda::record_drop_error("cuStreamSynchronize", e);
+            }
+            // SAFETY: obligation 1; with a tool attached every block came from
+            // alloc_visible.
+            unsafe { plain_free(self.pool.device(), ptr) };
+            v.sub(bytes);
+            self.reservations.give(bytes);
+            return;
+        }
         if let Some(h) = PageHeap::serving(&self.pages, bytes) {
             // SAFETY: obligation 1; a block of this size came from the page heap.
             return unsafe { h.free(self, ptr, stream) };
@@ -341,7 +432,8 @@ impl Backend for CudaBackend {
 
     fn reserved(&self) -> Option<usize> {
         let pool = usize::try_from(self.pool.reserved().ok()?).ok()?;
-        Some(pool + self.pages.as_ref().map_or(0, PageHeap::reserved))
+        let visible = self.visible.as_ref().map_or(0, Visible::bytes);
+        Some(pool + visible + self.pages.as_ref().map_or(0, PageHeap::reserved))
     }
 }
 

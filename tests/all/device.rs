@@ -59,6 +59,7 @@ fn zeroed_buffers_read_zero_even_over_reused_memory() {
 #[test]
 fn freed_memory_is_reused_in_stream_order_without_new_reservations() {
     gpu!();
+    backings_in_use!();
     let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
     let s = stream();
     let a = pool.alloc::<u8>(16 * MIB, &s).unwrap();
@@ -98,6 +99,7 @@ fn freed_memory_is_reused_in_stream_order_without_new_reservations() {
 #[test]
 fn release_threshold_zero_returns_memory_at_synchronization() {
     gpu!();
+    backings_in_use!();
     let pool = DevicePool::new(
         0,
         DevicePoolConfig::default()

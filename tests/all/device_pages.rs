@@ -94,6 +94,7 @@ fn page_blocks_of_many_sizes_keep_their_contents_on_several_streams() {
 #[test]
 fn freed_pages_serve_blocks_of_other_sizes_without_new_reservations() {
     gpu!();
+    backings_in_use!();
     let pool = pages(DevicePoolConfig::default().with_cache(false));
     let s = stream();
     // 48 MiB and 16 MiB, freed; a 64 MiB block takes their memory (the free runs
@@ -130,6 +131,7 @@ fn freed_pages_serve_blocks_of_other_sizes_without_new_reservations() {
 #[test]
 fn trim_gives_pages_back_to_the_device() {
     gpu!();
+    backings_in_use!();
     let pool = pages(DevicePoolConfig::default());
     let s = stream();
     let (free_before, _) = cudalloc::cuda::mem_info(0).unwrap();

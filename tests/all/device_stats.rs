@@ -156,7 +156,9 @@ fn a_thread_gives_its_cache_back_when_it_exits() {
     let st = pool.stats();
     let reserved = st.reserved_bytes;
     let c = pool.alloc::<u8>(20 * MIB, &s).unwrap();
-    if pool.config().backing == cudalloc::device::Backing::PhysicalPages {
+    // (Under an NVTX tool the pool takes its blocks with cuMemAlloc, not from pages.)
+    if pool.config().backing == cudalloc::device::Backing::PhysicalPages && !cudalloc::cuda::nvtx::attached()
+    {
         assert!(
             st.cached_bytes <= MIB as u64,
             "the large block left the cache: {st:?}"

@@ -29,6 +29,24 @@ macro_rules! gpu {
     };
 }
 
+/// For tests of the driver pool's and the page heap's own behaviour (their reservations,
+/// release threshold, trim, reuse of pages): with an NVTX tool attached (under
+/// compute-sanitizer) a `DevicePool` takes its blocks with `cuMemAlloc` instead, the only
+/// memory the tool sees inside (`cuda::nvtx`), so the test says so and returns. Run it
+/// without the tool, or under it with `CUDALLOC_NVTX=0`, to test the backings.
+#[allow(unused_macros)] // tests/gated.rs shares this file and has no such test
+macro_rules! backings_in_use {
+    () => {
+        if cudalloc::cuda::nvtx::attached() {
+            println!(
+                "skipped: an NVTX tool is attached, DevicePool takes its blocks with cuMemAlloc \
+                 (CUDALLOC_NVTX=0 tests the backings under the tool)"
+            );
+            return;
+        }
+    };
+}
+
 /// Registers (once) an exit hook that calls `cudalloc::release_cached_memory()` and trims
 /// the process-wide device pools, so that compute-sanitizer's `--leak-check full` sees
 /// the pools' cached blocks returned to the driver instead of reporting each of them as
