@@ -9,6 +9,8 @@
 //   async-sync  the same, registered after the stream synchronized
 //   pool        cuMemAllocFromPoolAsync from a cuMemPoolCreate pool, after a synchronize
 //   vmm         cuMemCreate + cuMemAddressReserve + cuMemMap + cuMemSetAccess
+//   pinned      cuMemHostAlloc (DEVICEMAP), the heap at its device pointer
+//   managed     cuMemAllocManaged (global)
 #include <cuda.h>
 #include <nvtx3/nvToolsExtMem.h>
 #include <cstdio>
@@ -61,6 +63,12 @@ int main(int argc, char** argv) {
     if (!r) r = cuMemAddressReserve(&base, bytes, 0, 0, 0);
     if (!r) r = cuMemMap(base, bytes, 0, h, 0);
     if (!r) r = cuMemSetAccess(base, bytes, &access, 1);
+  } else if (!strcmp(kind, "pinned")) {
+    void* host = 0;
+    r = cuMemHostAlloc(&host, bytes, CU_MEMHOSTALLOC_DEVICEMAP);
+    if (!r) r = cuMemHostGetDevicePointer(&base, host, 0);
+  } else if (!strcmp(kind, "managed")) {
+    r = cuMemAllocManaged(&base, bytes, CU_MEM_ATTACH_GLOBAL);
   } else {
     fprintf(stderr, "unknown kind %s\n", kind);
     return 2;

@@ -45,7 +45,7 @@ echo "=== NVIDIA's headers"
 plain rt "$bin/probe" rt
 plain early "$bin/probe" early
 plain msg "$bin/probe" msg
-for kind in ${PROBE_KINDS:-alloc alloc4k async async-sync pool vmm}; do
+for kind in ${PROBE_KINDS:-alloc alloc4k async async-sync pool vmm pinned managed}; do
   plain "drv-$kind" "$bin/probe_drv" "$bin/kernel.ptx" "$kind"
   grep -h 'probe drv' "$out/drv-$kind.out" | sed 's/^/    /'
 done
