@@ -620,5 +620,27 @@ mod tests {
         assert_eq!((s.live_count(), s.live_bytes(), s.frees), (0, 0, allocs));
     }
 
+    /// The crate's own helper work (`uncounted`, `uncounted_thread`) stays out of the
+    /// counts on a thread whose operations otherwise take the fast path.
+    #[test]
+    fn what_the_crate_allocates_for_itself_is_not_counted() {
+        let c = Counting::new(System);
+        drop(Box::new_in(1u8, &c)); // this thread's slot assigned: the fast path is open
+        let before = c.snapshot();
+        uncounted(|| drop(Box::new_in(1u64, &c)));
+        assert_eq!(c.snapshot(), before, "inside `uncounted`");
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                drop(Box::new_in(1u8, &c));
+                let before = c.snapshot();
+                uncounted_thread();
+                drop(Box::new_in(1u64, &c));
+                assert_eq!(c.snapshot(), before, "after `uncounted_thread`");
+            });
+        });
+        drop(Box::new_in(1u8, &c));
+        assert_eq!(c.snapshot().allocs, before.allocs + 2, "counted again after");
+    }
+
     use counters::SHARDS;
 }
