@@ -365,13 +365,7 @@ fn frame_name(line: &str) -> Option<&str> {
 /// allocation, with the user's.
 fn is_allocator_frame(name: &str) -> bool {
     (name.contains("cudalloc::count::") && !name.contains("cudalloc::count::window::"))
-        || name.starts_with("backtrace::")
-        || name.starts_with("<backtrace::")
-        || name.starts_with("_Unwind_")
-        || name.contains("__rust_alloc")
-        || name.contains("__rust_realloc")
-        || name.contains("__rg_alloc")
-        || name.contains("__rg_realloc")
+        || crate::util::is_walker_or_shim_frame(name)
 }
 
 /// `fmt::Write` into memory from `System`; stops quietly when memory runs out.
