@@ -131,6 +131,21 @@ pub(crate) fn capture_stack(ips: &mut [usize]) -> usize {
     depth
 }
 
+/// Whether a resolved frame's function belongs to the machinery below every allocation
+/// site: the stack walker, the unwinder and the allocation shims (`__rust_alloc` and
+/// kin). Shared by the counting allocator's leak reports and the trace recorder's sites,
+/// which each add their own modules to it.
+#[cfg_attr(loom, allow(dead_code))]
+pub(crate) fn is_walker_or_shim_frame(name: &str) -> bool {
+    name.starts_with("backtrace::")
+        || name.starts_with("<backtrace::")
+        || name.starts_with("_Unwind_")
+        || name.contains("__rust_alloc")
+        || name.contains("__rust_realloc")
+        || name.contains("__rg_alloc")
+        || name.contains("__rg_realloc")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

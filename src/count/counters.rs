@@ -167,6 +167,49 @@ impl Counters {
         }
     }
 
+    /// The common case of [`Counters::record_alloc`], all or nothing: counts the
+    /// allocation and returns `true` if the thread holds private shard `slot`, its
+    /// pending bytes stay within its slack and its estimate of live bytes sets no new
+    /// peak (nothing to commit, no shared line to write); otherwise writes nothing and
+    /// returns `false`, for the caller to take [`Counters::record_alloc`].
+    ///
+    /// What it writes (four plain stores to the thread's own shard) is what
+    /// `record_alloc` writes in that case, so the counts are the same either way.
+    #[inline(always)]
+    pub(crate) fn try_record_alloc(&self, slot: usize, size: u64) -> bool {
+        let Some(shard) = self.shards.get(slot) else {
+            return false;
+        };
+        // `size` is a live block's (below 2^63 less the slack): no overflow.
+        let pending = (shard.pending.load(Relaxed) as i64).wrapping_add(size as i64);
+        let live = (self.committed.load(Relaxed) as i64).wrapping_add(pending);
+        if pending > shard.slack.load(Relaxed) as i64 || live > self.peak.load(Relaxed) as i64 {
+            return false;
+        }
+        shard.pending.store(pending as u64, Relaxed);
+        add_owned(&shard.allocs, 1);
+        add_owned(&shard.bytes_allocated, size);
+        true
+    }
+
+    /// The common case of [`Counters::record_free`], all or nothing (see
+    /// [`Counters::try_record_alloc`]): `false`, having written nothing, where the free
+    /// would take the pending bytes below the slack (a commit).
+    #[inline(always)]
+    pub(crate) fn try_record_free(&self, slot: usize, size: u64) -> bool {
+        let Some(shard) = self.shards.get(slot) else {
+            return false;
+        };
+        let pending = (shard.pending.load(Relaxed) as i64).wrapping_sub(size as i64);
+        if pending.wrapping_add(shard.slack.load(Relaxed) as i64) < 0 {
+            return false;
+        }
+        shard.pending.store(pending as u64, Relaxed);
+        add_owned(&shard.frees, 1);
+        add_owned(&shard.bytes_freed, size);
+        true
+    }
+
     /// Counts a free of `size` bytes (see [`Counters::record_alloc`] for `slot`).
     #[inline(always)]
     pub(crate) fn record_free(&self, slot: usize, size: u64) {

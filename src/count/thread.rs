@@ -1,6 +1,7 @@
 //! Per-thread state shared by every `Counting` allocator: the thread's slot (which shard
 //! of each allocator's counters it writes), its serial, its own running totals for
-//! windows, and the window depth. All of it is `Cell`s in a `const`-initialized
+//! windows, the window depth, and the gate the hot path reads first (the slot while
+//! nothing but the shard is needed). All of it is `Cell`s in a `const`-initialized
 //! thread-local without `Drop`, so reading it never allocates and works until the
 //! thread is gone. A leaf: it knows the counters' shapes and nothing else of `count`.
 
@@ -13,6 +14,8 @@ use crate::sync::global::{AtomicU64, Ordering};
 const UNASSIGNED: u32 = u32::MAX;
 /// `slot` of a thread without a private shard (any value `>= SHARDS` works).
 const SHARED: u32 = SHARDS as u32;
+/// `gate` of a thread whose operations take the full path (any value `>= SHARDS` works).
+const SLOW: u32 = u32::MAX;
 const _: () = assert!(SHARDS <= 64, "slots are the bits of one u64");
 /// Open windows per thread whose peaks are kept apart; windows nested deeper share the
 /// peak of the innermost one kept.
@@ -24,6 +27,14 @@ static SLOTS_IN_USE: AtomicU64 = AtomicU64::new(0);
 static NEXT_SERIAL: AtomicU64 = AtomicU64::new(1);
 
 pub(crate) struct ThreadState {
+    /// What the hot path reads first, one load for three conditions: the thread's slot
+    /// while it holds a private shard, has no window open and is not in site code
+    /// (capturing a stack or building a report), so that an operation needs nothing but
+    /// its shard; `SLOW` otherwise. Kept by [`ThreadState::refresh_gate`] whenever one
+    /// of the three changes.
+    gate: Cell<u32>,
+    /// Set while the thread is in site code (`sites` says so through [`set_site_busy`]).
+    site_busy: Cell<bool>,
     /// Shard index; `UNASSIGNED`, or `>= SHARDS` for the shared shard.
     slot: Cell<u32>,
     /// Unique id of this thread among all that ever counted (0: not yet assigned).
@@ -52,6 +63,24 @@ thread_local! {
     static SLOT: SlotGuard = const { SlotGuard(Cell::new(UNASSIGNED)) };
 }
 
+/// The slot of this thread's private shard if the operation at hand may take the fast
+/// path (see `ThreadState::gate`); any value `>= SHARDS` if it must take the full one.
+#[inline(always)]
+pub(crate) fn fast_slot() -> usize {
+    THREAD.try_with(|t| t.gate.get()).unwrap_or(SLOW) as usize
+}
+
+/// Marks this thread as in site code (`busy`) or out of it: while it is, every operation
+/// takes the full path, which asks the site table what to count and record. (Unused
+/// under loom, where the site table compiles to nothing.)
+#[cfg_attr(loom, allow(dead_code))]
+pub(crate) fn set_site_busy(busy: bool) {
+    let _ = THREAD.try_with(|t| {
+        t.site_busy.set(busy);
+        t.refresh_gate();
+    });
+}
+
 /// Runs `f` on this thread's state; `None` only where the platform has already torn
 /// thread-locals down (a `const` one without `Drop` stays usable on mainstream targets).
 #[inline(always)]
@@ -62,6 +91,8 @@ pub(crate) fn current<R>(f: impl FnOnce(&ThreadState) -> R) -> Option<R> {
 impl ThreadState {
     const fn new() -> Self {
         Self {
+            gate: Cell::new(SLOW),
+            site_busy: Cell::new(false),
             slot: Cell::new(UNASSIGNED),
             serial: Cell::new(0),
             depth: Cell::new(0),
@@ -104,11 +135,19 @@ impl ThreadState {
         if let Some(slot) = claim_slot() {
             if SLOT.try_with(|g| g.0.set(slot)).is_ok() {
                 self.slot.set(slot);
+                self.refresh_gate();
             } else {
                 release_slot(slot);
             }
         }
         self.slot.get() as usize
+    }
+
+    /// Recomputes `gate` from the slot, the window depth and the site flag.
+    fn refresh_gate(&self) {
+        let slot = self.slot.get();
+        let fast = (slot as usize) < SHARDS && self.depth.get() == 0 && !self.site_busy.get();
+        self.gate.set(if fast { slot } else { SLOW });
     }
 
     /// This thread's serial (assigning one if needed).
@@ -178,6 +217,7 @@ impl ThreadState {
     pub(crate) fn open_window(&self) -> (i64, u64) {
         self.serial();
         self.depth.set(self.depth.get() + 1);
+        self.refresh_gate();
         let live = self.live.get();
         let kept = self.kept.get();
         let Some(entry) = self.windows.get(kept) else {
@@ -214,6 +254,7 @@ impl ThreadState {
     pub(crate) fn close_window(&self, id: u64) {
         debug_assert!(self.depth.get() > 0, "closing a window that is not open");
         self.depth.set(self.depth.get().saturating_sub(1));
+        self.refresh_gate();
         let Some(i) = self.find_window(id) else {
             return;
         };
@@ -245,7 +286,10 @@ impl Drop for SlotGuard {
         if slot != UNASSIGNED {
             // Stop writing the shard before anyone else may claim it: whatever this
             // thread allocates or frees from now on goes to the shared shard.
-            let _ = THREAD.try_with(|t| t.slot.set(SHARED));
+            let _ = THREAD.try_with(|t| {
+                t.slot.set(SHARED);
+                t.refresh_gate();
+            });
             release_slot(slot);
         }
     }

@@ -26,6 +26,7 @@ use allocator_api2::vec::Vec as SysVec;
 use hashbrown::HashMap;
 
 use super::{LeakSite, SiteKey};
+use crate::count::thread::set_site_busy;
 use crate::sync::global::{AtomicU64, AtomicUsize, Ordering};
 use crate::sync::{lock, Mutex};
 
@@ -98,12 +99,14 @@ impl Enter {
             .try_with(|s| (s.get() == State::Idle).then(|| Enter(s.replace(state))))
             .ok()
             .flatten()
+            .inspect(|_| set_site_busy(true))
     }
 }
 
 impl Drop for Enter {
     fn drop(&mut self) {
         let _ = STATE.try_with(|s| s.set(self.0));
+        set_site_busy(self.0 != State::Idle);
     }
 }
 
@@ -120,6 +123,7 @@ pub(crate) fn uncounted<R>(f: impl FnOnce() -> R) -> R {
 /// allocated and which it frees on its way out.
 pub(crate) fn uncounted_thread() {
     let _ = STATE.try_with(|s| s.set(State::Internal));
+    set_site_busy(true);
 }
 
 /// The position in allocation order now.
@@ -361,13 +365,7 @@ fn frame_name(line: &str) -> Option<&str> {
 /// allocation, with the user's.
 fn is_allocator_frame(name: &str) -> bool {
     (name.contains("cudalloc::count::") && !name.contains("cudalloc::count::window::"))
-        || name.starts_with("backtrace::")
-        || name.starts_with("<backtrace::")
-        || name.starts_with("_Unwind_")
-        || name.contains("__rust_alloc")
-        || name.contains("__rust_realloc")
-        || name.contains("__rg_alloc")
-        || name.contains("__rg_realloc")
+        || crate::util::is_walker_or_shim_frame(name)
 }
 
 /// `fmt::Write` into memory from `System`; stops quietly when memory runs out.

@@ -53,13 +53,7 @@ fn is_allocator_frame(name: &str) -> bool {
         "cudalloc::count::",
     ];
     (OURS.iter().any(|m| name.contains(m)) && !name.contains("::tests::"))
-        || name.starts_with("backtrace::")
-        || name.starts_with("<backtrace::")
-        || name.starts_with("_Unwind_")
-        || name.contains("__rust_alloc")
-        || name.contains("__rust_realloc")
-        || name.contains("__rg_alloc")
-        || name.contains("__rg_realloc")
+        || crate::util::is_walker_or_shim_frame(name)
         || name.starts_with("alloc::alloc::")
         || name.starts_with("<allocator_api2::")
         || name.starts_with("allocator_api2::")
