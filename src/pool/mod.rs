@@ -732,7 +732,6 @@ impl<S: MemorySource + 'static> Pool<S> {
         self.shared
             .checks
             .on_free(ptr.as_ptr() as usize, || self.owns(ptr.as_ptr()));
-        self.shared.trace.free(ptr.as_ptr(), size, false);
         let p = BlockPtr::new(ptr);
         // Which blocks have recorded uses, with one load and no lock in the common case.
         // - A use recorded on this block is seen: its record happens-before this free (the
@@ -746,15 +745,25 @@ impl<S: MemorySource + 'static> Pool<S> {
         //   completion was observed.
         // A stale nonzero value only sends a free down the slow path, which takes the lock.
         if self.shared.uses.any_uses() {
+            self.shared.trace.free(ptr.as_ptr(), size, false);
             return self.free_with_uses(p, layout);
         }
-        self.free_unused(p, layout);
+        // Reusable at once: both events (requested, completed) in one recorder call.
+        self.shared.trace.free(ptr.as_ptr(), size, true);
+        self.place_unused(p, layout);
     }
 
-    /// Frees a block with no recorded uses: to this thread's cache, else the shared state.
+    /// Frees a block with no recorded uses whose free was recorded as requested only.
     #[inline(always)]
     fn free_unused(&self, p: BlockPtr, layout: Layout) {
         self.shared.trace.free_completed(p.addr(), layout.size());
+        self.place_unused(p, layout);
+    }
+
+    /// Puts a block with no recorded uses back: to this thread's cache, else the shared
+    /// state.
+    #[inline(always)]
+    fn place_unused(&self, p: BlockPtr, layout: Layout) {
         match self.classify(layout.size(), layout.align()) {
             Some(class) => {
                 if !self.try_free_fast(class, p) {
