@@ -75,12 +75,21 @@ impl ThreadCounters for ThreadStats {
 /// The handles a freed buffer leaves with its block: its stream's and its pool's.
 pub(crate) type Handles<B, P> = (<B as StreamOrder>::Stream, P);
 
+/// A block in a bin, with the handles of the buffer that freed it, if any: both or
+/// neither. The handles are two fields rather than one `Option` of a pair, so that each
+/// is moved as the word it is (see [`Bin::pop`]).
+struct Entry<B: StreamOrder, P> {
+    ptr: u64,
+    stream: Option<B::Stream>,
+    pool: Option<P>,
+}
+
 /// Free blocks of one class of one stream, most recently freed last.
 struct Bin<B: StreamOrder, P> {
     /// Each block with the handles of the buffer that freed it, if any. Its capacity is
     /// the bin's (allocated at the first block, by a slow path): `len < capacity` is the
     /// fast path's test for room.
-    entries: Vec<(u64, Option<Handles<B, P>>)>,
+    entries: Vec<Entry<B, P>>,
     /// The class's block size.
     size: usize,
 }
@@ -98,10 +107,10 @@ impl<B: StreamOrder, P> Bin<B, P> {
         unsafe {
             self.entries.set_len(n);
             let e = self.entries.as_ptr().add(n);
-            Some((
-                core::ptr::addr_of!((*e).0).read(),
-                core::ptr::addr_of!((*e).1).read(),
-            ))
+            let ptr = core::ptr::addr_of!((*e).ptr).read();
+            let stream = core::ptr::addr_of!((*e).stream).read();
+            let pool = core::ptr::addr_of!((*e).pool).read();
+            Some((ptr, stream.zip(pool)))
         }
     }
 
@@ -110,12 +119,14 @@ impl<B: StreamOrder, P> Bin<B, P> {
     fn push_within_capacity(&mut self, ptr: u64, handles: Option<Handles<B, P>>) {
         let n = self.entries.len();
         debug_assert!(n < self.entries.capacity(), "bin full");
+        let (stream, pool) = handles.unzip();
         // SAFETY: `n < capacity` (checked by the caller, `put`): the slot is allocated
-        // and uninitialized; both fields are written before `set_len` counts it.
+        // and uninitialized; every field is written before `set_len` counts it.
         unsafe {
             let e = self.entries.as_mut_ptr().add(n);
-            core::ptr::addr_of_mut!((*e).0).write(ptr);
-            core::ptr::addr_of_mut!((*e).1).write(handles);
+            core::ptr::addr_of_mut!((*e).ptr).write(ptr);
+            core::ptr::addr_of_mut!((*e).stream).write(stream);
+            core::ptr::addr_of_mut!((*e).pool).write(pool);
             self.entries.set_len(n + 1);
         }
     }
@@ -139,8 +150,10 @@ struct Large<B: StreamOrder, P> {
     bytes: usize,
     /// The slot of its stream.
     slot: usize,
-    /// The handles of the buffer that freed it (none from a slow path).
-    handles: Option<Handles<B, P>>,
+    /// The handles of the buffer that freed it (none from a slow path): both or neither,
+    /// two fields as in [`Entry`].
+    stream: Option<B::Stream>,
+    pool: Option<P>,
 }
 
 /// One thread's cache of free blocks for one pool. `P` is the pool handle buffers own.
@@ -378,15 +391,14 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         unsafe {
             let base = self.large.as_mut_ptr();
             let e = base.add(k);
-            let taken = (
-                core::ptr::addr_of!((*e).ptr).read(),
-                core::ptr::addr_of!((*e).handles).read(),
-            );
+            let ptr = core::ptr::addr_of!((*e).ptr).read();
+            let stream = core::ptr::addr_of!((*e).stream).read();
+            let pool = core::ptr::addr_of!((*e).pool).read();
             if k != n {
                 core::ptr::copy_nonoverlapping(base.add(n), e, 1);
             }
             self.large.set_len(n);
-            taken
+            (ptr, stream.zip(pool))
         }
     }
 
@@ -416,6 +428,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         };
         let n = self.large.len();
         debug_assert!(n < self.large.capacity(), "large slots allocated at LARGE_SLOTS");
+        let (stream, pool) = handles.unzip();
         // SAFETY: `n < LARGE_SLOTS` (checked above) and the vector is made with that
         // capacity and never shrunk: entry `n` is allocated and uninitialized. Its fields
         // are written one by one (see `Bin::pop`) before `set_len` counts it.
@@ -424,7 +437,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             core::ptr::addr_of_mut!((*e).ptr).write(ptr);
             core::ptr::addr_of_mut!((*e).bytes).write(bytes);
             core::ptr::addr_of_mut!((*e).slot).write(i);
-            core::ptr::addr_of_mut!((*e).handles).write(handles);
+            core::ptr::addr_of_mut!((*e).stream).write(stream);
+            core::ptr::addr_of_mut!((*e).pool).write(pool);
             self.large.set_len(n + 1);
         }
         self.count(i, 1, bytes);
@@ -547,7 +561,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
                 continue;
             }
             let (n, size) = (bin.entries.len(), bin.size);
-            out.push((c, bin.entries.drain(..).map(|(p, _)| p).collect()));
+            out.push((c, bin.entries.drain(..).map(|e| e.ptr).collect()));
             self.count(i, -(n as isize), size);
         }
         out
@@ -567,7 +581,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     /// Takes the newest block of `class` of slot `i`.
     fn take(&mut self, i: usize, class: usize) -> Option<(u64, Option<Handles<B, P>>)> {
         let bin = self.bin(i, class)?;
-        let taken = bin.entries.pop()?;
+        let taken = bin.pop()?;
         let size = bin.size;
         self.count(i, -1, size);
         Some(taken)
@@ -626,7 +640,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             return Vec::new();
         };
         let (n, size) = (bin.entries.len().div_ceil(2), bin.size);
-        let taken: Vec<u64> = bin.entries.drain(..n).map(|(p, _)| p).collect();
+        let taken: Vec<u64> = bin.entries.drain(..n).map(|e| e.ptr).collect();
         self.count(i, -(n as isize), size);
         taken
     }
@@ -667,7 +681,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let stream = self.stream_of(i)?;
         let bin = self.bin(i, class)?;
         let (k, size) = (n.clamp(1, bin.entries.len()), bin.size);
-        let taken: Vec<u64> = bin.entries.drain(..k).map(|(p, _)| p).collect();
+        let taken: Vec<u64> = bin.entries.drain(..k).map(|e| e.ptr).collect();
         self.count(i, -(k as isize), size);
         Some((stream, taken))
     }
