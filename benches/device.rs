@@ -45,8 +45,10 @@
 //! - `device_hit_sim` (no GPU needed): the hit of `device_hit` on a simulated GPU
 //!   (`cudalloc::device::sim`: the same cache, thread caches and hot path as `DevicePool`,
 //!   over simulated streams), 256 B .. 128 MiB, with a `malloc` alloc + free pair of 64 B
-//!   as the reference in the same run: the ratio `sim / malloc` compares hot-path
-//!   changes across runs and machines.
+//!   as the reference in the same run; `sim_paged` the same on a simulated page heap
+//!   shaped as the H200's default (blocks from 2 MiB up in the large slots, as
+//!   `device_hit`'s 16 and 128 MiB rows), `sim_cache` all by class. The ratio
+//!   `sim / malloc` compares hot-path changes across runs and machines.
 //!
 //! Without a CUDA driver the bench runs `device_hit_sim` only and says why. `--quick` (criterion's flag) also
 //! shrinks the workloads: three sizes, 10^4 random allocations. Filters pick groups (the
@@ -154,9 +156,11 @@ fn device_hit_sim(c: &mut Criterion) {
         &[256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 128 << 20]
     };
     let pool = SimPool::new(256 << 20);
+    let paged = SimPool::paged(256 << 20);
     let stream = SimStream::new();
     let malloc = || drop(black_box(Box::new(black_box([0u64; 8]))));
     let hit = |size: usize| drop(black_box(pool.alloc(black_box(size), &stream).expect("sim")));
+    let hit_paged = |size: usize| drop(black_box(paged.alloc(black_box(size), &stream).expect("sim")));
     let mut g = c.benchmark_group("device_hit_sim");
     g.sampling_mode(SamplingMode::Flat)
         .sample_size(20)
@@ -166,6 +170,9 @@ fn device_hit_sim(c: &mut Criterion) {
     for &size in sizes {
         g.bench_function(BenchmarkId::new("sim_cache", size_label(size)), |b| {
             b.iter(|| hit(size))
+        });
+        g.bench_function(BenchmarkId::new("sim_paged", size_label(size)), |b| {
+            b.iter(|| hit_paged(size))
         });
     }
     g.finish();
@@ -177,7 +184,13 @@ fn device_hit_sim(c: &mut Criterion) {
             .iter()
             .map(|&size| {
                 let t = per_call(200, 10_000, || hit(size));
-                format!("{} {t} ({:.2}x)", size_label(size), t.median / base.median)
+                let p = per_call(200, 10_000, || hit_paged(size));
+                format!(
+                    "{} {t} ({:.2}x; sim_paged {p}, {:.2}x)",
+                    size_label(size),
+                    t.median / base.median,
+                    p.median / base.median
+                )
             })
             .collect();
         println!(

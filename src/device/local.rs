@@ -123,23 +123,26 @@ pub(crate) fn try_alloc_fast<P: PoolHandle>(
     // `local_cache`); this is the only reference to it, and `pop` does not reach the
     // table (it moves a block and its handles out of the cache, dropping nothing).
     let (ptr, handles) = unsafe { e.as_mut() }.cache.pop(id, class)?;
-    Some(hit(pool, stream, bytes, (ptr, class, class_size(class)), handles))
+    Some(hit(pool, stream, bytes, (ptr, class), handles))
 }
 
-/// What a hit hands out: the block `(ptr, class, given bytes)` owned with the handles it
-/// was freed with (recycled) or clones; its allocation recorded (trace, NVTX).
+/// What a hit hands out: the block `(ptr, class)` owned with the handles it was freed
+/// with (recycled) or clones; its allocation recorded (trace, NVTX).
 #[inline(always)]
 fn hit<P: PoolHandle>(
     pool: &P,
     stream: &StreamOf<P>,
     bytes: usize,
-    (ptr, class, given): (u64, usize, usize),
+    (ptr, class): (u64, usize),
     handles: Option<(StreamOf<P>, P)>,
 ) -> Owned<P> {
-    let id = P::B::stream_id(stream);
+    // The block's size only for the recorder, computed inside its closure (off the hit).
     pool.core().cache.backend.trace().event(|| Note {
-        given,
-        ..alloc_note(ptr, bytes, id)
+        given: match class {
+            LARGE => round_to_granule(bytes).unwrap_or(bytes),
+            c => class_size(c),
+        },
+        ..alloc_note(ptr, bytes, P::B::stream_id(stream))
     });
     if nvtx::on() {
         nvtx::region_register(ptr, bytes);
@@ -169,7 +172,7 @@ fn try_alloc_large<P: PoolHandle>(pool: &P, bytes: usize, stream: &StreamOf<P>) 
     // SAFETY: as in `try_alloc_fast`: the entry stays in its table during this call, this
     // is the only reference to it, and `pop_large` drops nothing.
     let (ptr, handles) = unsafe { e.as_mut() }.cache.pop_large(id, rounded)?;
-    Some(hit(pool, stream, bytes, (ptr, LARGE, rounded), handles))
+    Some(hit(pool, stream, bytes, (ptr, LARGE), handles))
 }
 
 /// The allocation slow path: a block for `bytes` (nonzero) on `stream`, through this
@@ -383,10 +386,9 @@ impl<P: PoolHandle> Owned<P> {
         if crate::trace::on() {
             record_free::<P>(core, self.ptr, bytes, &stream, uses.is_none());
         }
-        if let (Some(slot), None, LARGE) = (core.slot, &uses, self.class) {
-            return release_large(pool, self.ptr, bytes, stream, slot);
-        }
-        if let (Some(slot), None, true) = (core.slot, &uses, self.ptr != 0 && self.class != NOT_CACHED) {
+        // One test for the common case: a class below `LARGE` is a block cached by class
+        // (an empty buffer's class is `NOT_CACHED`, above it).
+        if let (Some(slot), None, true) = (core.slot, &uses, self.class < LARGE) {
             let id = P::B::stream_id(&stream);
             if let Some(mut e) = local_cache::<P>(slot, core.uid) {
                 // SAFETY: as in `try_alloc_fast`: the entry stays in the table during
@@ -401,6 +403,9 @@ impl<P: PoolHandle> Owned<P> {
                 }
                 return;
             }
+        }
+        if let (Some(slot), None, LARGE) = (core.slot, &uses, self.class) {
+            return release_large(pool, self.ptr, bytes, stream, slot);
         }
         release_slow(pool, self.ptr, bytes, stream, uses);
     }

@@ -8,9 +8,11 @@
 //! applications.
 
 use super::cache::{Cache, Settings};
-use super::fake::{FakeBackend, FakeStream};
+use super::config::PageTuning;
+use super::fake::{FakeBackend, FakePhys, FakeStream};
 use super::local::{self, Core, LocalCache, Owned, PoolHandle};
 use super::order::StreamOrder;
+use super::pages::page_threshold;
 use crate::error::Result;
 use crate::slot_table::{SlotBits, SlotTable};
 use crate::sync::{thread_local_const, Arc};
@@ -85,6 +87,32 @@ impl SimPool {
                 FakeBackend::new(u64::MAX).with_nvtx(),
                 settings,
             ))),
+        }
+    }
+
+    /// [`SimPool::new`] shaped as the default `DevicePool` on a GPU with CUDA's virtual
+    /// memory management (2 MiB granules, as the H200's): blocks from one granule up on a
+    /// simulated page heap, not cached by class but kept in the thread caches' large
+    /// slots for reuse at the same size, so that the hit of a large block is measured
+    /// too.
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let pool = SimPool::paged(256 << 20);
+    /// let s = SimStream::new();
+    /// let p = pool.alloc(16 << 20, &s).unwrap().device_ptr();
+    /// assert_eq!(pool.alloc(16 << 20, &s).unwrap().device_ptr(), p, "a large-slot hit");
+    /// assert_eq!(pool.hits(), 1);
+    /// ```
+    pub fn paged(thread_cache_bytes: usize) -> Self {
+        const GRANULE: usize = 2 << 20;
+        let page_min = page_threshold(GRANULE);
+        let phys = FakePhys::new(GRANULE, usize::MAX);
+        let backend = FakeBackend::paged(u64::MAX, phys, page_min, PageTuning::default());
+        let mut settings = Settings::new((1 << 30).min(page_min - 1), thread_cache_bytes, None);
+        settings.max_large_bytes = 1 << 30;
+        Self {
+            core: Arc::new(Core::new::<SimPool>(Cache::new(backend, settings))),
         }
     }
 
@@ -199,5 +227,20 @@ mod tests {
         }
         let snap = pool.core.cache.snapshot();
         assert_eq!((snap.misses, snap.events), (4, 0), "{snap:?}");
+    }
+
+    #[test]
+    fn a_steady_cycle_of_large_blocks_is_all_hits_on_pages() {
+        let pool = SimPool::paged(256 << 20);
+        let s = SimStream::new();
+        for size in [256, 1 << 20, 2 << 20, 16 << 20, 128 << 20] {
+            let first = pool.alloc(size, &s).unwrap().device_ptr();
+            let hits = pool.hits();
+            for _ in 0..1000 {
+                assert_eq!(pool.alloc(size, &s).unwrap().device_ptr(), first);
+            }
+            assert_eq!(pool.hits() - hits, 1000, "size {size}");
+        }
+        assert!(pool.core.cache.is_large(16 << 20), "16 MiB is a large block here");
     }
 }

@@ -75,14 +75,61 @@ impl ThreadCounters for ThreadStats {
 /// The handles a freed buffer leaves with its block: its stream's and its pool's.
 pub(crate) type Handles<B, P> = (<B as StreamOrder>::Stream, P);
 
+/// A block in a bin, with the handles of the buffer that freed it, if any: both or
+/// neither. The handles are two fields rather than one `Option` of a pair, so that each
+/// is moved as the word it is (see [`Bin::pop`]).
+struct Entry<B: StreamOrder, P> {
+    ptr: u64,
+    stream: Option<B::Stream>,
+    pool: Option<P>,
+}
+
 /// Free blocks of one class of one stream, most recently freed last.
 struct Bin<B: StreamOrder, P> {
     /// Each block with the handles of the buffer that freed it, if any. Its capacity is
     /// the bin's (allocated at the first block, by a slow path): `len < capacity` is the
     /// fast path's test for room.
-    entries: Vec<(u64, Option<Handles<B, P>>)>,
+    entries: Vec<Entry<B, P>>,
     /// The class's block size.
     size: usize,
+}
+
+impl<B: StreamOrder, P> Bin<B, P> {
+    /// Takes the newest block. Its fields are read one by one, as `push_within_capacity`
+    /// writes them: a read as wide as two earlier stores cannot be forwarded from the
+    /// store buffer and waits for them to reach the cache (a dozen cycles on the hit,
+    /// where the block was pushed a few dozen instructions earlier).
+    #[inline(always)]
+    fn pop(&mut self) -> Option<(u64, Option<Handles<B, P>>)> {
+        let n = self.entries.len().checked_sub(1)?;
+        // SAFETY: `n < len`: the entry is initialized; `set_len(n)` first gives up the
+        // vector's claim on it, so the reads below move it out exactly once.
+        unsafe {
+            self.entries.set_len(n);
+            let e = self.entries.as_ptr().add(n);
+            let ptr = core::ptr::addr_of!((*e).ptr).read();
+            let stream = core::ptr::addr_of!((*e).stream).read();
+            let pool = core::ptr::addr_of!((*e).pool).read();
+            Some((ptr, stream.zip(pool)))
+        }
+    }
+
+    /// Keeps a block with its handles; the caller checked `len < capacity`.
+    #[inline(always)]
+    fn push_within_capacity(&mut self, ptr: u64, handles: Option<Handles<B, P>>) {
+        let n = self.entries.len();
+        debug_assert!(n < self.entries.capacity(), "bin full");
+        let (stream, pool) = handles.unzip();
+        // SAFETY: `n < capacity` (checked by the caller, `put`): the slot is allocated
+        // and uninitialized; every field is written before `set_len` counts it.
+        unsafe {
+            let e = self.entries.as_mut_ptr().add(n);
+            core::ptr::addr_of_mut!((*e).ptr).write(ptr);
+            core::ptr::addr_of_mut!((*e).stream).write(stream);
+            core::ptr::addr_of_mut!((*e).pool).write(pool);
+            self.entries.set_len(n + 1);
+        }
+    }
 }
 
 /// What a thread cache gives back to the shared cache: a stream's handle, its blocks by
@@ -103,8 +150,10 @@ struct Large<B: StreamOrder, P> {
     bytes: usize,
     /// The slot of its stream.
     slot: usize,
-    /// The handles of the buffer that freed it (none from a slow path).
-    handles: Option<Handles<B, P>>,
+    /// The handles of the buffer that freed it (none from a slow path): both or neither,
+    /// two fields as in [`Entry`].
+    stream: Option<B::Stream>,
+    pool: Option<P>,
 }
 
 /// One thread's cache of free blocks for one pool. `P` is the pool handle buffers own.
@@ -224,6 +273,21 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         self.bins.get_mut(i * self.classes + class)
     }
 
+    /// The bin of `class` of slot `i`, `i` a slot [`find`](Self::find) returned (the hot
+    /// paths): its bins are made with it (`entry`), so only the class is checked.
+    #[inline(always)]
+    fn found_bin(&mut self, i: usize, class: usize) -> Option<&mut Bin<B, P>> {
+        if class >= self.classes {
+            return None;
+        }
+        let k = i * self.classes + class;
+        debug_assert!(k < self.bins.len(), "slot {i} has no bins");
+        // SAFETY: slot `i` holds a stream (`find` found it), and `entry` made the bins of
+        // slots `0..=i` before it put the stream there; `bins` never shrinks. So
+        // `k < (i + 1) * classes <= bins.len()`.
+        Some(unsafe { self.bins.get_unchecked_mut(k) })
+    }
+
     /// Adds `blocks` blocks of `size` bytes each (negative: removes) to slot `i`'s
     /// published counts.
     #[inline(always)]
@@ -255,8 +319,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             return None;
         }
         let i = self.find(id)?;
-        let bin = self.bin(i, class)?;
-        let (ptr, handles) = bin.entries.pop()?;
+        let bin = self.found_bin(i, class)?;
+        let (ptr, handles) = bin.pop()?;
         let size = bin.size;
         self.count(i, -1, size);
         self.hits += 1;
@@ -283,11 +347,17 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let Some(i) = self.find(id) else {
             return Err((stream, pool));
         };
-        let mut handles = Some((stream, pool));
-        if self.put(i, class, ptr, &mut handles) {
-            return Ok(());
+        let room = self.max_bytes - self.bytes;
+        let Some(bin) = self.found_bin(i, class) else {
+            return Err((stream, pool));
+        };
+        let size = bin.size;
+        if bin.entries.len() >= bin.entries.capacity() || size > room {
+            return Err((stream, pool));
         }
-        handles.map_or(Ok(()), Err)
+        bin.push_within_capacity(ptr, Some((stream, pool)));
+        self.count(i, 1, size);
+        Ok(())
     }
 
     /// The allocation fast path of a large block: one of `bytes` freed on stream `id`,
@@ -300,12 +370,36 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         }
         let i = self.find(id)?;
         let k = self.large.iter().rposition(|l| l.bytes == bytes && l.slot == i)?;
-        let l = self.large.swap_remove(k);
+        let taken = self.take_large_at(k);
         self.large_misses = 0;
         self.count(i, -1, bytes);
         self.hits += 1;
         self.stats.hits.store(self.hits, Ordering::Relaxed);
-        Some((l.ptr, l.handles))
+        Some(taken)
+    }
+
+    /// Takes large block `k` (`swap_remove`, its fields read one by one as
+    /// `push_large` writes them: see `Bin::pop`). In a steady cycle `k` is the last.
+    #[inline(always)]
+    fn take_large_at(&mut self, k: usize) -> (u64, Option<Handles<B, P>>) {
+        let n = self.large.len() - 1;
+        debug_assert!(k <= n, "large slot {k} of {}", n + 1);
+        // SAFETY: `k <= n < len` (the caller found entry `k`): entry `k` is initialized.
+        // `set_len(n)` gives up the vector's claim on entry `n`; entry `k` is moved out
+        // by the reads, and entry `n`, when another, moved into its place, so every
+        // entry below `n` is initialized and none is owned twice.
+        unsafe {
+            let base = self.large.as_mut_ptr();
+            let e = base.add(k);
+            let ptr = core::ptr::addr_of!((*e).ptr).read();
+            let stream = core::ptr::addr_of!((*e).stream).read();
+            let pool = core::ptr::addr_of!((*e).pool).read();
+            if k != n {
+                core::ptr::copy_nonoverlapping(base.add(n), e, 1);
+            }
+            self.large.set_len(n);
+            (ptr, stream.zip(pool))
+        }
     }
 
     /// The free fast path of a large block of `bytes` of stream `id`: kept with the
@@ -332,12 +426,21 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let Some(i) = self.find(id) else {
             return Err(handles);
         };
-        self.large.push(Large {
-            ptr,
-            bytes,
-            slot: i,
-            handles,
-        });
+        let n = self.large.len();
+        debug_assert!(n < self.large.capacity(), "large slots allocated at LARGE_SLOTS");
+        let (stream, pool) = handles.unzip();
+        // SAFETY: `n < LARGE_SLOTS` (checked above) and the vector is made with that
+        // capacity and never shrunk: entry `n` is allocated and uninitialized. Its fields
+        // are written one by one (see `Bin::pop`) before `set_len` counts it.
+        unsafe {
+            let e = self.large.as_mut_ptr().add(n);
+            core::ptr::addr_of_mut!((*e).ptr).write(ptr);
+            core::ptr::addr_of_mut!((*e).bytes).write(bytes);
+            core::ptr::addr_of_mut!((*e).slot).write(i);
+            core::ptr::addr_of_mut!((*e).stream).write(stream);
+            core::ptr::addr_of_mut!((*e).pool).write(pool);
+            self.large.set_len(n + 1);
+        }
         self.count(i, 1, bytes);
         Ok(())
     }
@@ -400,7 +503,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         if bin.entries.len() >= bin.entries.capacity() || size > room {
             return false;
         }
-        bin.entries.push((ptr, handles.take()));
+        bin.push_within_capacity(ptr, handles.take());
         self.count(i, 1, size);
         true
     }
@@ -458,7 +561,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
                 continue;
             }
             let (n, size) = (bin.entries.len(), bin.size);
-            out.push((c, bin.entries.drain(..).map(|(p, _)| p).collect()));
+            out.push((c, bin.entries.drain(..).map(|e| e.ptr).collect()));
             self.count(i, -(n as isize), size);
         }
         out
@@ -478,7 +581,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     /// Takes the newest block of `class` of slot `i`.
     fn take(&mut self, i: usize, class: usize) -> Option<(u64, Option<Handles<B, P>>)> {
         let bin = self.bin(i, class)?;
-        let taken = bin.entries.pop()?;
+        let taken = bin.pop()?;
         let size = bin.size;
         self.count(i, -1, size);
         Some(taken)
@@ -537,7 +640,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             return Vec::new();
         };
         let (n, size) = (bin.entries.len().div_ceil(2), bin.size);
-        let taken: Vec<u64> = bin.entries.drain(..n).map(|(p, _)| p).collect();
+        let taken: Vec<u64> = bin.entries.drain(..n).map(|e| e.ptr).collect();
         self.count(i, -(n as isize), size);
         taken
     }
@@ -578,7 +681,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let stream = self.stream_of(i)?;
         let bin = self.bin(i, class)?;
         let (k, size) = (n.clamp(1, bin.entries.len()), bin.size);
-        let taken: Vec<u64> = bin.entries.drain(..k).map(|(p, _)| p).collect();
+        let taken: Vec<u64> = bin.entries.drain(..k).map(|e| e.ptr).collect();
         self.count(i, -(k as isize), size);
         Some((stream, taken))
     }

@@ -443,8 +443,9 @@ fn host<A: Allocator + Sync>(t: HostTarget<A>, plan: &Plan) -> Result<ReplayRepo
 /// `Direct<HostSource>`, and with a driver raw `cuMemHostAlloc` (`Direct<PinnedSource>`).
 ///
 /// Device, with a driver: `DevicePool` on each [`Backing`] (`Auto`, `DriverPool`,
-/// `PhysicalPages` with each [`PageTuning`] preset), all limitable, the uncached driver
-/// pool, raw `cuMemAllocAsync` and raw `cuMemAlloc`; without one, the device pool's
+/// `PhysicalPages` with each [`PageTuning`] preset, and without the cache), all
+/// limitable, the uncached driver pool, raw `cuMemAllocAsync` and raw `cuMemAlloc`;
+/// without one, the device pool's
 /// cache on the simulated GPU (`SimTarget`, with the `sim` feature; none without it), with
 /// and without thread caches.
 ///
@@ -525,6 +526,12 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
             v.push(pool(
                 "DevicePool (PhysicalPages, FAST)",
                 pages.with_pages(PageTuning::FAST),
+            ));
+            // The default's page heap without the size-class cache in front: what the
+            // cache costs or saves on the trace.
+            v.push(pool(
+                "DevicePool (PhysicalPages, no cache)",
+                pages.with_cache(false),
             ));
             v.push(Target::new("DevicePool::uncached", false, |p, _| {
                 p.replay(DevicePoolTarget::uncached("DevicePool::uncached", 0).map_err(|e| e.to_string())?)
