@@ -96,7 +96,7 @@ use super::config::PageTuning;
 use super::order::StreamOrder;
 use super::phys::Phys;
 use super::reserve::Reservations;
-use crate::cuda::record_drop_error;
+use crate::cuda::{record_drop_error, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::{lock, wait, Arc, AtomicBool, Condvar, Mutex, MutexGuard, Ordering};
 use clocks::{note_free, retag, Ask, Freed, Stamps};
@@ -324,22 +324,23 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// A block of at least `bytes` (nonzero) usable by work queued on `stream` from now
-    /// on. Locked four times at most (settle, take, map rounds, publish), never across a
-    /// driver call.
+    /// on. Locked to take the units, for each round of mapping, to ask about streams and
+    /// to publish; never across a driver call.
     pub(crate) fn alloc(&self, b: &B, bytes: usize, stream: &B::Stream) -> Result<u64> {
         let g = self.unit;
         let n = bytes.div_ceil(g).max(1);
         let len = n.checked_mul(g).ok_or(Error::OutOfMemory { requested: bytes })?;
-        self.poll(b, POLL, false);
-        let (st, op) = self.lock_settled(b, n);
-        let (mut st, start) = self.place_or_grow(st, n)?;
+        // Each stream is asked about once at most in the operation.
+        let mut asked = Vec::new();
+        self.poll(b, POLL, false, &mut asked);
+        let (mut st, start) = self.place_or_grow(lock(&self.state), n)?;
         let mut after = self.take_block(&mut st, start, n);
         drop(st);
         // Map the chunks that are not, and order `stream` after the last users of these
         // units and of the handles mapped.
         let ordered = self
-            .map_block(b, start, n, &mut after)
-            .and_then(|()| self.order_block(b, stream, &after, op));
+            .map_block(b, start, n, &mut after, &mut asked)
+            .and_then(|()| self.order_block(b, stream, &after, &asked));
         let mut st = lock(&self.state);
         match ordered {
             Ok(answers) => self.apply(&mut st, answers),
@@ -355,45 +356,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
         unlock(st);
         Ok(va)
-    }
-
-    /// The lock, for a new heap operation (its number), after asking the driver without
-    /// it about the idle chunks an allocation of `n` units may move (the top
-    /// [`RECLAIM_TRIES`] and one per chunk to map), where it may need to.
-    fn lock_settled(&self, b: &B, n: usize) -> (MutexGuard<'_, State<B>>, u64) {
-        let mut st = lock(&self.state);
-        st.op += 1;
-        let op = st.op;
-        let needs = match self.place(&st, n) {
-            Some(start) if st.spare.is_empty() && self.idle_over_allowance(&st) => self
-                .chunks_of(start, n)
-                .filter(|&(c, _)| st.chunks[c].handle.is_none())
-                .count(),
-            _ => 0,
-        };
-        if needs == 0 {
-            return (st, op);
-        }
-        let idle: Vec<usize> = st
-            .idle
-            .iter()
-            .rev()
-            .take(RECLAIM_TRIES + needs)
-            .copied()
-            .collect();
-        let frees: Vec<Freed> = idle.into_iter().flat_map(|c| self.pending_at(&st, c)).collect();
-        let asks: Vec<Ask<B>> = frees
-            .iter()
-            .filter_map(|f| Ask::of(&mut st.clocks, f, op, false))
-            .collect();
-        if asks.is_empty() {
-            return (st, op);
-        }
-        drop(st);
-        let answers = asks.iter().map(|a| a.settle(b)).collect();
-        let mut st = lock(&self.state);
-        self.apply(&mut st, answers);
-        (st, op)
     }
 
     /// Where a block of `n` units goes; when no free run fits, a region is reserved
@@ -443,18 +405,18 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         b: &B,
         stream: &B::Stream,
         after: &Stamps,
-        op: u64,
+        asked: &[StreamId],
     ) -> Result<Vec<clocks::Answer<B>>> {
         let me = B::stream_id(stream);
         if !self.guard.load(Ordering::Relaxed) || after.iter().all(|s| s.stream == me) {
             return Ok(Vec::new());
         }
         let asks: Vec<Ask<B>> = {
-            let mut st = lock(&self.state);
+            let st = lock(&self.state);
             after
                 .iter()
                 .filter(|s| s.stream != me)
-                .filter_map(|f| Ask::of(&mut st.clocks, f, op, true))
+                .filter_map(|f| Ask::of(&st.clocks, f, !asked.contains(&f.stream)))
                 .collect()
         };
         asks.iter().map(|a| a.order(b, stream)).collect()
@@ -477,7 +439,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         // Numbered under the lock: the frees of one stream are numbered in its order. No
         // mark is recorded: another stream that takes these units first asks whether the
         // work completed, and records one only if it may not have (`order_block`).
-        st.op += 1;
         st.stats.block_bytes -= n * self.unit;
         st.seq += 1;
         let seq = st.seq;
@@ -491,7 +452,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         self.give_back(&mut st, start, n, vec![freed]);
         self.forget_clocks(&mut st, MAX_CLOCKS);
         unlock(st);
-        self.poll(b, POLL, false);
+        self.poll(b, POLL, false, &mut Vec::new());
     }
 }
 

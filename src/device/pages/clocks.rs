@@ -41,9 +41,6 @@ pub(super) struct Clock<B: StreamOrder> {
     /// Marks recorded on the stream, by the number of the latest free each was recorded
     /// after (ascending, all above `done`); shared with questions asked outside the lock.
     pub(super) marks: VecDeque<(u64, Arc<B::Mark>)>,
-    /// The heap operation that last asked the driver about this stream (at most once an
-    /// operation).
-    pub(super) asked: u64,
 }
 
 /// The clocks of the streams that freed here with work that may be pending.
@@ -60,7 +57,6 @@ pub(super) fn note_free<B: StreamOrder>(clocks: &mut Clocks<B>, stream: &B::Stre
             // A stream without a clock has no free pending (see `completed`).
             done: seq - 1,
             marks: VecDeque::new(),
-            asked: 0,
         })
         .freed = seq;
     id
@@ -71,6 +67,26 @@ pub(super) fn note_free<B: StreamOrder>(clocks: &mut Clocks<B>, stream: &B::Stre
 pub(super) fn completed<B: StreamOrder>(clocks: &Clocks<B>, f: &Freed) -> bool {
     // A stream without a clock has no free pending: clocks go only once all completed.
     clocks.get(&f.stream).is_none_or(|c| f.seq <= c.done)
+}
+
+/// What is known of a set of frees, in an operation that asked the driver about the
+/// streams `asked` already (at most once a stream).
+pub(super) enum Known {
+    /// All completed.
+    Done,
+    /// One may be pending, and its stream was asked about in this operation.
+    Pending,
+    /// The first that may be pending, its stream not asked about yet.
+    Ask(Freed),
+}
+
+/// What is known of `frees` (looked at in order, as a wait for all would).
+pub(super) fn known<B: StreamOrder>(clocks: &Clocks<B>, frees: &Stamps, asked: &[StreamId]) -> Known {
+    match frees.iter().find(|f| !completed(clocks, f)) {
+        None => Known::Done,
+        Some(f) if asked.contains(&f.stream) => Known::Pending,
+        Some(f) => Known::Ask(*f),
+    }
 }
 
 /// Adds `from` to `into`, keeping the latest free of each stream (with the hull of both
@@ -122,7 +138,7 @@ pub(super) struct Ask<B: StreamOrder> {
     freed: u64,
     /// The stream's marks at the snapshot, oldest first.
     marks: Vec<(u64, Arc<B::Mark>)>,
-    /// Whether the driver may be queried (not yet asked in this operation).
+    /// Whether the driver may be queried (its stream not yet asked in this operation).
     query: bool,
 }
 
@@ -137,18 +153,13 @@ pub(super) struct Answer<B: StreamOrder> {
 }
 
 impl<B: StreamOrder> Ask<B> {
-    /// The question whether free `f` completed, asked in heap operation `op`: none if it
-    /// is known to have, or (unless `always`) if this operation asked about its stream.
-    pub(super) fn of(clocks: &mut Clocks<B>, f: &Freed, op: u64, always: bool) -> Option<Self> {
+    /// The question whether free `f` completed (none if it is known to have); `query`:
+    /// whether the driver may be asked whether it did, else only what to wait for.
+    pub(super) fn of(clocks: &Clocks<B>, f: &Freed, query: bool) -> Option<Self> {
         if completed(clocks, f) {
             return None;
         }
-        let c = clocks.get_mut(&f.stream)?;
-        let query = c.asked != op;
-        if !query && !always {
-            return None;
-        }
-        c.asked = op;
+        let c = clocks.get(&f.stream)?;
         Some(Self {
             id: f.stream,
             stream: c.stream.clone(),

@@ -6,10 +6,10 @@
 //! unmapped). A block whose chunk another allocation is mapping waits for that one
 //! alone; blocks that fit in mapped memory never wait.
 
-use super::clocks::{merge, retag, Stamps};
+use super::clocks::{known, merge, retag, Ask, Freed, Known, Stamps};
 use super::state::{unlock, State};
 use super::{timed, PageHeap, ACCESS, CREATE, MAP, RECLAIM_TRIES, UNMAP};
-use crate::cuda::record_drop_error;
+use crate::cuda::{record_drop_error, StreamId};
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
 use crate::error::{Error, Result};
@@ -52,6 +52,37 @@ struct Job {
     outcome: Outcome,
 }
 
+/// A handle's source, with the frees its earlier work was for; or a free whose stream
+/// must be asked about first.
+enum Got {
+    Handle(Source, Option<u64>, Stamps),
+    Ask(Freed),
+}
+
+/// One round of planning: the jobs; whether other allocations map chunks of the block;
+/// the error that stopped it; the free to ask about before going on.
+#[derive(Default)]
+struct Round {
+    jobs: Vec<Job>,
+    others: bool,
+    failed: Option<Error>,
+    ask: Option<Freed>,
+}
+
+impl Job {
+    fn new(chunk: usize, va: u64, source: Source, handle: Option<u64>) -> Self {
+        Self {
+            chunk,
+            va,
+            source,
+            handle,
+            created: false,
+            unmapped: false,
+            outcome: Outcome::Pending,
+        }
+    }
+}
+
 /// Driver time and calls of one round of jobs, added to the stats under the lock.
 #[derive(Default)]
 struct Tally {
@@ -61,19 +92,31 @@ struct Tally {
 
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Maps every chunk of units `start..start + n` (taken for a block) that is not,
-    /// adding to `after` the frees that the handles' earlier work was for. Rounds of
-    /// plan (locked), run (unlocked), publish (locked) until none is left; chunks that
-    /// other allocations map are waited for.
-    pub(super) fn map_block(&self, b: &B, start: usize, n: usize, after: &mut Stamps) -> Result<()> {
+    /// adding to `after` the frees that the handles' earlier work was for (`asked`: the
+    /// streams this allocation asked the driver about). Rounds of plan (locked), run
+    /// (unlocked: the jobs and at most one question about a stream), publish (locked)
+    /// until none is left; chunks that other allocations map are waited for.
+    pub(super) fn map_block(
+        &self,
+        b: &B,
+        start: usize,
+        n: usize,
+        after: &mut Stamps,
+        asked: &mut Vec<StreamId>,
+    ) -> Result<()> {
         let mut oom: Option<Error> = None;
         let mut st = lock(&self.state);
         loop {
-            let (mut jobs, others, failed) = self.plan_jobs(&mut st, start, n, &oom, after);
-            if jobs.is_empty() {
-                if let Some(e) = failed {
+            let mut round = self.plan_jobs(&mut st, start, n, &oom, after, asked);
+            let question = round.ask.and_then(|f| {
+                asked.push(f.stream);
+                Ask::of(&st.clocks, &f, true)
+            });
+            if round.jobs.is_empty() && question.is_none() {
+                if let Some(e) = round.failed {
                     return Err(e);
                 }
-                if !others {
+                if !round.others {
                     return Ok(());
                 }
                 st = wait(&self.changed, st);
@@ -81,12 +124,14 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }
             let peers = st.peers.clone();
             drop(st);
-            let tally = self.run_jobs(b, &mut jobs, &peers);
+            let answer = question.map(|q| q.settle(b));
+            let tally = self.run_jobs(b, &mut round.jobs, &peers);
             st = lock(&self.state);
-            let err = self.publish(&mut st, jobs, tally);
+            self.apply(&mut st, answer.into_iter().collect());
+            let err = self.publish(&mut st, round.jobs, tally);
             self.changed.notify_all();
             st = self.grant_late(st, start, n, &peers);
-            match err.or(failed) {
+            match err.or(round.failed) {
                 None => {}
                 Some(e) if e.is_out_of_memory() && oom.is_none() => oom = Some(e),
                 Some(e) => return Err(e),
@@ -94,8 +139,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
     }
 
-    /// Plans a job for every chunk of the run that is unmapped and not busy; whether
-    /// others are being mapped by other allocations; the error that stopped planning.
+    /// Plans a job for every chunk of the run that is unmapped and not busy, until a
+    /// handle's source needs a question to the driver or fails.
     fn plan_jobs(
         &self,
         st: &mut State<B>,
@@ -103,20 +148,28 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         n: usize,
         oom: &Option<Error>,
         after: &mut Stamps,
-    ) -> (Vec<Job>, bool, Option<Error>) {
-        let (mut jobs, mut others) = (Vec::new(), false);
+        asked: &[StreamId],
+    ) -> Round {
+        let mut round = Round::default();
         for (c, _) in self.chunks_of(start, n) {
             let ch = &st.chunks[c];
             if ch.handle.is_some() {
                 continue;
             }
             if ch.busy {
-                others = true;
+                round.others = true;
                 continue;
             }
-            let (source, handle, pending) = match self.source(st, oom) {
-                Ok(x) => x,
-                Err(e) => return (jobs, others, Some(e)),
+            let (source, handle, pending) = match self.source(st, oom, asked) {
+                Ok(Got::Handle(source, handle, pending)) => (source, handle, pending),
+                Ok(Got::Ask(f)) => {
+                    round.ask = Some(f);
+                    return round;
+                }
+                Err(e) => {
+                    round.failed = Some(e);
+                    return round;
+                }
             };
             let first = c * self.chunk_units;
             if !pending.is_empty() {
@@ -128,51 +181,44 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }
             st.chunks[c].busy = true;
             let va = self.va_of(st, first);
-            jobs.push(Job {
-                chunk: c,
-                va,
-                source,
-                handle,
-                created: false,
-                unmapped: false,
-                outcome: Outcome::Pending,
-            });
+            round.jobs.push(Job::new(c, va, source, handle));
         }
-        (jobs, others, None)
+        round
     }
 
     /// A handle for a chunk, with the frees its previous users' work was for: a spare
     /// one; while idle chunks exceed the allowance, an idle chunk's; a new one (charged to
     /// the reservations now, made without the lock); at the limit, or after the device
-    /// ran out of memory (`oom`), any idle chunk's.
-    fn source(&self, st: &mut State<B>, oom: &Option<Error>) -> Result<(Source, Option<u64>, Stamps)> {
+    /// ran out of memory (`oom`), any idle chunk's. Or a stream to ask about first.
+    fn source(&self, st: &mut State<B>, oom: &Option<Error>, asked: &[StreamId]) -> Result<Got> {
         if let Some(h) = st.spare.pop() {
-            return Ok((Source::Spare, Some(h), Vec::new()));
+            return Ok(Got::Handle(Source::Spare, Some(h), Vec::new()));
         }
         if let Some(e) = oom {
-            return self.reclaim(st, usize::MAX).ok_or_else(|| e.clone());
+            return self.reclaim(st, usize::MAX, asked).ok_or_else(|| e.clone());
         }
         // Idle chunks stay mapped for the blocks that fit there, up to an allowance;
         // beyond it one is moved (its work completed, else pending) before new memory is
         // made. Moving costs an unmap and a map where making costs a map: an allowance of
         // none would move chunks back and forth (on the H200, 20 s for RMM's workload).
         if self.idle_over_allowance(st) {
-            if let Some(x) = self.reclaim(st, RECLAIM_TRIES) {
-                return Ok(x);
+            if let Some(got) = self.reclaim(st, RECLAIM_TRIES, asked) {
+                return Ok(got);
             }
         }
         match self.reservations.take(self.chunk_bytes()) {
-            Ok(()) => Ok((Source::Create, None, Vec::new())),
+            Ok(()) => Ok(Got::Handle(Source::Create, None, Vec::new())),
             // At the pool's limit: only an idle chunk can serve (the cache's recovery
             // runs next).
-            Err(e) => self.reclaim(st, usize::MAX).ok_or(e),
+            Err(e) => self.reclaim(st, usize::MAX, asked).ok_or(e),
         }
     }
 
     /// Takes the handle of an idle chunk (trying at most `tries`, from the highest
-    /// address): one whose work is known to have completed, to unmap (not while a peer's
-    /// access is being set), else the first pending one, its old mapping retired.
-    fn reclaim(&self, st: &mut State<B>, tries: usize) -> Option<(Source, Option<u64>, Stamps)> {
+    /// address): the first whose work completed, to unmap (not while a peer's access is
+    /// being set), else the first pending one, its old mapping retired. A chunk whose
+    /// frees' stream was not asked about yet stops the search: asked first.
+    fn reclaim(&self, st: &mut State<B>, tries: usize, asked: &[StreamId]) -> Option<Got> {
         let mut below = usize::MAX;
         let mut pending = None;
         for _ in 0..tries {
@@ -180,18 +226,18 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 break;
             };
             below = c;
-            if !self.pending_at(st, c).is_empty() {
-                pending = pending.or(Some(c));
-                continue;
+            match known(&st.clocks, &self.pending_at(st, c), asked) {
+                Known::Ask(f) => return Some(Got::Ask(f)),
+                Known::Pending => pending = pending.or(Some(c)),
+                Known::Done if st.granting > 0 => {}
+                Known::Done => {
+                    let h = st.chunks[c].handle?;
+                    self.carve(st, c);
+                    st.chunks[c].busy = true;
+                    let va = self.va_of(st, c * self.chunk_units);
+                    return Some(Got::Handle(Source::Moved { from: c, va }, Some(h), Vec::new()));
+                }
             }
-            if st.granting > 0 {
-                continue;
-            }
-            let h = st.chunks[c].handle?;
-            self.carve(st, c);
-            st.chunks[c].busy = true;
-            let va = self.va_of(st, c * self.chunk_units);
-            return Some((Source::Moved { from: c, va }, Some(h), Vec::new()));
         }
         let c = pending?;
         let h = st.chunks[c].handle?;
@@ -199,7 +245,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         // marks complete (`poll`).
         let mine = self.carve(st, c);
         st.retired.push((c, mine.clone()));
-        Some((Source::Retired, Some(h), mine))
+        Some(Got::Handle(Source::Retired, Some(h), mine))
     }
 
     /// Runs the jobs (sorted by chunk) without the lock: each chunk's source unmapped or

@@ -74,8 +74,6 @@ pub(super) struct State<B: StreamOrder> {
     /// The latest free's sequence number.
     pub(super) seq: u64,
     pub(super) clocks: Clocks<B>,
-    /// Heap operations so far (a stream is asked about at most once in one).
-    pub(super) op: u64,
     /// Handles of streams whose clocks went, and marks that went, dropped after the lock
     /// (the last handle of an owned stream destroys it, a mark may destroy its event).
     pub(super) dead: Vec<B::Stream>,
@@ -100,7 +98,6 @@ impl<B: StreamOrder> State<B> {
             granting: 0,
             seq: 0,
             clocks: Clocks::default(),
-            op: 0,
             dead: Vec::new(),
             dead_marks: Vec::new(),
             stats: PageStats::default(),

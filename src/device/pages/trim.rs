@@ -5,14 +5,14 @@
 //! marks what it works on busy (or carves it out of the free runs), runs the driver calls
 //! without it, and publishes under it again.
 
-use super::clocks::{Answer, Ask, Freed, Stamps};
+use super::clocks::{known, Answer, Ask, Freed, Known, Stamps};
 use super::state::{unlock, State};
 use super::{timed, PageHeap, ACCESS, MAX_CLOCKS, RELEASE, UNMAP};
 use crate::cuda::{record_drop_error, StreamId};
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
 use crate::error::Result;
-use crate::sync::lock;
+use crate::sync::{lock, MutexGuard};
 use crate::trace::Code;
 
 /// Rounds of a trim at most (each unmaps, releases or waits; more only if frees keep
@@ -28,34 +28,47 @@ struct TrimPlan<B: StreamOrder> {
     unmap: Vec<(usize, u64, u64, bool)>,
     /// Streams to wait for on the host.
     asks: Vec<Ask<B>>,
+    /// The trim ends after this round: a handle to release is still mapped at a retired
+    /// chunk whose work could not be waited for.
+    last: bool,
 }
 
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
-    /// Asks the driver about `frees` in operation `op` without the lock (`wait`: host
-    /// waits; else queries), then applies the answers; the guard again.
+    /// Asks the driver about `frees` without the lock (`wait`: host waits; else
+    /// queries), each stream once (`asked`), then applies the answers; the guard again,
+    /// and the streams whose wait failed.
     fn ask_unlocked<'a>(
         &'a self,
         b: &B,
-        mut st: crate::sync::MutexGuard<'a, State<B>>,
+        st: MutexGuard<'a, State<B>>,
         frees: Vec<Freed>,
         wait: bool,
-    ) -> crate::sync::MutexGuard<'a, State<B>> {
-        let op = st.op;
-        let asks: Vec<Ask<B>> = frees
-            .iter()
-            .filter_map(|f| Ask::of(&mut st.clocks, f, op, wait))
-            .collect();
+        asked: &mut Vec<StreamId>,
+    ) -> (MutexGuard<'a, State<B>>, Vec<StreamId>) {
+        let mut asks = Vec::new();
+        for f in &frees {
+            if !asked.contains(&f.stream) {
+                asked.push(f.stream);
+                asks.extend(Ask::of(&st.clocks, f, true));
+            }
+        }
         if asks.is_empty() {
-            return st;
+            return (st, Vec::new());
         }
         drop(st);
         let answers: Vec<Answer<B>> = asks
             .iter()
             .map(|a| if wait { a.wait_host(b) } else { a.settle(b) })
             .collect();
+        let failed = asks
+            .iter()
+            .zip(&answers)
+            .filter(|(_, a)| a.failed)
+            .map(|(q, _)| q.stream_id())
+            .collect();
         let mut st = lock(&self.state);
         self.apply(&mut st, answers);
-        st
+        (st, failed)
     }
 
     /// Applies answers of the driver to the clocks and the stats.
@@ -69,15 +82,58 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Unmaps retired chunks whose marks completed (asking about at most `max` chunks;
-    /// with `wait`, after waiting on the host), and frees their units.
-    pub(super) fn poll(&self, b: &B, max: usize, wait: bool) {
-        let mut st = lock(&self.state);
+    /// with `wait`, after waiting on the host), and frees their units. As a wait for all
+    /// of a chunk's frees would, the first pending one of each chunk is asked about, then
+    /// the next: without `wait`, each stream once in the operation (`asked`: the streams
+    /// asked about so far, the operation's list); with it, until its wait fails (`asked`
+    /// collects those).
+    pub(super) fn poll(&self, b: &B, max: usize, wait: bool, asked: &mut Vec<StreamId>) {
+        let st = lock(&self.state);
         if st.retired.is_empty() {
             return;
         }
-        st.op += 1;
-        let frees: Vec<Freed> = st.retired.iter().take(max).flat_map(|(_, s)| s.clone()).collect();
-        st = self.ask_unlocked(b, st, frees, wait);
+        let st = self.settle_retired(b, st, max, wait, asked);
+        self.unmap_retired(b, st, max);
+    }
+
+    /// Asks the driver about the frees of the first `max` retired chunks, as `poll`
+    /// says, without the lock; the guard again.
+    fn settle_retired<'a>(
+        &'a self,
+        b: &B,
+        mut st: MutexGuard<'a, State<B>>,
+        max: usize,
+        wait: bool,
+        asked: &mut Vec<StreamId>,
+    ) -> MutexGuard<'a, State<B>> {
+        loop {
+            let frees: Vec<Freed> = st
+                .retired
+                .iter()
+                .take(max)
+                .filter_map(|(_, s)| match known(&st.clocks, s, asked) {
+                    Known::Ask(f) => Some(f),
+                    _ => None,
+                })
+                .collect();
+            if frees.is_empty() {
+                break;
+            }
+            let mut round = if wait { Vec::new() } else { core::mem::take(asked) };
+            let (guard, failed) = self.ask_unlocked(b, st, frees, wait, &mut round);
+            st = guard;
+            if wait {
+                asked.extend(failed);
+            } else {
+                *asked = round;
+            }
+        }
+        st
+    }
+
+    /// Unmaps the retired chunks (of the first `max`) whose frees completed, without the
+    /// lock, and publishes it.
+    fn unmap_retired(&self, b: &B, mut st: MutexGuard<'_, State<B>>, max: usize) {
         let mut done = Vec::new();
         for i in 0..st.retired.len().min(max) {
             let c = st.retired[i].0;
@@ -139,18 +195,18 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     pub(crate) fn trim_to(&self, b: &B, keep: usize) {
         let all = keep == 0;
         let keep = keep.max(1);
-        self.poll(b, usize::MAX, true);
+        self.poll(b, usize::MAX, true, &mut Vec::new());
         let mut given_up: Vec<StreamId> = Vec::new();
         for _ in 0..TRIM_ROUNDS {
             let plan = {
                 let mut st = lock(&self.state);
-                st.op += 1;
                 self.plan_trim(&mut st, keep, &given_up)
             };
             if plan.release.is_empty() && plan.unmap.is_empty() && plan.asks.is_empty() {
                 break;
             }
-            if !self.run_trim(b, plan, &mut given_up) {
+            let last = plan.last;
+            if !self.run_trim(b, plan, &mut given_up) || last {
                 break;
             }
         }
@@ -171,19 +227,11 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             release: Vec::new(),
             unmap: Vec::new(),
             asks: Vec::new(),
+            last: false,
         };
         let mut left = st.stats.reserved;
-        while left >= keep {
-            match st.spare.pop() {
-                // Still mapped at a chunk whose work could not be waited for: kept.
-                Some(h) if st.retired_holds(h) => {
-                    st.spare.push(h);
-                    break;
-                }
-                Some(h) => plan.release.push(h),
-                None => break,
-            }
-            left -= cb;
+        if self.plan_spares(st, keep, &mut plan, &mut left) {
+            return plan;
         }
         let idle: Vec<usize> = st.idle.iter().rev().copied().collect();
         for c in idle {
@@ -198,19 +246,41 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 let release = !st.retired_holds(h);
                 plan.unmap
                     .push((c, self.va_of(st, c * self.chunk_units), h, release));
+                if !release {
+                    plan.last = true;
+                    return plan;
+                }
             } else if pending.iter().any(|f| given_up.contains(&f.stream)) {
                 continue;
             } else {
-                let op = st.op;
-                plan.asks.extend(
-                    pending
-                        .iter()
-                        .filter_map(|f| Ask::of(&mut st.clocks, f, op, false)),
-                );
+                for f in &pending {
+                    if !plan.asks.iter().any(|a| a.stream_id() == f.stream) {
+                        plan.asks.extend(Ask::of(&st.clocks, f, true));
+                    }
+                }
             }
             left = left.saturating_sub(cb);
         }
         plan
+    }
+
+    /// Spare handles to release while `left` (what the heap will reserve) is `keep` or
+    /// more; whether the trim stops here (a spare handle still mapped at a retired chunk
+    /// whose work could not be waited for is kept, and ends it).
+    fn plan_spares(&self, st: &mut State<B>, keep: usize, plan: &mut TrimPlan<B>, left: &mut usize) -> bool {
+        while *left >= keep {
+            match st.spare.pop() {
+                Some(h) if st.retired_holds(h) => {
+                    st.spare.push(h);
+                    plan.last = true;
+                    return true;
+                }
+                Some(h) => plan.release.push(h),
+                None => break,
+            }
+            *left -= self.chunk_bytes();
+        }
+        false
     }
 
     /// Runs a round of a trim without the lock and publishes it; whether it got anywhere
