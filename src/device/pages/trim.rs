@@ -5,7 +5,7 @@
 //! marks what it works on busy (or carves it out of the free runs), runs the driver calls
 //! without it, and publishes under it again.
 
-use super::clocks::{known, Answer, Ask, Freed, Known, Stamps};
+use super::clocks::{known, Answer, Ask, Freed, Known};
 use super::state::{unlock, State};
 use super::{timed, PageHeap, ACCESS, MAX_CLOCKS, RELEASE, UNMAP};
 use crate::cuda::{record_drop_error, StreamId};
@@ -81,68 +81,59 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
     }
 
-    /// Unmaps retired chunks whose marks completed (asking about at most `max` chunks;
-    /// with `wait`, after waiting on the host), and frees their units. As a wait for all
-    /// of a chunk's frees would, the first pending one of each chunk is asked about, then
-    /// the next: without `wait`, each stream once in the operation (`asked`: the streams
-    /// asked about so far, the operation's list); with it, until its wait fails (`asked`
-    /// collects those).
+    /// Unmaps retired chunks whose marks completed (looking at `max` chunks at most; with
+    /// `wait`, after waiting on the host), and frees their units. The walk of the first
+    /// version: in list order, a chunk found done taken out by a swap with the last, a
+    /// chunk's frees looked at in order; where one's stream must be asked about, the walk
+    /// drops the lock, asks, and goes on where it was. Without `wait`, `asked` holds the
+    /// streams asked about in the operation (once each); with it, those whose wait
+    /// failed (every other is waited for until its frees completed).
     pub(super) fn poll(&self, b: &B, max: usize, wait: bool, asked: &mut Vec<StreamId>) {
-        let st = lock(&self.state);
-        if st.retired.is_empty() {
-            return;
+        let mut st = lock(&self.state);
+        let mut order: Vec<usize> = st.retired.iter().map(|r| r.0).collect();
+        let (mut i, mut seen, mut done) = (0, 0, Vec::new());
+        while i < order.len() && seen < max {
+            let c = order[i];
+            let frees = st.retired.iter().find(|r| r.0 == c).map(|r| r.1.clone());
+            let known = match frees {
+                Some(frees) if !st.chunks[c].busy => known(&st.clocks, &frees, asked),
+                _ => Known::Pending,
+            };
+            match known {
+                Known::Ask(f) => st = self.ask_one(b, st, f, wait, asked),
+                Known::Done if st.granting == 0 => {
+                    seen += 1;
+                    order.swap_remove(i);
+                    st.chunks[c].busy = true;
+                    done.push((c, self.va_of(&st, c * self.chunk_units)));
+                }
+                _ => (seen, i) = (seen + 1, i + 1),
+            }
         }
-        let st = self.settle_retired(b, st, max, wait, asked);
-        self.unmap_retired(b, st, max);
+        self.unmap_retired(b, st, done);
     }
 
-    /// Asks the driver about the frees of the first `max` retired chunks, as `poll`
-    /// says, without the lock; the guard again.
-    fn settle_retired<'a>(
+    /// Asks the driver about free `f` without the lock (`wait`: waits on the host), as
+    /// [`poll`](Self::poll) says; the guard again.
+    fn ask_one<'a>(
         &'a self,
         b: &B,
-        mut st: MutexGuard<'a, State<B>>,
-        max: usize,
+        st: MutexGuard<'a, State<B>>,
+        f: Freed,
         wait: bool,
         asked: &mut Vec<StreamId>,
     ) -> MutexGuard<'a, State<B>> {
-        loop {
-            let frees: Vec<Freed> = st
-                .retired
-                .iter()
-                .take(max)
-                .filter_map(|(_, s)| match known(&st.clocks, s, asked) {
-                    Known::Ask(f) => Some(f),
-                    _ => None,
-                })
-                .collect();
-            if frees.is_empty() {
-                break;
-            }
-            let mut round = if wait { Vec::new() } else { core::mem::take(asked) };
-            let (guard, failed) = self.ask_unlocked(b, st, frees, wait, &mut round);
-            st = guard;
-            if wait {
-                asked.extend(failed);
-            } else {
-                *asked = round;
-            }
+        let mut round = Vec::new();
+        let (st, failed) = self.ask_unlocked(b, st, vec![f], wait, &mut round);
+        if !wait || !failed.is_empty() {
+            asked.push(f.stream);
         }
         st
     }
 
-    /// Unmaps the retired chunks (of the first `max`) whose frees completed, without the
-    /// lock, and publishes it.
-    fn unmap_retired(&self, b: &B, mut st: MutexGuard<'_, State<B>>, max: usize) {
-        let mut done = Vec::new();
-        for i in 0..st.retired.len().min(max) {
-            let c = st.retired[i].0;
-            let pending = self.still_pending(&st, &st.retired[i].1);
-            if !st.chunks[c].busy && !pending && st.granting == 0 {
-                st.chunks[c].busy = true;
-                done.push((c, self.va_of(&st, c * self.chunk_units)));
-            }
-        }
+    /// Unmaps the retired chunks `done` (busy) without the lock, and publishes it (taking
+    /// them out of the list in the walk's order).
+    fn unmap_retired(&self, b: &B, st: MutexGuard<'_, State<B>>, done: Vec<(usize, u64)>) {
         if done.is_empty() {
             return unlock(st);
         }
@@ -163,15 +154,12 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         unlock(st);
     }
 
-    /// Whether any of `frees` is not known to have completed.
-    fn still_pending(&self, st: &State<B>, frees: &Stamps) -> bool {
-        frees.iter().any(|f| !super::clocks::completed(&st.clocks, f))
-    }
-
     /// A retired chunk's unmap done: its units free (unmapped: the handle lives on in
     /// its new mapping), or on an error left mapped and out of use for good.
     fn publish_retired(&self, b: &B, st: &mut State<B>, c: usize, va: u64, r: Result<()>) {
-        st.retired.retain(|&(x, _)| x != c);
+        if let Some(at) = st.retired.iter().position(|r| r.0 == c) {
+            st.retired.swap_remove(at);
+        }
         st.chunks[c].busy = false;
         match r {
             Ok(()) => {
