@@ -7,7 +7,7 @@ pub(crate) use loom::{
     cell::UnsafeCell,
     sync::{
         atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering},
-        Arc, Condvar, Mutex, MutexGuard,
+        Arc, Mutex, MutexGuard,
     },
     thread,
 };
@@ -16,7 +16,7 @@ pub(crate) use loom::{
 pub(crate) use std::{
     sync::{
         atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering},
-        Arc, Condvar, Mutex, MutexGuard, Weak,
+        Arc, Mutex, MutexGuard, Weak,
     },
     thread,
 };
@@ -52,20 +52,6 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     #[cfg(not(loom))]
     {
         global::lock(m)
-    }
-}
-
-/// Waits on `cond`, releasing `guard` meanwhile; recovers the data from a poisoned lock as
-/// [`lock`] does.
-pub(crate) fn wait<'a, T>(cond: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
-    #[cfg(loom)]
-    {
-        cond.wait(guard).unwrap()
-    }
-    #[cfg(not(loom))]
-    {
-        cond.wait(guard)
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 

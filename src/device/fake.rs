@@ -560,38 +560,10 @@ impl Drop for FakeBackend {
 /// block's use ([`FakePhys::use_block`]) needs access set and a stream ordered after
 /// every earlier use of each handle under it (on any range); an unmapping needs every
 /// use of that mapping completed. Breaches are counted in `violations` (and printed),
-/// never panics: tests assert there are none. Clones share the state. One call can be
-/// made to block ([`FakePhys::block_next`]), to test what the heap does meanwhile.
+/// never panics: tests assert there are none. Clones share the state.
 #[derive(Clone, Debug)]
 pub(crate) struct FakePhys {
     pub(crate) state: Arc<Mutex<PhysState>>,
-    gate: Arc<Mutex<Gate>>,
-}
-
-/// A driver call made to block until the test opens the gate.
-#[derive(Debug, Default)]
-struct Gate {
-    /// The operation whose next call blocks ("map", "unmap", "create", ...).
-    armed: Option<&'static str>,
-    /// A call is blocked (or was).
-    entered: bool,
-    open: bool,
-}
-
-/// How long a blocked call waits for its gate at most (then it goes on, and counts a
-/// violation): a test that forgets to open it fails instead of hanging.
-const GATE_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Polls `done` every millisecond until it holds or `limit` passed; whether it held.
-pub(crate) fn wait_until(limit: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
-    let t = std::time::Instant::now();
-    while !done() {
-        if t.elapsed() > limit {
-            return false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    true
 }
 
 /// A mapping: bytes, handle, the devices with access (bit d: device d; the fake's own
@@ -640,42 +612,6 @@ impl FakePhys {
                 next_va: 1 << 44,
                 ..PhysState::default()
             })),
-            gate: Arc::new(Mutex::new(Gate::default())),
-        }
-    }
-
-    /// Makes the next call of `op` ("map", "unmap", "create", "release", "access")
-    /// block until [`FakePhys::open_gate`].
-    pub(crate) fn block_next(&self, op: &'static str) {
-        *lock(&self.gate) = Gate {
-            armed: Some(op),
-            ..Gate::default()
-        };
-    }
-
-    /// Waits (at most `limit`) until the call armed by [`FakePhys::block_next`] blocks;
-    /// whether it did.
-    pub(crate) fn wait_blocked(&self, limit: std::time::Duration) -> bool {
-        wait_until(limit, || lock(&self.gate).entered)
-    }
-
-    /// Lets the blocked call go on.
-    pub(crate) fn open_gate(&self) {
-        lock(&self.gate).open = true;
-    }
-
-    /// Blocks here if the gate is armed for `op` (the gate's lock is not held meanwhile,
-    /// nor the books').
-    fn gate_at(&self, op: &'static str) {
-        {
-            let mut g = lock(&self.gate);
-            if g.armed != Some(op) {
-                return;
-            }
-            (g.armed, g.entered) = (None, true);
-        }
-        if !wait_until(GATE_LIMIT, || lock(&self.gate).open) {
-            lock(&self.state).violation(format!("the gate of a {op} call was never opened"));
         }
     }
 
@@ -795,7 +731,6 @@ impl Phys for FakePhys {
     }
 
     fn create(&self, bytes: usize) -> Result<u64> {
-        self.gate_at("create");
         let mut st = lock(&self.state);
         let g = st.granule;
         if bytes == 0 || bytes % g != 0 || !(bytes / g).is_power_of_two() {
@@ -813,7 +748,6 @@ impl Phys for FakePhys {
     }
 
     unsafe fn release(&self, handle: u64) -> Result<()> {
-        self.gate_at("release");
         let mut st = lock(&self.state);
         match st.handles.remove(&handle) {
             Some((bytes, maps)) => {
@@ -852,7 +786,6 @@ impl Phys for FakePhys {
     }
 
     unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()> {
-        self.gate_at("map");
         let mut st = lock(&self.state);
         let inside = st
             .ranges
@@ -886,7 +819,6 @@ impl Phys for FakePhys {
     }
 
     unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()> {
-        self.gate_at("unmap");
         let mut st = lock(&self.state);
         match st.mappings.remove(&va) {
             Some((l, h, _, uses, _)) if l == bytes => {
@@ -908,7 +840,6 @@ impl Phys for FakePhys {
     }
 
     unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()> {
-        self.gate_at("access");
         let mask = peers.iter().fold(1u64, |m, &p| m | 1 << p);
         let mut st = lock(&self.state);
         let mut at = va;
