@@ -368,7 +368,65 @@ fn latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
     );
     let mut table = time_sizes(table, &sizes, &mut contenders, opts.budget(300), progress);
     table.note("Ratios are against Global in the same row. raw = one driver call per allocation, no pool.");
-    Ok(vec![table])
+    drop(contenders);
+    Ok(vec![table, counting_threads(&sizes, opts.budget(300), progress)])
+}
+
+/// Threads of the multi-threaded counting table (issue 22 item 1: one and 8 threads).
+const COUNTING_THREADS: usize = 8;
+
+/// The counting allocators with `COUNTING_THREADS` threads running the pair at once, each
+/// its own blocks: the median of the threads' medians per pair. Shared counters (a
+/// contended cache line) show here and not on one thread.
+fn counting_threads(sizes: &[usize], budget: Duration, progress: &Progress) -> Table {
+    let section = "latency";
+    let counting = Counting::new(Global);
+    let global = |size| workload::alloc_free(&Global, size);
+    let counted = |size| workload::alloc_free(&counting, size);
+    let contenders: [(&'static str, &(dyn Fn(usize) -> bool + Sync)); 3] = [
+        ("Global", &global),
+        ("Counting<Global>", &counted),
+        ("stats_alloc::StatsAlloc<System>", &stats_alloc_pair),
+    ];
+    let mut table = by_size_table(
+        "latency_threads",
+        section,
+        "Counting allocators, 8 threads at once: allocate + touch first and last byte + free, median per pair",
+        ("allocator", "allocator"),
+        ("median_ns", "median", Unit::Nanos),
+        "vs Global",
+        true,
+    );
+    for &size in sizes {
+        let mut base = None;
+        for (name, run) in contenders {
+            progress.step(
+                section,
+                format_args!("{name} {} x{COUNTING_THREADS}", fmt_size(size)),
+            );
+            let t = run(size).then(|| {
+                let mut per_thread: Vec<f64> = std::thread::scope(|scope| {
+                    let handles: Vec<_> = (0..COUNTING_THREADS)
+                        .map(|_| {
+                            scope.spawn(move || {
+                                ns(median_per_call(budget, || {
+                                    black_box(run(size));
+                                }))
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().filter_map(|h| h.join().ok()).collect()
+                });
+                per_thread.sort_by(f64::total_cmp);
+                per_thread.get(per_thread.len() / 2).copied()
+            });
+            let t = t.flatten();
+            let base = *base.get_or_insert(t);
+            table.push(vec![size.into(), name.into(), t.into(), ratio(t, base).into()]);
+        }
+    }
+    table.note("Each thread allocates and frees its own blocks; ratios are against Global at the same size.");
+    table
 }
 
 fn device_latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {

@@ -24,11 +24,23 @@ fn host_report() -> Report {
 #[test]
 fn the_json_output_parses_and_carries_every_row() {
     let report = host_report();
-    assert_eq!(report.tables.len(), 3, "{:?}", report.notes);
+    assert_eq!(report.tables.len(), 4, "{:?}", report.notes);
     let latency = sections::find(&report, "latency").unwrap();
     assert!(
         latency.rows.len() >= 2 * 4,
         "two sizes x at least four host allocators"
+    );
+    // The counting allocators on 8 threads at once (issue 22 item 1): Global, Counting
+    // and stats_alloc at every size, each measured.
+    let threads = sections::find(&report, "latency_threads").unwrap();
+    assert_eq!(threads.rows.len(), 2 * 3, "{:?}", threads.rows);
+    assert!(
+        threads
+            .rows
+            .iter()
+            .all(|r| !format!("{:?}", r[2]).contains("Missing")),
+        "every row measured: {:?}",
+        threads.rows
     );
     let path = temp_path("report.json");
     report.write_json(&path).unwrap();
