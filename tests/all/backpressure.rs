@@ -5,11 +5,9 @@
 //! The GPU test (a use held behind a gate) is in the gated binary
 //! (`tests/gated/pool_async.rs`).
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
@@ -18,30 +16,9 @@ use cudalloc::source::HostSource;
 use cudalloc::Error;
 
 use crate::model::Flag;
+use crate::support::{counting, poll};
 
 const MIB: usize = 1 << 20;
-
-struct CountingWaker {
-    wakes: AtomicUsize,
-    thread: std::thread::Thread,
-}
-impl Wake for CountingWaker {
-    fn wake(self: Arc<Self>) {
-        self.wakes.fetch_add(1, Ordering::SeqCst);
-        self.thread.unpark();
-    }
-}
-fn counting() -> (Arc<CountingWaker>, Waker) {
-    let c = Arc::new(CountingWaker {
-        wakes: AtomicUsize::new(0),
-        thread: std::thread::current(),
-    });
-    (c.clone(), Waker::from(c))
-}
-
-fn poll<F: Future + Unpin>(f: &mut F, w: &Waker) -> Poll<F::Output> {
-    Pin::new(f).poll(&mut Context::from_waker(w))
-}
 
 /// A pool capped at 4 MiB, holding one 3 MiB block that was freed while `fence` guards it.
 fn full_pool<S: cudalloc::source::HostVisible + 'static>(source: S) -> (Pool<S>, Layout, usize) {

@@ -140,3 +140,34 @@ pub fn assert_balanced(s: &cudalloc::pool::PoolStats) {
         "live + cached + pending == source: {s:?}"
     );
 }
+
+/// A waker that counts its wake-ups and unparks the thread that made it (the futures
+/// tests of both test binaries).
+pub(crate) struct CountingWaker {
+    pub(crate) wakes: std::sync::atomic::AtomicUsize,
+    thread: std::thread::Thread,
+}
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.wakes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.thread.unpark();
+    }
+}
+
+/// A counting waker for the calling thread, and the waker itself.
+pub(crate) fn counting() -> (std::sync::Arc<CountingWaker>, std::task::Waker) {
+    let c = std::sync::Arc::new(CountingWaker {
+        wakes: std::sync::atomic::AtomicUsize::new(0),
+        thread: std::thread::current(),
+    });
+    (c.clone(), std::task::Waker::from(c))
+}
+
+/// Polls `f` once with `waker`.
+pub(crate) fn poll<F: std::future::Future + Unpin>(
+    f: &mut F,
+    waker: &std::task::Waker,
+) -> std::task::Poll<F::Output> {
+    std::pin::Pin::new(f).poll(&mut std::task::Context::from_waker(waker))
+}

@@ -5,41 +5,16 @@
 //! loom-modelled in `src/cuda/completion.rs`.
 
 use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 
 use cudalloc::cuda::{pending_completions, Module, Stream};
 use cudalloc::Error;
 
 use crate::gpu_support::Gate;
-
-/// A waker that counts its wake-ups and unparks the test thread.
-struct CountingWaker {
-    wakes: AtomicUsize,
-    thread: std::thread::Thread,
-}
-
-impl Wake for CountingWaker {
-    fn wake(self: Arc<Self>) {
-        self.wakes.fetch_add(1, Ordering::SeqCst);
-        self.thread.unpark();
-    }
-}
-
-fn counting() -> (Arc<CountingWaker>, Waker) {
-    let c = Arc::new(CountingWaker {
-        wakes: AtomicUsize::new(0),
-        thread: std::thread::current(),
-    });
-    (c.clone(), Waker::from(c))
-}
-
-fn poll<F: Future + Unpin>(f: &mut F, waker: &Waker) -> Poll<F::Output> {
-    Pin::new(f).poll(&mut Context::from_waker(waker))
-}
+use crate::support::{counting, poll, CountingWaker};
 
 /// Waits (parked, no spinning) until `counter` has been woken at least once; a guard
 /// against a hang, not a timing assertion.

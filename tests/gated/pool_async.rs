@@ -2,11 +2,8 @@
 //! block is used by work held behind a gate is not woken before the gate opens, and is
 //! woken by the driver (no re-polling) once the use completes.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::sync::atomic::Ordering;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{Allocator, Layout};
@@ -15,29 +12,8 @@ use cudalloc::pool::{Pool, PoolConfig};
 use cudalloc::source::PinnedSource;
 
 use crate::gpu_support::Gate;
+use crate::support::{counting, poll};
 use crate::MIB;
-
-struct CountingWaker {
-    wakes: AtomicUsize,
-    thread: std::thread::Thread,
-}
-impl Wake for CountingWaker {
-    fn wake(self: Arc<Self>) {
-        self.wakes.fetch_add(1, Ordering::SeqCst);
-        self.thread.unpark();
-    }
-}
-fn counting() -> (Arc<CountingWaker>, Waker) {
-    let c = Arc::new(CountingWaker {
-        wakes: AtomicUsize::new(0),
-        thread: std::thread::current(),
-    });
-    (c.clone(), Waker::from(c))
-}
-
-fn poll<F: Future + Unpin>(f: &mut F, w: &Waker) -> Poll<F::Output> {
-    Pin::new(f).poll(&mut Context::from_waker(w))
-}
 
 /// A pool capped at 4 MiB holding one 3 MiB block.
 fn full_pool() -> (Pool<PinnedSource>, Layout, usize) {
