@@ -50,6 +50,8 @@ import sys
 import tempfile
 import time
 
+sys.dont_write_bytecode = True  # no __pycache__ next to the stand-ins in tools/peers_fakes
+
 HEADER = "Thread,Time,Action,Pointer,Size,Stream"
 MAX_BLOCK_BYTES = 1 << 47  # ReplayOptions::default().max_block_bytes
 PEERS = ["torch", "torch-expandable", "cupy", "cupy-async"]
@@ -605,7 +607,7 @@ def child_main(args):
 
 
 def child_env(name, extra_path=None):
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env.pop("CUPY_GPU_MEMORY_LIMIT", None)
     if name == "torch-expandable":

@@ -351,3 +351,93 @@ fn a_target_that_panics_ends_the_replay_with_an_error_not_a_hang() {
         }
     }
 }
+
+/// `tools/peers_replay.py` (the peers, PyTorch's and CuPy's allocators, replaying a trace
+/// from Python) run with these arguments: its exit status, stdout and stderr; `None`
+/// without python3 (the test is then skipped).
+fn peers_replay(args: &[&str]) -> Option<(Option<i32>, String, String)> {
+    let out = std::process::Command::new("python3")
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tools/peers_replay.py"))
+        .args(args)
+        .output();
+    match out {
+        Ok(o) => Some((
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )),
+        Err(e) => {
+            println!("skipped: no python3 on PATH ({e})");
+            None
+        }
+    }
+}
+
+#[test]
+fn the_peers_replay_tool_passes_its_self_test() {
+    // Its reader and plan against hand-made traces (the crate's messages), and every
+    // allocator's child process (the empty loop, a fake pool, and torch and cupy through
+    // the stand-ins in tools/peers_fakes) against figures computed from the rows alone.
+    let Some((code, out, err)) = peers_replay(&["--self-test"]) else {
+        return;
+    };
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("self-test: ok"), "{out}{err}");
+    assert!(!out.contains("FAIL"), "{out}");
+}
+
+#[test]
+fn the_peers_replay_tool_reads_and_plans_a_trace_as_the_crate_does() {
+    let sample = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/rmm_random.csv");
+    let json = std::env::temp_dir().join(format!("cudalloc-peers-{}.json", std::process::id()));
+    let Some((code, out, err)) =
+        peers_replay(&[sample, "--allocators", "fake", "--json", json.to_str().unwrap()])
+    else {
+        return;
+    };
+    assert_eq!(code, Some(0), "{out}{err}");
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let trace = cudalloc::trace::format::read_any(&std::fs::read(sample).unwrap(), false)
+        .unwrap()
+        .trace;
+    let plan = Plan::new(&trace, &ReplayOptions::default()).unwrap();
+    let allocs = trace.events.iter().filter(|e| e.action == Action::Alloc).count() as u64;
+    let rows = doc["tables"][0]["rows"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["empty", "fake"]);
+    for r in rows {
+        let n = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("{k} in {r}"));
+        assert_eq!(n("allocations"), allocs, "{r}");
+        assert_eq!(n("frees"), plan.len() as u64 - allocs, "{r}");
+        assert_eq!(n("peak_requested"), plan.peak_requested(), "{r}");
+        assert_eq!(n("streams"), plan.streams() as u64, "{r}");
+        assert_eq!((n("failures"), n("never_freed")), (0, 0), "{r}");
+    }
+    // The fake pool reserves at least what is requested; the empty loop reserves nothing.
+    assert!(rows[1]["peak_reserved"].as_u64().unwrap() >= plan.peak_requested());
+    assert!(rows[0]["peak_reserved"].is_null());
+
+    // A bad trace: the same error as the crate's, naming the same event.
+    let bad = std::env::temp_dir().join(format!("cudalloc-peers-bad-{}.csv", std::process::id()));
+    std::fs::write(
+        &bad,
+        "Thread,Time,Action,Pointer,Size,Stream\n\
+         1,10:00:00.000001,allocate,0x10,8,0x0\n\
+         1,10:00:00.000002,free,0x10,8,0x0\n\
+         1,10:00:00.000003,free,0x10,8,0x0\n",
+    )
+    .unwrap();
+    let crate_error = Plan::new(
+        &cudalloc::trace::format::read_any(&std::fs::read(&bad).unwrap(), false)
+            .unwrap()
+            .trace,
+        &ReplayOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    let (code, _, err) = peers_replay(&[bad.to_str().unwrap(), "--allocators", "fake"]).unwrap();
+    let _ = std::fs::remove_file(&bad);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains(&crate_error), "{crate_error:?} not in {err}");
+}
