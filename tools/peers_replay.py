@@ -608,8 +608,11 @@ def child_main(args):
 
 def child_env(name, extra_path=None):
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    env.pop("CUPY_GPU_MEMORY_LIMIT", None)
+    # Each peer as a user who sets nothing gets it: no inherited allocator settings
+    # (PYTORCH_ALLOC_CONF is the newer name PyTorch also reads; the caching switch-off;
+    # CuPy's limit, which MemoryAsyncPool turns into the pool's release threshold).
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING", "CUPY_GPU_MEMORY_LIMIT"):
+        env.pop(var, None)
     if name == "torch-expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if extra_path:
@@ -745,6 +748,8 @@ def main_replay(args):
             f"{plan.streams} streams, device memory, peak requested {fmt_size(plan.peak_requested())}",
         )
     )
+    if args.fakes:
+        notes.insert(0, "--fakes: torch and cupy are the stand-ins of tools/peers_fakes, not PyTorch or CuPy.")
     if plan.skipped:
         notes.insert(0, f"--lenient: {len(plan.skipped)} bad lines or events skipped.")
     if plan.recorded_failures:
@@ -949,8 +954,15 @@ def self_test():
         plan = load(path, False)
         check("random: plan's peak requested = the rows'", plan.peak_requested(), want["peak"])
         args = argparse.Namespace(trace=path, device=0, lenient=False, torch_public=False)
-        for name in ["empty", "fake"] + PEERS:
-            r = run_child(name, args, FAKES)
+        # An inherited setting does not reach the children: plain torch stays plain.
+        inherited = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        results = {name: run_child(name, args, FAKES) for name in ["empty", "fake"] + PEERS}
+        if inherited is None:
+            del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+        else:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = inherited
+        for name, r in results.items():
             got = tuple(r[k] for k in ("allocations", "frees", "peak_requested", "failures", "never_freed"))
             check(f"{name}: allocations, frees, peak requested, failures, never freed", got, counts)
             if name != "empty":
