@@ -116,6 +116,55 @@ impl SimPool {
         }
     }
 
+    /// [`SimPool::paged`] without the cache: every block from the simulated backend
+    /// (the page heap from two granules up, the simulated driver pool below), as
+    /// `DevicePoolConfig::default().with_cache(false)` on a GPU with physical pages.
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let pool = SimPool::paged_uncached();
+    /// drop(pool.alloc(16 << 20, &SimStream::new()).unwrap());
+    /// assert_eq!(pool.hits(), 0, "nothing is cached");
+    /// ```
+    pub fn paged_uncached() -> Self {
+        const GRANULE: usize = 2 << 20;
+        let page_min = page_threshold(GRANULE);
+        let phys = FakePhys::new(GRANULE, usize::MAX);
+        let backend = FakeBackend::paged(u64::MAX, phys, page_min, PageTuning::default());
+        Self {
+            core: Arc::new(Core::new::<SimPool>(Cache::new(
+                backend,
+                Settings::new(0, 0, None),
+            ))),
+        }
+    }
+
+    /// The most memory the simulated driver pool and page heap reserved together so far
+    /// (the simulated counterpart of `DevicePoolStats::peak_reserved_bytes`).
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let pool = SimPool::paged(0);
+    /// drop(pool.alloc(16 << 20, &SimStream::new()).unwrap());
+    /// assert!(pool.peak_reserved() >= 16 << 20);
+    /// ```
+    pub fn peak_reserved(&self) -> u64 {
+        self.core.cache.backend.reservation().1
+    }
+
+    /// The pool's statistics, as [`DevicePool::stats`](super::DevicePool::stats) gives
+    /// them (without the device's own figures).
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let pool = SimPool::new(0);
+    /// drop(pool.alloc(4096, &SimStream::new()).unwrap());
+    /// assert_eq!(pool.stats().misses, 1);
+    /// ```
+    pub fn stats(&self) -> super::DevicePoolStats {
+        self.core.cache.snapshot()
+    }
+
     /// A block of `bytes` on `stream`: the path of [`DevicePool::alloc`] (a hit from this
     /// thread's bin, else the slow path).
     ///

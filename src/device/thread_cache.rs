@@ -691,12 +691,17 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     pub(crate) fn take_largest(&mut self, mut excess: usize) -> Vec<(B::Stream, usize, u64)> {
         let mut out = Vec::new();
         let mut class = self.classes;
+        // Slots with a stream (and so with bins): the loop below runs on every miss
+        // that releases, so it visits only them and clones a stream only for a block.
+        let slots: Vec<(usize, B::Stream)> = (0..MAX_STREAMS)
+            .filter(|&i| self.slot_bytes(i) > 0)
+            .filter_map(|i| Some((i, self.stream_of(i)?)))
+            .collect();
         while excess > 0 && self.bytes > 0 && class > 0 {
             class -= 1;
-            for i in 0..MAX_STREAMS {
-                let Some(stream) = self.stream_of(i) else { continue };
+            for (i, stream) in &slots {
                 while excess > 0 {
-                    let Some((ptr, _)) = self.take(i, class) else {
+                    let Some((ptr, _)) = self.take(*i, class) else {
                         break;
                     };
                     out.push((stream.clone(), class, ptr));

@@ -212,10 +212,43 @@ pub struct SimTarget {
     name: String,
     pool: SimPool,
     streams: Vec<SimStream>,
+    /// Whether the report gives the simulated reservation (the paged shapes).
+    reserved: bool,
 }
 
 #[cfg(any(test, feature = "sim"))]
 impl SimTarget {
+    /// The simulated pool shaped as the default `DevicePool` on a GPU with physical
+    /// pages ([`SimPool::paged`]), with its cache (`cache`) or without
+    /// ([`SimPool::paged_uncached`]); its peak reservation is the simulated driver
+    /// pool's and page heap's.
+    ///
+    /// ```
+    /// use cudalloc::trace::replay::{self, SimTarget};
+    /// use cudalloc::trace::{Action, Event, Trace};
+    /// let mut t = Trace::default();
+    /// t.events.push(Event::new(Action::Alloc, 0x10, 16 << 20));
+    /// let r = replay::replay(&t, SimTarget::paged(false), &Default::default()).unwrap();
+    /// assert!(r.peak_reserved.unwrap() >= 16 << 20);
+    /// ```
+    pub fn paged(cache: bool) -> Self {
+        let (name, pool) = if cache {
+            let bytes = DevicePoolConfig::default().thread_cache_bytes;
+            ("DevicePool (simulated GPU, pages)", SimPool::paged(bytes))
+        } else {
+            (
+                "DevicePool (simulated GPU, pages, no cache)",
+                SimPool::paged_uncached(),
+            )
+        };
+        Self {
+            name: name.into(),
+            pool,
+            streams: Vec::new(),
+            reserved: true,
+        }
+    }
+
     /// A simulated pool with thread caches of `thread_cache_bytes` (0: none).
     pub fn new(thread_cache_bytes: usize) -> Self {
         Self {
@@ -226,6 +259,7 @@ impl SimTarget {
             },
             pool: SimPool::new(thread_cache_bytes),
             streams: Vec::new(),
+            reserved: false,
         }
     }
 }
@@ -259,6 +293,10 @@ impl ReplayTarget for SimTarget {
     #[inline]
     unsafe fn free(&self, block: SimBuffer, _stream: usize) {
         drop(block);
+    }
+
+    fn peak_reserved(&self) -> Option<u64> {
+        self.reserved.then(|| self.pool.peak_reserved())
     }
 }
 
@@ -555,6 +593,14 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
                 "DevicePool (simulated GPU, no thread cache)",
                 false,
                 |p, _| p.replay(SimTarget::new(0)),
+            ));
+            v.push(Target::new("DevicePool (simulated GPU, pages)", false, |p, _| {
+                p.replay(SimTarget::paged(true))
+            }));
+            v.push(Target::new(
+                "DevicePool (simulated GPU, pages, no cache)",
+                false,
+                |p, _| p.replay(SimTarget::paged(false)),
             ));
         }
         #[cfg(not(any(test, feature = "sim")))]
