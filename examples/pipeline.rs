@@ -40,6 +40,10 @@
 //!                          hold plus SIZE: what a staging loop meets at the pool's cap
 //!   --json FILE, --csv DIR the tables as JSON / CSV
 //!   --svg FILE             the variants' wall time against the ideal, as a chart
+//!   --timeline FILE        each row's streams over time, as an SVG: one lane per stream
+//!                          (H2D, kernel and D2H bars from the events every batch
+//!                          records) and one for the host's fill; gaps are where a
+//!                          stream waits
 
 #[path = "common/pipeline.rs"]
 mod pipeline;
@@ -66,6 +70,7 @@ struct Args {
     json: Option<PathBuf>,
     csv: Option<PathBuf>,
     svg: Option<PathBuf>,
+    timeline: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -73,7 +78,7 @@ fn parse_args() -> Result<Args, String> {
     let mut streams = vec![1, 2, 4, 8];
     let mut staging = 4;
     let mut names: Option<Vec<String>> = None;
-    let (mut pinned_limit, mut json, mut csv, mut svg) = (None, None, None, None);
+    let (mut pinned_limit, mut json, mut csv, mut svg, mut timeline) = (None, None, None, None, None);
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -110,6 +115,7 @@ fn parse_args() -> Result<Args, String> {
             "--json" => json = Some(PathBuf::from(value()?)),
             "--csv" => csv = Some(PathBuf::from(value()?)),
             "--svg" => svg = Some(PathBuf::from(value()?)),
+            "--timeline" => timeline = Some(PathBuf::from(value()?)),
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other}")),
         }
@@ -124,6 +130,7 @@ fn parse_args() -> Result<Args, String> {
         json,
         csv,
         svg,
+        timeline,
     })
 }
 
@@ -184,6 +191,18 @@ fn main() -> ExitCode {
             eprintln!("pipeline: writing {}: {e}", path.display());
             return ExitCode::FAILURE;
         }
+    }
+    if let Some(path) = &args.timeline {
+        let timelines = results.timelines();
+        if let Err(e) = pipeline::timeline::write_svg(&timelines, path) {
+            eprintln!("pipeline: writing {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        println!(
+            "Timeline of {} runs (one lane per stream, and the host's fill): {}",
+            timelines.len(),
+            path.display()
+        );
     }
     let (wrong, failed) = (results.mismatches(), results.failures());
     if wrong > 0 || failed > 0 {
