@@ -7,13 +7,16 @@
 //!
 //! Every variant runs in one process on the same kernel (`kernels/pipeline.cu`, loaded
 //! from PTX with `cudalloc::cuda::Module`): pageable memory, `PinnedAlloc` with 1..8
-//! streams, double buffering, per-stream arenas, a fresh pinned `Vec` per batch next to an
-//! explicit ring, and the raw reference (`cuMemHostAlloc` + `cuMemAlloc`). The code is in
-//! `examples/common/pipeline.rs`; each variant is a few lines there.
+//! streams, double buffering, per-stream arenas, a fresh pinned `Vec` per batch next to a
+//! ring, and the raw reference (`cuMemHostAlloc` + `cuMemAlloc`). The pageable and pinned
+//! rows run on the library's `staging::Pipeline` (`ring.pipeline().run(fill, launch,
+//! drain)`), the ring row on a `StagingRing`; the raw, double-buffering, arena and
+//! fresh-Vec rows are written by hand. The code is in `examples/common/pipeline.rs`.
 //!
-//! The issuing thread waits only for what it is about to reuse (a lane's input buffer:
-//! the H2D that read it; its output buffer: the D2H that filled it, then the check), so
-//! every stream has its next batch queued before the current one ends. The report puts
+//! In the hand-written loops the issuing thread waits only for what it is about to reuse
+//! (a lane's input buffer: the H2D that read it; its output buffer: the D2H that filled
+//! it, then the check), so every stream has its next batch queued before the current one
+//! ends; the pipeline refills a buffer once its last batch is drained. The report puts
 //! each row next to the hand-written CUDA C++ pipeline that issue 11 quotes (table
 //! `pipeline_cpp`, and the `vs C++` column).
 //!
@@ -27,7 +30,11 @@
 //!   --streams LIST         stream counts of the PinnedAlloc and raw rows (1,2,4,8)
 //!   --staging-streams N    streams of the arena, fresh-Vec and ring rows (4)
 //!   --work LIST            transfer, balanced, compute, or rounds per element (all three)
-//!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring (all); pipeline (only when named)
+//!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring (all); pipeline and
+//!                          hand (only when named): `hand` adds the hand-written loops the
+//!                          pageable, pinned and ring rows ran on before the library's
+//!                          `StagingRing` and `staging::Pipeline`, as rows `hand-*` (and
+//!                          the `vs hand-written` column)
 //!   --samples N            positions checked per batch besides the first and last (256)
 //!   --verify-all           write and check every element (slow)
 //!   --fill-threads N       threads that write a whole batch (half the cores, at most 8)

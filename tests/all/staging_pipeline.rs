@@ -325,6 +325,7 @@ fn the_tables_put_our_rows_next_to_the_cpp_reference() {
         (Variant::Pinned(2), 92.4),
         (Variant::Raw(2), 90.0),
         (Variant::Pinned(3), 95.0),
+        (Variant::HandPinned(2), 88.0),
     ]
     .map(|(variant, w)| pipeline::Row {
         variant,
@@ -353,7 +354,10 @@ fn the_tables_put_our_rows_next_to_the_cpp_reference() {
     let tables = results.tables();
     let main = tables.iter().find(|t| t.id == "pipeline").unwrap();
     let vs_cpp: Vec<String> = main.rows.iter().map(|r| main.cell(r, "vs_cpp")).collect();
-    assert_eq!(vs_cpp, ["1.05x", "1.02x", "-"]);
+    assert_eq!(vs_cpp, ["1.05x", "1.02x", "-", "1.00x"]);
+    // The row on the library against its hand-written twin in the same run.
+    let vs_hand: Vec<String> = main.rows.iter().map(|r| main.cell(r, "vs_hand")).collect();
+    assert_eq!(vs_hand, ["1.05x", "-", "-", "-"]);
     let cpp = tables.iter().find(|t| t.id == "pipeline_cpp").unwrap();
     assert_eq!(
         cpp.rows.len(),
@@ -389,6 +393,35 @@ fn regimes_and_variants_parse_and_name_themselves() {
     let some = Variant::all(&[1, 2], 3, Some(&["fresh".to_string(), "raw".to_string()]));
     assert_eq!(some, [Variant::Raw(1), Variant::Raw(2), Variant::FreshVec(3)]);
     assert_eq!(Variant::Ring(4).key(), "ring-4");
+    // The hand-written references of the rows on the library: only when named.
+    let hand = Variant::all(&[1, 2], 3, Some(&["hand".to_string()]));
+    assert_eq!(
+        hand,
+        [
+            Variant::HandPageable,
+            Variant::HandPinned(1),
+            Variant::HandPinned(2),
+            Variant::HandRing(3)
+        ]
+    );
+    assert!(!all.iter().any(|v| hand.contains(v)));
+    assert_eq!(Variant::HandPinned(4).key(), "hand-pinned-4");
+    assert_eq!(
+        Variant::HandRing(4).label(),
+        "ring of 5 Vec<PinnedAlloc>, 4 streams, hand-written"
+    );
+    // Each keeps its row's stream count, raw reference and C++ row.
+    for (lib, hand) in [
+        (Variant::Pageable, Variant::HandPageable),
+        (Variant::Pinned(4), Variant::HandPinned(4)),
+        (Variant::Ring(4), Variant::HandRing(4)),
+    ] {
+        assert_eq!(lib.streams(), hand.streams());
+        assert_eq!(lib.timeline_lanes(), hand.timeline_lanes());
+        for r in [Regime::TransferBound, Regime::Balanced, Regime::ComputeBound] {
+            assert_eq!(lib.cpp_reference(r), hand.cpp_reference(r), "{}", hand.key());
+        }
+    }
 }
 
 #[test]
@@ -412,7 +445,12 @@ fn every_variant_delivers_every_element_of_every_batch() {
             batches,
             batch_bytes,
             regimes: vec![Regime::Rounds(2), Regime::Rounds(17)],
-            variants: Variant::all(&[1, 2, 3], 2, None),
+            // The rows on the library's types and the hand-written ones they replaced.
+            variants: [
+                Variant::all(&[1, 2, 3], 2, None),
+                Variant::all(&[1, 2, 3], 2, Some(&["hand".to_string()])),
+            ]
+            .concat(),
             samples: 64,
             verify_all: true,
             warmup: true,
@@ -574,7 +612,8 @@ fn assert_timeline(who: &str, v: Variant, m: &pipeline::Measured, batches: usize
                         .unwrap()
                 )
             }
-            (Variant::Pipeline(_), _) => {}
+            // On the library's pipeline the ring's free buffer picks the stream.
+            (Variant::Pipeline(_) | Variant::Pinned(_), _) => {}
             _ => assert_eq!(s.lane, s.batch % streams, "{who}: {s:?}"),
         }
     }
