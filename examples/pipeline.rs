@@ -42,6 +42,10 @@
 //!                          reference does), not also after the previous batch's copy in
 //!                          the same direction
 //!   --no-warmup            time first use too
+//!   --ring-buffers N       staging buffers per stream of the pageable and pinned rows'
+//!                          StagingRing (1: an in/out pair per stream, as the hand-written
+//!                          rows and the C++ reference; 2: each stream's next batch stays
+//!                          queued while its last one is checked)
 //!   --pinned-limit SIZE    cap the pinned pools (PinnedAlloc::set_limit) before running
 //!   --fresh-headroom SIZE  while the fresh-Vec rows run, cap the pinned pools at what they
 //!                          hold plus SIZE: what a staging loop meets at the pool's cap
@@ -113,6 +117,13 @@ fn parse_args() -> Result<Args, String> {
             }
             "--unchained" => cfg.chain_copies = false,
             "--no-warmup" => cfg.warmup = false,
+            "--ring-buffers" => {
+                cfg.ring_buffers = value()?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--ring-buffers: not a count")?
+            }
             "--fresh-headroom" => {
                 cfg.fresh_headroom = Some(parse_size(&value()?).ok_or("--fresh-headroom: not a size")?)
             }

@@ -307,6 +307,12 @@ pub struct Config {
     /// direction: one H2D and one D2H at a time, each at full speed, lanes staggered.
     /// Off: a lane's copies are ordered by its own stream only, as in the C++ reference.
     pub chain_copies: bool,
+    /// Staging buffers per stream of the pageable and pinned rows' `StagingRing` (1: an
+    /// in/out pair per stream, as the hand-written rows and the C++ reference have). The
+    /// pipeline refills a buffer once its last batch is drained, so with one a stream's
+    /// next H2D waits for its last D2H and check on the host; 2 keeps each stream's next
+    /// batch queued.
+    pub ring_buffers: usize,
 }
 
 /// Fill threads by default: half the cores, at most 8. One thread took 8.7 ms to write
@@ -331,6 +337,7 @@ impl Config {
             fresh_headroom: None,
             fill_threads: default_fill_threads(),
             chain_copies: true,
+            ring_buffers: 1,
         }
     }
 
@@ -709,8 +716,10 @@ impl Results {
              the same row written by hand before the library's staging types (`--variants hand`); C++ ref: the hand-written \
              CUDA C++ pipeline with as many streams that issue 11 quotes (its own kernel; staging \
              rows also write every input); issuer blocked: share of the wall the issuing thread \
-             waited for the GPU. Copies chained per direction: {}.",
-            if c.chain_copies { "yes" } else { "no" }
+             waited for the GPU. Copies chained per direction: {}. The pageable and pinned rows: \
+             staging::Pipeline over a StagingRing of {} buffer(s) per stream.",
+            if c.chain_copies { "yes" } else { "no" },
+            c.ring_buffers
         ));
         vec![base, regimes, t, self.cpp_table()]
     }
@@ -2066,7 +2075,13 @@ impl Resources {
         };
         let (mut rings, mut pipes) = (Vec::new(), Vec::new());
         let pageable_pipe = if v.contains(&Variant::Pageable) {
-            Some(Piped::new(allocator_api2::alloc::Global, n, 1, 1, false)?)
+            Some(Piped::new(
+                allocator_api2::alloc::Global,
+                n,
+                1,
+                cfg.ring_buffers,
+                false,
+            )?)
         } else {
             None
         };
@@ -2079,7 +2094,7 @@ impl Resources {
                     ));
                 }
                 (Variant::Pinned(s), _) if !pipes.iter().any(|(k, _)| *k == x) => {
-                    pipes.push((x, Piped::new(PinnedAlloc, n, s, 1, true)?));
+                    pipes.push((x, Piped::new(PinnedAlloc, n, s, cfg.ring_buffers, true)?));
                 }
                 (Variant::Pipeline(s), _) if !pipes.iter().any(|(k, _)| *k == x) => {
                     pipes.push((x, Piped::new(PinnedAlloc, n, s, 2, true)?));

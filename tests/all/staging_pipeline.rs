@@ -457,6 +457,8 @@ fn every_variant_delivers_every_element_of_every_batch() {
             fresh_headroom: None,
             fill_threads: 3,
             chain_copies,
+            // The rows on the ring with one buffer per stream, then with two.
+            ring_buffers: if chain_copies { 1 } else { 2 },
         };
         let results = pipeline::run(&cfg, &|_| {}).unwrap();
         assert_eq!(results.regimes.len(), 2);
@@ -533,6 +535,7 @@ fn the_library_pipeline_delivers_every_element_of_every_batch() {
             fresh_headroom: None,
             fill_threads: 3,
             chain_copies,
+            ring_buffers: 1,
         };
         let results = pipeline::run(&cfg, &|_| {}).unwrap();
         for g in &results.regimes {
