@@ -22,11 +22,19 @@
 //! is checked against the host's reference ([`hash_rounds`]): at sampled positions in the
 //! benchmark, everywhere with `verify_all`.
 //!
-//! Issue order ([`plan`]): the issuing thread blocks only where a buffer it is about to
-//! touch may still be in use, and only just before touching it. Batch b's input waits for
-//! the H2D copy of the last batch that used the buffer (not for that batch's D2H); its H2D
-//! copy and kernel are queued at once; only then does the thread wait for the D2H of the
-//! batch that last used the output buffer, check that output, and queue batch b's D2H.
+//! The rows on the library's types are a few lines each: `pageable` and `pinned-S` give
+//! `ring.pipeline().run(..)` the stamp or fill, the launch (H2D, kernel, D2H on the
+//! lease's stream) and the check ([`run_ring`]); `ring-S` leases its inputs from a
+//! `StagingRing` inside the hand-written lane loop. The pipeline's order is its own: a
+//! ring buffer (and the device buffers and host output kept per buffer) is refilled once
+//! its last batch is drained.
+//!
+//! Issue order of the hand-written loops ([`plan`]): the issuing thread blocks only where
+//! a buffer it is about to touch may still be in use, and only just before touching it.
+//! Batch b's input waits for the H2D copy of the last batch that used the buffer (not for
+//! that batch's D2H); its H2D copy and kernel are queued at once; only then does the
+//! thread wait for the D2H of the batch that last used the output buffer, check that
+//! output, and queue batch b's D2H.
 //! So every stream has its next batch queued before its current one ends, and the host's
 //! check runs while the GPU copies and computes. With `chain_copies`, each copy also
 //! waits (on the GPU, through an event) for the previous batch's copy in the same
