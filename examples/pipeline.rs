@@ -7,13 +7,16 @@
 //!
 //! Every variant runs in one process on the same kernel (`kernels/pipeline.cu`, loaded
 //! from PTX with `cudalloc::cuda::Module`): pageable memory, `PinnedAlloc` with 1..8
-//! streams, double buffering, per-stream arenas, a fresh pinned `Vec` per batch next to an
-//! explicit ring, and the raw reference (`cuMemHostAlloc` + `cuMemAlloc`). The code is in
-//! `examples/common/pipeline.rs`; each variant is a few lines there.
+//! streams, double buffering, per-stream arenas, a fresh pinned `Vec` per batch next to a
+//! ring, and the raw reference (`cuMemHostAlloc` + `cuMemAlloc`). The pageable and pinned
+//! rows run on the library's `staging::Pipeline` (`ring.pipeline().run(fill, launch,
+//! drain)`), the ring row on a `StagingRing`; the raw, double-buffering, arena and
+//! fresh-Vec rows are written by hand. The code is in `examples/common/pipeline.rs`.
 //!
-//! The issuing thread waits only for what it is about to reuse (a lane's input buffer:
-//! the H2D that read it; its output buffer: the D2H that filled it, then the check), so
-//! every stream has its next batch queued before the current one ends. The report puts
+//! In the hand-written loops the issuing thread waits only for what it is about to reuse
+//! (a lane's input buffer: the H2D that read it; its output buffer: the D2H that filled
+//! it, then the check), so every stream has its next batch queued before the current one
+//! ends; the pipeline refills a buffer once its last batch is drained. The report puts
 //! each row next to the hand-written CUDA C++ pipeline that issue 11 quotes (table
 //! `pipeline_cpp`, and the `vs C++` column).
 //!
@@ -27,7 +30,11 @@
 //!   --streams LIST         stream counts of the PinnedAlloc and raw rows (1,2,4,8)
 //!   --staging-streams N    streams of the arena, fresh-Vec and ring rows (4)
 //!   --work LIST            transfer, balanced, compute, or rounds per element (all three)
-//!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring (all); pipeline (only when named)
+//!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring (all); pipeline and
+//!                          hand (only when named): `hand` adds the hand-written loops the
+//!                          pageable, pinned and ring rows ran on before the library's
+//!                          `StagingRing` and `staging::Pipeline`, as rows `hand-*` (and
+//!                          the `vs hand-written` column)
 //!   --samples N            positions checked per batch besides the first and last (256)
 //!   --verify-all           write and check every element (slow)
 //!   --fill-threads N       threads that write a whole batch (half the cores, at most 8)
@@ -35,11 +42,19 @@
 //!                          reference does), not also after the previous batch's copy in
 //!                          the same direction
 //!   --no-warmup            time first use too
+//!   --ring-buffers N       staging buffers per stream of the pageable and pinned rows'
+//!                          StagingRing (1: an in/out pair per stream, as the hand-written
+//!                          rows and the C++ reference; 2: each stream's next batch stays
+//!                          queued while its last one is checked)
 //!   --pinned-limit SIZE    cap the pinned pools (PinnedAlloc::set_limit) before running
 //!   --fresh-headroom SIZE  while the fresh-Vec rows run, cap the pinned pools at what they
 //!                          hold plus SIZE: what a staging loop meets at the pool's cap
 //!   --json FILE, --csv DIR the tables as JSON / CSV
 //!   --svg FILE             the variants' wall time against the ideal, as a chart
+//!   --timeline FILE        each row's streams over time, as an SVG: one lane per stream
+//!                          (H2D, kernel and D2H bars from the events every batch
+//!                          records) and one for the host's fill; gaps are where a
+//!                          stream waits
 
 #[path = "common/pipeline.rs"]
 mod pipeline;
@@ -66,6 +81,7 @@ struct Args {
     json: Option<PathBuf>,
     csv: Option<PathBuf>,
     svg: Option<PathBuf>,
+    timeline: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -73,7 +89,7 @@ fn parse_args() -> Result<Args, String> {
     let mut streams = vec![1, 2, 4, 8];
     let mut staging = 4;
     let mut names: Option<Vec<String>> = None;
-    let (mut pinned_limit, mut json, mut csv, mut svg) = (None, None, None, None);
+    let (mut pinned_limit, mut json, mut csv, mut svg, mut timeline) = (None, None, None, None, None);
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -101,6 +117,13 @@ fn parse_args() -> Result<Args, String> {
             }
             "--unchained" => cfg.chain_copies = false,
             "--no-warmup" => cfg.warmup = false,
+            "--ring-buffers" => {
+                cfg.ring_buffers = value()?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--ring-buffers: not a count")?
+            }
             "--fresh-headroom" => {
                 cfg.fresh_headroom = Some(parse_size(&value()?).ok_or("--fresh-headroom: not a size")?)
             }
@@ -110,6 +133,7 @@ fn parse_args() -> Result<Args, String> {
             "--json" => json = Some(PathBuf::from(value()?)),
             "--csv" => csv = Some(PathBuf::from(value()?)),
             "--svg" => svg = Some(PathBuf::from(value()?)),
+            "--timeline" => timeline = Some(PathBuf::from(value()?)),
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other}")),
         }
@@ -124,6 +148,7 @@ fn parse_args() -> Result<Args, String> {
         json,
         csv,
         svg,
+        timeline,
     })
 }
 
@@ -184,6 +209,18 @@ fn main() -> ExitCode {
             eprintln!("pipeline: writing {}: {e}", path.display());
             return ExitCode::FAILURE;
         }
+    }
+    if let Some(path) = &args.timeline {
+        let timelines = results.timelines();
+        if let Err(e) = pipeline::timeline::write_svg(&timelines, path) {
+            eprintln!("pipeline: writing {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+        println!(
+            "Timeline of {} runs (one lane per stream, and the host's fill): {}",
+            timelines.len(),
+            path.display()
+        );
     }
     let (wrong, failed) = (results.mismatches(), results.failures());
     if wrong > 0 || failed > 0 {

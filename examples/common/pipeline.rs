@@ -2,16 +2,17 @@
 //! one of several streams, so that copies in both directions and kernels overlap.
 //! Every variant of issue 11 runs here, on the same kernel and the same data:
 //!
-//! | variant | host memory of a batch |
-//! |---|---|
-//! | `pageable` | a `Vec<u32>` per stream (the baseline users start from) |
-//! | `pinned-S` | a `Vec<u32, PinnedAlloc>` in/out pair per stream, S streams |
-//! | `double` | two `Vec<u32, PinnedAlloc>` slots, one stream per stage (H2D, kernel, D2H) |
-//! | `raw-S` | the reference: `cuMemHostAlloc` + `cuMemAlloc` buffers, raw copies, S streams |
-//! | `arena-S` | input staged in a per-stream `Arena<PinnedSource>`, reset per batch |
-//! | `fresh-S` | input in a fresh `Vec<u32, PinnedAlloc>` per batch, dropped right after its copy is queued: the pool's event-guarded reuse is the ring |
-//! | `ring-S` | input in an explicit ring of S+1 `Vec<u32, PinnedAlloc>`, reused after an event |
-//! | `pipeline-S` | the library's `staging::Pipeline` over a `StagingRing` of 2 buffers per stream, S streams (only with `--variants pipeline`) |
+//! | variant | host memory of a batch | written on |
+//! |---|---|---|
+//! | `pageable` | a pageable in/out pair (`StagingRing<Global>`, 1 buffer) | `staging::Pipeline` |
+//! | `pinned-S` | a `PinnedAlloc` in/out pair per stream (`StagingRing<PinnedAlloc>`, 1 buffer per stream), S streams | `staging::Pipeline` |
+//! | `double` | two `Vec<u32, PinnedAlloc>` slots, one stream per stage (H2D, kernel, D2H) | hand-written |
+//! | `raw-S` | the reference: `cuMemHostAlloc` + `cuMemAlloc` buffers, raw copies, S streams | hand-written |
+//! | `arena-S` | input staged in a per-stream `Arena<PinnedSource>`, reset per batch | hand-written |
+//! | `fresh-S` | input in a fresh `Vec<u32, PinnedAlloc>` per batch, dropped right after its copy is queued: the pool's event-guarded reuse is the ring | hand-written |
+//! | `ring-S` | input in a `StagingRing` of S+1 `PinnedAlloc` buffers, reused once its copy is done | `StagingRing` |
+//! | `pipeline-S` | a `StagingRing` of 2 buffers per stream, S streams (only with `--variants pipeline`) | `staging::Pipeline` |
+//! | `hand-pageable`, `hand-pinned-S`, `hand-ring-S` | the rows above as they were written by hand before the library's types (a `Vec<u32>` / `Vec<u32, PinnedAlloc>` in/out pair per stream, an explicit ring of S+1 `Vec<u32, PinnedAlloc>`): the same-run reference for the rows on the library (only with `--variants hand`) | hand-written |
 //!
 //! Fixed-buffer variants (pageable, pinned, double, raw) write a batch's input at its
 //! checked positions only ("stamp"): like the hand-written reference, they measure the
@@ -21,11 +22,19 @@
 //! is checked against the host's reference ([`hash_rounds`]): at sampled positions in the
 //! benchmark, everywhere with `verify_all`.
 //!
-//! Issue order ([`plan`]): the issuing thread blocks only where a buffer it is about to
-//! touch may still be in use, and only just before touching it. Batch b's input waits for
-//! the H2D copy of the last batch that used the buffer (not for that batch's D2H); its H2D
-//! copy and kernel are queued at once; only then does the thread wait for the D2H of the
-//! batch that last used the output buffer, check that output, and queue batch b's D2H.
+//! The rows on the library's types are a few lines each: `pageable` and `pinned-S` give
+//! `ring.pipeline().run(..)` the stamp or fill, the launch (H2D, kernel, D2H on the
+//! lease's stream) and the check ([`run_ring`]); `ring-S` leases its inputs from a
+//! `StagingRing` inside the hand-written lane loop. The pipeline's order is its own: a
+//! ring buffer (and the device buffers and host output kept per buffer) is refilled once
+//! its last batch is drained.
+//!
+//! Issue order of the hand-written loops ([`plan`]): the issuing thread blocks only where
+//! a buffer it is about to touch may still be in use, and only just before touching it.
+//! Batch b's input waits for the H2D copy of the last batch that used the buffer (not for
+//! that batch's D2H); its H2D copy and kernel are queued at once; only then does the
+//! thread wait for the D2H of the batch that last used the output buffer, check that
+//! output, and queue batch b's D2H.
 //! So every stream has its next batch queued before its current one ends, and the host's
 //! check runs while the GPU copies and computes. With `chain_copies`, each copy also
 //! waits (on the GPU, through an event) for the previous batch's copy in the same
@@ -36,7 +45,8 @@
 //! Timing: six timed events per batch (H2D, kernel and D2H start and end) give the
 //! intervals; the GPU busy share is the *union* of kernel intervals over the GPU's wall
 //! time (a sum would pass 100% when kernels overlap); the exposed transfer share is the
-//! time some copy runs and no kernel does.
+//! time some copy runs and no kernel does. The same intervals, with the host's fill timed
+//! on its clock, draw each run's lanes ([`Results::timelines`], `timeline.rs`).
 
 // Shared by several examples and tests (`#[path]` includes): each uses part of it.
 #![allow(dead_code)]
@@ -49,10 +59,18 @@ use cudalloc::arena::Arena;
 use cudalloc::cuda::{Event, Kernel, Module, Stream};
 use cudalloc::device::{DeviceBuffer, DevicePool};
 use cudalloc::source::PinnedSource;
+use cudalloc::staging::StagingRing;
 use cudalloc::testing::{DeviceMemory, RawPinnedBuffer};
 use cudalloc::{Error, PinnedAlloc, Result};
 
 use crate::report::{fmt_size, Table, Unit, Value};
+
+/// The timeline SVG of the pipeline's runs (`--timeline FILE`), next to this file.
+#[path = "timeline.rs"]
+pub mod timeline;
+
+/// How long the ring rows wait at most for a staging buffer (the pipeline's default).
+const RING_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The kernel, as PTX generated by `kernels/build-ptx.sh` from `kernels/pipeline.cu`.
 pub const PTX: &str = include_str!("../../kernels/pipeline.ptx");
@@ -126,6 +144,11 @@ pub enum Variant {
     Ring(usize),
     /// `cudalloc::staging::Pipeline` (the library's helper) on S streams.
     Pipeline(usize),
+    /// `Pageable`, `Pinned(S)` and `Ring(S)` as written by hand, without the library's
+    /// staging types: the reference they are measured against in the same run.
+    HandPageable,
+    HandPinned(usize),
+    HandRing(usize),
 }
 
 impl Variant {
@@ -146,6 +169,11 @@ impl Variant {
             Variant::FreshVec(s) => format!("fresh Vec<PinnedAlloc> per batch, {}", streams(s)),
             Variant::Ring(s) => format!("ring of {} Vec<PinnedAlloc>, {}", s + 1, streams(s)),
             Variant::Pipeline(s) => format!("staging::Pipeline, {}", streams(s)),
+            Variant::HandPageable => "pageable Vec, 1 stream, hand-written".into(),
+            Variant::HandPinned(s) => format!("PinnedAlloc, {}, hand-written", streams(s)),
+            Variant::HandRing(s) => {
+                format!("ring of {} Vec<PinnedAlloc>, {}, hand-written", s + 1, streams(s))
+            }
         }
     }
 
@@ -160,20 +188,25 @@ impl Variant {
             Variant::FreshVec(s) => format!("fresh-{s}"),
             Variant::Ring(s) => format!("ring-{s}"),
             Variant::Pipeline(s) => format!("pipeline-{s}"),
+            Variant::HandPageable => "hand-pageable".into(),
+            Variant::HandPinned(s) => format!("hand-pinned-{s}"),
+            Variant::HandRing(s) => format!("hand-ring-{s}"),
         }
     }
 
     /// Streams the variant uses.
     pub fn streams(self) -> usize {
         match self {
-            Variant::Pageable => 1,
+            Variant::Pageable | Variant::HandPageable => 1,
             Variant::DoubleBuffered => 3,
             Variant::Pinned(s)
             | Variant::Raw(s)
             | Variant::Arena(s)
             | Variant::FreshVec(s)
             | Variant::Ring(s)
-            | Variant::Pipeline(s) => s,
+            | Variant::Pipeline(s)
+            | Variant::HandPinned(s)
+            | Variant::HandRing(s) => s,
         }
     }
 
@@ -181,8 +214,23 @@ impl Variant {
     fn staged(self) -> bool {
         matches!(
             self,
-            Variant::Arena(_) | Variant::FreshVec(_) | Variant::Ring(_) | Variant::Pipeline(_)
+            Variant::Arena(_)
+                | Variant::FreshVec(_)
+                | Variant::Ring(_)
+                | Variant::Pipeline(_)
+                | Variant::HandRing(_)
         )
+    }
+
+    /// The hand-written row a row on the library's types replaced, for the `vs hand`
+    /// column.
+    pub fn hand_written(self) -> Option<Variant> {
+        match self {
+            Variant::Pageable => Some(Variant::HandPageable),
+            Variant::Pinned(s) => Some(Variant::HandPinned(s)),
+            Variant::Ring(s) => Some(Variant::HandRing(s)),
+            _ => None,
+        }
     }
 
     /// The raw reference with as many streams, for the `vs raw` column.
@@ -192,7 +240,9 @@ impl Variant {
             | Variant::Arena(s)
             | Variant::FreshVec(s)
             | Variant::Ring(s)
-            | Variant::Pipeline(s) => Some(Variant::Raw(s)),
+            | Variant::Pipeline(s)
+            | Variant::HandPinned(s)
+            | Variant::HandRing(s) => Some(Variant::Raw(s)),
             _ => None,
         }
     }
@@ -200,7 +250,8 @@ impl Variant {
     /// Every variant: `streams` for the pinned and raw rows, `staging` streams for the
     /// arena, fresh-Vec and ring rows. `names` filters by kind (`pageable`, `pinned`,
     /// `double`, `raw`, `arena`, `fresh`, `ring`); `pipeline` (the library's
-    /// `staging::Pipeline`, `staging` streams) runs only when named.
+    /// `staging::Pipeline`, `staging` streams) runs only when named, and so do `hand`'s
+    /// rows (`hand-pageable`, `hand-pinned-S` for `streams`, `hand-ring-S` for `staging`).
     pub fn all(streams: &[usize], staging: usize, names: Option<&[String]>) -> Vec<Variant> {
         let wants = |k: &str| names.is_none_or(|n| n.iter().any(|x| x == k));
         let mut v = Vec::new();
@@ -225,8 +276,14 @@ impl Variant {
         if wants("ring") {
             v.push(Variant::Ring(staging));
         }
-        if names.is_some_and(|n| n.iter().any(|x| x == "pipeline")) {
+        let named = |k: &str| names.is_some_and(|n| n.iter().any(|x| x == k));
+        if named("pipeline") {
             v.push(Variant::Pipeline(staging));
+        }
+        if named("hand") {
+            v.push(Variant::HandPageable);
+            v.extend(streams.iter().map(|&s| Variant::HandPinned(s)));
+            v.push(Variant::HandRing(staging));
         }
         v
     }
@@ -258,6 +315,12 @@ pub struct Config {
     /// direction: one H2D and one D2H at a time, each at full speed, lanes staggered.
     /// Off: a lane's copies are ordered by its own stream only, as in the C++ reference.
     pub chain_copies: bool,
+    /// Staging buffers per stream of the pageable and pinned rows' `StagingRing` (1: an
+    /// in/out pair per stream, as the hand-written rows and the C++ reference have). The
+    /// pipeline refills a buffer once its last batch is drained, so with one a stream's
+    /// next H2D waits for its last D2H and check on the host; 2 keeps each stream's next
+    /// batch queued.
+    pub ring_buffers: usize,
 }
 
 /// Fill threads by default: half the cores, at most 8. One thread took 8.7 ms to write
@@ -282,6 +345,7 @@ impl Config {
             fresh_headroom: None,
             fill_threads: default_fill_threads(),
             chain_copies: true,
+            ring_buffers: 1,
         }
     }
 
@@ -403,7 +467,7 @@ impl Variant {
     /// (they are pipelines with as many streams), though they also write every input.
     pub fn cpp_reference(self, regime: Regime) -> Option<&'static CppRow> {
         let (pageable, streams) = match self {
-            Variant::Pageable => (true, 1),
+            Variant::Pageable | Variant::HandPageable => (true, 1),
             v => (false, v.streams()),
         };
         CPP_REFERENCE.iter().find(|r| {
@@ -432,6 +496,8 @@ pub struct Measured {
     pub elements_checked: usize,
     pub mismatches: usize,
     pub first_mismatch: Option<String>,
+    /// The timed run's streams and host fill over time, from the events it recorded.
+    pub timeline: timeline::Timeline,
 }
 
 #[derive(Clone, Debug)]
@@ -476,6 +542,27 @@ impl Results {
     /// Variants that could not run.
     pub fn failures(&self) -> usize {
         self.rows().filter(|(_, r)| r.outcome.is_err()).count()
+    }
+
+    /// One timeline per measured row (regime by regime, in the table's order), captioned
+    /// with the row's regime, variant and wall time: `--timeline FILE` draws them.
+    pub fn timelines(&self) -> Vec<timeline::Timeline> {
+        self.rows()
+            .filter_map(|(g, r)| {
+                let m = r.outcome.as_ref().ok()?;
+                Some(timeline::Timeline {
+                    title: format!(
+                        "{}: {} (wall {:.1} ms, ideal {:.1} ms, GPU busy {:.0}%)",
+                        g.regime.name(),
+                        r.variant.label(),
+                        m.wall_ms,
+                        m.ideal_ms,
+                        100.0 * m.gpu_busy
+                    ),
+                    ..m.timeline.clone()
+                })
+            })
+            .collect()
     }
 
     fn rows(&self) -> impl Iterator<Item = (&RegimeResult, &Row)> {
@@ -567,6 +654,7 @@ impl Results {
         .col("vs_ideal", "vs ideal", Unit::Ratio)
         .col("bound", "ideal bound by", Unit::Label)
         .col("vs_raw", "vs raw", Unit::Ratio)
+        .col("vs_hand", "vs hand-written", Unit::Ratio)
         .col("cpp_wall_ms", "C++ ref", Unit::Millis)
         .col("vs_cpp", "vs C++", Unit::Ratio)
         .col("gpu_busy_pct", "GPU busy", Unit::Percent)
@@ -595,6 +683,11 @@ impl Results {
                             .reference()
                             .and_then(|v| g.measured(v))
                             .map(|raw| m.wall_ms / raw.wall_ms);
+                        let vs_hand = r
+                            .variant
+                            .hand_written()
+                            .and_then(|v| g.measured(v))
+                            .map(|hand| m.wall_ms / hand.wall_ms);
                         let cpp = r.variant.cpp_reference(g.regime).map(|x| x.wall_ms);
                         row.extend([
                             m.wall_ms.into(),
@@ -602,6 +695,7 @@ impl Results {
                             (m.wall_ms / m.ideal_ms).into(),
                             m.bound.into(),
                             vs_raw.into(),
+                            vs_hand.into(),
                             cpp.into(),
                             cpp.map(|w| m.wall_ms / w).into(),
                             (100.0 * m.gpu_busy).into(),
@@ -616,7 +710,7 @@ impl Results {
                         ]);
                     }
                     Err(e) => {
-                        row.extend(std::iter::repeat_n(Value::Missing, 15));
+                        row.extend(std::iter::repeat_n(Value::Missing, 16));
                         row.push(e.clone().into());
                     }
                 }
@@ -626,11 +720,14 @@ impl Results {
         t.note(format!(
             "GPU busy: union of kernel intervals over the GPU's wall time; transfer only: time a copy \
              runs and no kernel does; H2D+D2H: bytes both ways over the union of copy intervals; vs \
-             raw: wall time against the raw reference with as many streams; C++ ref: the hand-written \
+             raw: wall time against the raw reference with as many streams; vs hand-written: against \
+             the same row written by hand before the library's staging types (`--variants hand`); C++ ref: the hand-written \
              CUDA C++ pipeline with as many streams that issue 11 quotes (its own kernel; staging \
              rows also write every input); issuer blocked: share of the wall the issuing thread \
-             waited for the GPU. Copies chained per direction: {}.",
-            if c.chain_copies { "yes" } else { "no" }
+             waited for the GPU. Copies chained per direction: {}. The pageable and pinned rows: \
+             staging::Pipeline over a StagingRing of {} buffer(s) per stream.",
+            if c.chain_copies { "yes" } else { "no" },
+            c.ring_buffers
         ));
         vec![base, regimes, t, self.cpp_table()]
     }
@@ -1001,6 +1098,14 @@ pub(crate) struct Tally {
     pub(crate) first_mismatch: Option<String>,
     /// Seconds the issuing thread spent blocked on the GPU.
     pub(crate) blocked_s: f64,
+    /// The host's clock at the run's start event ([`Ctx::start`]): host spans are timed
+    /// from here.
+    pub(crate) origin: Option<Instant>,
+    /// Each host fill of a batch's input: (batch, start, end) in ms since `origin`.
+    pub(crate) fills: Vec<(usize, f64, f64)>,
+    /// The stream (lane) of each batch, in batch order, where the variant does not fix it
+    /// (the library's pipeline: the ring's buffer decides).
+    pub(crate) stream_of: Vec<usize>,
 }
 
 impl Tally {
@@ -1009,6 +1114,18 @@ impl Tally {
         let t = Instant::now();
         let out = wait();
         self.blocked_s += t.elapsed().as_secs_f64();
+        out
+    }
+
+    /// Runs `fill` (batch `b`'s host fill) and keeps its span for the timeline: two reads
+    /// of the host's clock.
+    fn filled<T>(&mut self, b: usize, fill: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let out = fill();
+        if let Some(origin) = self.origin {
+            let ms = |i: Instant| i.saturating_duration_since(origin).as_secs_f64() * 1e3;
+            self.fills.push((b, ms(t), ms(Instant::now())));
+        }
         out
     }
 }
@@ -1059,33 +1176,115 @@ pub(crate) fn union_len(mut iv: Vec<(f64, f64)>) -> f64 {
     total
 }
 
-/// Busy shares from the events of `batches` batches, relative to `t0`.
-struct Timeline {
+/// Each batch's H2D copy, kernel and D2H copy as (start, end) in seconds after `t0`.
+pub(crate) type StageIntervals = [(f64, f64); 3];
+
+fn stage_intervals(events: &[BatchEvents], t0: &Event) -> Result<Vec<StageIntervals>> {
+    let at = |e: &Event| -> Result<f64> { Ok(e.elapsed_since(t0)?.as_secs_f64()) };
+    events
+        .iter()
+        .map(|e| {
+            Ok([
+                (at(&e.h0)?, at(&e.h1)?),
+                (at(&e.k0)?, at(&e.k1)?),
+                (at(&e.d0)?, at(&e.d1)?),
+            ])
+        })
+        .collect()
+}
+
+/// Busy shares of a run, from its batches' intervals.
+struct Busy {
     gpu_busy: f64,
     exposed_transfer: f64,
     copy_union: f64,
 }
 
-fn timeline(events: &[BatchEvents], t0: &Event) -> Result<Timeline> {
-    let at = |e: &Event| -> Result<f64> { Ok(e.elapsed_since(t0)?.as_secs_f64()) };
+fn busy(iv: &[StageIntervals]) -> Busy {
     let (mut copies, mut kernels) = (Vec::new(), Vec::new());
     let mut wall: f64 = 0.0;
-    for e in events {
-        copies.push((at(&e.h0)?, at(&e.h1)?));
-        kernels.push((at(&e.k0)?, at(&e.k1)?));
-        copies.push((at(&e.d0)?, at(&e.d1)?));
-        wall = wall.max(at(&e.d1)?);
+    for [h, k, d] in iv {
+        copies.push(*h);
+        kernels.push(*k);
+        copies.push(*d);
+        wall = wall.max(d.1);
     }
     let kernel_union = union_len(kernels.clone());
     let copy_union = union_len(copies.clone());
     let mut all = copies;
     all.extend(kernels);
     let all_union = union_len(all);
-    Ok(Timeline {
+    Busy {
         gpu_busy: kernel_union / wall.max(f64::MIN_POSITIVE),
         exposed_transfer: (all_union - kernel_union) / wall.max(f64::MIN_POSITIVE),
         copy_union,
-    })
+    }
+}
+
+impl Variant {
+    /// The lanes of this variant's timeline: its streams, then the host.
+    pub fn timeline_lanes(self) -> Vec<String> {
+        let mut lanes: Vec<String> = match self {
+            Variant::DoubleBuffered => ["H2D stream", "kernel stream", "D2H stream"]
+                .map(str::to_string)
+                .to_vec(),
+            v => (0..v.streams()).map(|k| format!("stream {k}")).collect(),
+        };
+        lanes.push("host".into());
+        lanes
+    }
+
+    /// The timeline's lane of batch `b`'s stage `stage` (0: H2D, 1: kernel, 2: D2H):
+    /// double buffering has a stream per stage, the library's pipeline (`pinned`,
+    /// `pipeline`) says where each batch went (`stream_of`), every other variant puts
+    /// batch b on stream b % S.
+    fn lane(self, b: usize, stage: usize, stream_of: &[usize]) -> usize {
+        match self {
+            Variant::DoubleBuffered => stage,
+            // On the library's pipeline, the ring's free buffer decides.
+            Variant::Pipeline(s) | Variant::Pinned(s) => stream_of.get(b).copied().unwrap_or(b % s),
+            v => b % v.streams(),
+        }
+    }
+}
+
+/// The bars of one run: each batch's three GPU stages on its stream's lane (from the
+/// timed events, seconds after the start event) and its host fill on the last lane (ms
+/// on the host's clock from the same start).
+pub(crate) fn spans(
+    variant: Variant,
+    iv: &[StageIntervals],
+    stream_of: &[usize],
+    fills: &[(usize, f64, f64)],
+) -> Vec<timeline::Span> {
+    use timeline::{Span, SpanKind};
+    let kinds = [SpanKind::H2D, SpanKind::Kernel, SpanKind::D2H];
+    let mut out: Vec<Span> = iv
+        .iter()
+        .enumerate()
+        .flat_map(|(b, stages)| {
+            stages
+                .iter()
+                .zip(kinds)
+                .enumerate()
+                .map(move |(k, (&(s, e), kind))| Span {
+                    lane: variant.lane(b, k, stream_of),
+                    kind,
+                    batch: b,
+                    start_ms: s * 1e3,
+                    end_ms: e * 1e3,
+                })
+        })
+        .collect();
+    let host = variant.timeline_lanes().len() - 1;
+    out.extend(fills.iter().map(|&(batch, start_ms, end_ms)| Span {
+        lane: host,
+        kind: SpanKind::Fill,
+        batch,
+        start_ms,
+        end_ms,
+    }));
+    out
 }
 
 // ----- the issue order ------------------------------------------------------------------
@@ -1383,8 +1582,12 @@ enum Staging<'a> {
     Arena(&'a mut [Arena<PinnedSource>]),
     /// A fresh pinned `Vec` per batch, dropped as soon as its copy is queued.
     Fresh,
-    /// An explicit ring: slot `b % len` is reused once the copy of its last batch is done.
-    Ring {
+    /// The library's ring (its buffers on a stream of their own that only waits): a
+    /// buffer is handed out again once the copy that last read it is done.
+    Ring(&'a StagingRing<PinnedAlloc>),
+    /// The hand-written ring: slot `b % len` is reused once the copy of its last batch
+    /// is done.
+    HandRing {
         slots: &'a mut [PVec<u32, PinnedAlloc>],
         last: Vec<Option<usize>>,
     },
@@ -1395,7 +1598,8 @@ enum Staged<'a> {
     Lane,
     Arena(PVec<u32, &'a Arena<PinnedSource>>, &'a Arena<PinnedSource>),
     Fresh(PVec<u32, PinnedAlloc>),
-    Ring(&'a [u32]),
+    Ring(cudalloc::staging::Staged<PinnedAlloc>),
+    HandRing(&'a [u32]),
 }
 
 /// What every run shares: the kernel, the events, the checker.
@@ -1412,14 +1616,20 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     /// Marks the start: `t0` on the first stream, which every other stream waits for.
-    fn start<'s>(&self, streams: impl IntoIterator<Item = &'s Stream>) -> Result<()> {
+    /// Returns a tally whose host clock starts there (the streams are idle: `t0` runs as
+    /// soon as it is queued).
+    fn start<'s>(&self, streams: impl IntoIterator<Item = &'s Stream>) -> Result<Tally> {
         let mut streams = streams.into_iter();
         let first = streams.next().ok_or(Error::InvalidArgument("no stream"))?;
         self.t0.record(first)?;
+        let origin = Instant::now();
         for s in streams {
             s.wait(self.t0)?;
         }
-        Ok(())
+        Ok(Tally {
+            origin: Some(origin),
+            ..Tally::default()
+        })
     }
 
     /// Writes batch `b`'s input into a fixed buffer: all of it when `full`, else its
@@ -1464,8 +1674,7 @@ fn run_lanes(
     full: bool,
 ) -> Result<Tally> {
     let s = lanes.len();
-    let mut tally = Tally::default();
-    ctx.start(lanes.iter().map(|l| &l.stream))?;
+    let mut tally = ctx.start(lanes.iter().map(|l| &l.stream))?;
     let chain = ctx.chain_copies && s > 1;
     for step in plan(batches, s, 0) {
         match step {
@@ -1487,12 +1696,13 @@ fn run_lanes(
                 } = lane;
                 let input: &[u32] = match &staged {
                     Staged::Lane => {
-                        ctx.write_input(b, host_in, full);
+                        tally.filled(b, || ctx.write_input(b, host_in, full));
                         host_in
                     }
                     Staged::Arena(v, _) => v,
                     Staged::Fresh(v) => v,
-                    Staged::Ring(v) => v,
+                    Staged::Ring(lease) => as_words(lease)?,
+                    Staged::HandRing(v) => v,
                 };
                 if chain && b > 0 {
                     stream.wait(&ctx.events[b - 1].h1)?;
@@ -1505,12 +1715,20 @@ fn run_lanes(
                 // it early is allowed); a ring slot only after `h1`.
                 unsafe { dev_in.upload(input, stream) }?;
                 ev.h1.record(stream)?;
-                if let Staged::Arena(v, arena) = &staged {
+                match &staged {
                     // The copy helper recorded the use already (the arena is registered);
                     // saying so explicitly costs one event record and shows the API.
-                    arena.record_use(v.as_ptr().cast(), stream)?;
+                    Staged::Arena(v, arena) => {
+                        arena.record_use(v.as_ptr().cast(), stream)?;
+                    }
+                    // The copy ran on the lane's stream, not the buffer's: say so, and the
+                    // event the lease records when dropped covers it.
+                    Staged::Ring(lease) => lease.record_use(stream)?,
+                    _ => {}
                 }
-                drop(staged); // a fresh Vec goes back to the pool here, its copy still queued
+                // A fresh Vec goes back to the pool here, a ring's lease to its ring, the
+                // copy still queued.
+                drop(staged);
                 ev.k0.record(stream)?;
                 // SAFETY: both device buffers hold `n` u32s, live in `lanes` until the end of
                 // the run, and are used only on this lane's stream, in its order.
@@ -1561,7 +1779,8 @@ fn stage<'s>(
             })?;
             let arena = &*arena;
             let mut v = PVec::new_in(arena);
-            Checker::fill_new(b, ctx.n, &mut v, threads)
+            tally
+                .filled(b, || Checker::fill_new(b, ctx.n, &mut v, threads))
                 .map_err(|()| Error::OutOfMemory { requested: ctx.n * 4 })?;
             Staged::Arena(v, arena)
         }
@@ -1570,21 +1789,29 @@ fn stage<'s>(
             // the oldest pending copies (backpressure, up to 10 s) and then refuses; a
             // refusal must not abort the process.
             let mut v = PVec::new_in(PinnedAlloc);
-            Checker::fill_new(b, ctx.n, &mut v, threads).map_err(|()| Error::LimitExceeded {
-                requested: ctx.n * 4,
-                held: PinnedAlloc::stats().source_bytes,
-                limit: PinnedAlloc::limit().unwrap_or(usize::MAX),
-            })?;
+            tally
+                .filled(b, || Checker::fill_new(b, ctx.n, &mut v, threads))
+                .map_err(|()| Error::LimitExceeded {
+                    requested: ctx.n * 4,
+                    held: PinnedAlloc::stats().source_bytes,
+                    limit: PinnedAlloc::limit().unwrap_or(usize::MAX),
+                })?;
             Staged::Fresh(v)
         }
-        Staging::Ring { slots, last } => {
+        Staging::Ring(ring) => {
+            let mut lease = tally.blocked(|| ring.next(RING_WAIT))?;
+            let input = as_words_mut(&mut lease)?;
+            tally.filled(b, || Checker::fill_with(b, input, threads));
+            Staged::Ring(lease)
+        }
+        Staging::HandRing { slots, last } => {
             let k = b % slots.len();
             if let Some(prev) = last[k] {
                 tally.blocked(|| ctx.events[prev].h1.synchronize())?; // its last copy has read it
             }
-            Checker::fill_with(b, &mut slots[k], threads);
+            tally.filled(b, || Checker::fill_with(b, &mut slots[k], threads));
             last[k] = Some(b);
-            Staged::Ring(&slots[k])
+            Staged::HandRing(&slots[k])
         }
     })
 }
@@ -1600,14 +1827,13 @@ fn stage<'s>(
 /// kernel of b, which waits for the D2H of b - 2 (`d1`, queued one step earlier); its host
 /// output is overwritten by the D2H of b, queued only after the host checked b - 2.
 fn run_double(ctx: &Ctx<'_>, db: &mut Double, batches: usize, full: bool) -> Result<Tally> {
-    let mut tally = Tally::default();
     let Double {
         s_in,
         s_kernel,
         s_out,
         slots,
     } = db;
-    ctx.start([&*s_in, &*s_kernel, &*s_out])?;
+    let mut tally = ctx.start([&*s_in, &*s_kernel, &*s_out])?;
     for step in plan(batches, 2, 1) {
         match step {
             Step::AwaitInputRead(p) => tally.blocked(|| ctx.events[p].h1.synchronize())?,
@@ -1615,7 +1841,7 @@ fn run_double(ctx: &Ctx<'_>, db: &mut Double, batches: usize, full: bool) -> Res
                 let slot = &mut slots[b % 2];
                 let ev = &ctx.events[b];
                 let prev = b.checked_sub(2).map(|p| &ctx.events[p]);
-                ctx.write_input(b, &mut slot.host_in, full);
+                tally.filled(b, || ctx.write_input(b, &mut slot.host_in, full));
                 if let Some(p) = prev {
                     s_in.wait(&p.k1)?; // the slot's device input: the kernel two batches ago is done
                 }
@@ -1660,19 +1886,20 @@ fn run_double(ctx: &Ctx<'_>, db: &mut Double, batches: usize, full: bool) -> Res
     Ok(tally)
 }
 
-/// The library's pipeline (`cudalloc::staging::Pipeline`): a `StagingRing` of 2 input
-/// buffers per stream, and per ring buffer a device input/output pair and a host output.
-struct Piped {
+/// A row on the library's pipeline (`cudalloc::staging::Pipeline`): a `StagingRing` of
+/// `per_stream` input buffers per stream from `A`, and per ring buffer a device
+/// input/output pair and a host output of the same kind of memory.
+struct Piped<A: allocator_api2::alloc::Allocator> {
     streams: Vec<Stream>,
-    ring: cudalloc::staging::StagingRing<PinnedAlloc>,
+    ring: StagingRing<A>,
     /// Indexed by the ring buffer (`Staged::index`); buffer k belongs to stream k % S.
     slots: Vec<Slot>,
 }
 
-impl Piped {
-    fn new(n: usize, streams: usize) -> Result<Self> {
+impl<A: allocator_api2::alloc::Allocator + Clone> Piped<A> {
+    fn new(alloc: A, n: usize, streams: usize, per_stream: usize, pinned_out: bool) -> Result<Self> {
         let streams: Vec<Stream> = (0..streams).map(|_| Stream::new(0)).collect::<Result<_>>()?;
-        let ring = cudalloc::staging::StagingRing::new(PinnedAlloc, &streams, 2, n * 4)?;
+        let ring = StagingRing::new(alloc, &streams, per_stream, n * 4)?;
         let slots = (0..ring.buffers())
             .map(|k| {
                 let s = &streams[k % streams.len()];
@@ -1680,7 +1907,11 @@ impl Piped {
                     dev_in: DevBuf::pool(n, s)?,
                     dev_out: DevBuf::pool(n, s)?,
                     host_in: HostBuf::Pageable(Vec::new()), // the ring's buffer is the input
-                    host_out: HostBuf::pinned(n)?,
+                    host_out: if pinned_out {
+                        HostBuf::pinned(n)?
+                    } else {
+                        HostBuf::Pageable(vec![0; n])
+                    },
                 })
             })
             .collect::<Result<_>>()?;
@@ -1706,22 +1937,36 @@ fn as_words_mut(bytes: &mut [u8]) -> Result<&mut [u32]> {
     Ok(unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr().cast(), bytes.len() / 4) })
 }
 
-/// The ring row's work on the library's `staging::Pipeline`: the helper leases the input
-/// buffers, keeps 2 batches per stream in flight and waits for each batch before its
-/// check; the user code is the fill, the launch and the check.
-fn run_pipeline(ctx: &Ctx<'_>, p: &mut Piped, batches: usize) -> Result<Tally> {
-    ctx.start(&p.streams)?;
+/// A row's work on the library's `staging::Pipeline`: the helper leases the input
+/// buffers, keeps a batch per ring buffer in flight and waits for each batch before its
+/// check; the user code is the fill (all of the input when `full`, else its checked
+/// positions), the launch and the check.
+fn run_ring<A: allocator_api2::alloc::Allocator>(
+    ctx: &Ctx<'_>,
+    p: &mut Piped<A>,
+    batches: usize,
+    full: bool,
+) -> Result<Tally> {
+    let mut tally = ctx.start(&p.streams)?;
     let chain = ctx.chain_copies && p.streams.len() > 1;
     let slots = std::cell::RefCell::new(&mut p.slots);
-    let mut tally = Tally::default();
+    // The fill's spans and each batch's stream, for the timeline.
+    let mut host = Tally {
+        origin: tally.origin,
+        ..Tally::default()
+    };
+    let streams = p.streams.len();
+    let mut stream_of = Vec::with_capacity(batches);
     let run = p.ring.pipeline().run(
         batches,
         |b, bytes| {
-            Checker::fill_with(b, as_words_mut(bytes)?, ctx.fill_threads);
+            let input = as_words_mut(bytes)?;
+            host.filled(b, || ctx.write_input(b, input, full));
             Ok::<_, Error>(())
         },
         |b, buf| {
             let (s, ev) = (buf.stream(), &ctx.events[b]);
+            stream_of.push(buf.index() % streams); // buffer k is stream k % S's
             let mut slots = slots.borrow_mut();
             let Slot {
                 dev_in,
@@ -1757,6 +2002,8 @@ fn run_pipeline(ctx: &Ctx<'_>, p: &mut Piped, batches: usize) -> Result<Tally> {
         },
     )?;
     tally.blocked_s = (run.buffer_wait + run.drain_wait).as_secs_f64();
+    tally.fills = host.fills;
+    tally.stream_of = stream_of;
     Ok(tally)
 }
 
@@ -1764,12 +2011,21 @@ fn run_pipeline(ctx: &Ctx<'_>, p: &mut Piped, batches: usize) -> Result<Tally> {
 struct Resources {
     pinned: Vec<Lane>,
     raw: Vec<Lane>,
+    /// `hand-pageable`'s lane.
     pageable: Option<Lane>,
     double: Option<Double>,
     arenas: Vec<Arena<PinnedSource>>,
-    ring: Vec<PVec<u32, PinnedAlloc>>,
-    /// One per `Pipeline(s)` variant: (s, its ring and buffers).
-    pipelines: Vec<(usize, Piped)>,
+    /// `hand-ring-S`'s slots (the longest ring's; shorter rings use the first ones).
+    hand_ring: Vec<PVec<u32, PinnedAlloc>>,
+    /// One per `Ring(s)` variant: (s, its ring of s + 1 buffers on `ring_stream`).
+    rings: Vec<(usize, StagingRing<PinnedAlloc>)>,
+    /// The rings' own stream: it only waits for the lanes' copies, so its events say
+    /// when a buffer's copy is done without ordering any work.
+    ring_stream: Option<Stream>,
+    /// `pageable` on the pipeline.
+    pageable_pipe: Option<Piped<allocator_api2::alloc::Global>>,
+    /// One per `Pinned(s)` (one buffer per stream) and `Pipeline(s)` (two) variant.
+    pipes: Vec<(Variant, Piped<PinnedAlloc>)>,
 }
 
 impl Resources {
@@ -1777,13 +2033,17 @@ impl Resources {
         let v = &cfg.variants;
         let max = |f: fn(Variant) -> Option<usize>| v.iter().filter_map(|&x| f(x)).max().unwrap_or(0);
         let pinned_lanes = max(|x| match x {
-            Variant::Pinned(s) | Variant::Arena(s) | Variant::FreshVec(s) | Variant::Ring(s) => Some(s),
+            Variant::HandPinned(s)
+            | Variant::Arena(s)
+            | Variant::FreshVec(s)
+            | Variant::Ring(s)
+            | Variant::HandRing(s) => Some(s),
             _ => None,
         })
         .max(2); // the stages alone use two
         let raw_lanes = max(|x| if let Variant::Raw(s) = x { Some(s) } else { None });
         let ring_slots = max(|x| {
-            if let Variant::Ring(s) = x {
+            if let Variant::HandRing(s) = x {
                 Some(s + 1)
             } else {
                 None
@@ -1800,7 +2060,7 @@ impl Resources {
         let raw = (0..raw_lanes)
             .map(|_| Lane::new(n, true, false))
             .collect::<Result<_>>()?;
-        let pageable = if v.contains(&Variant::Pageable) {
+        let pageable = if v.contains(&Variant::HandPageable) {
             Some(Lane::new(n, false, true)?)
         } else {
             None
@@ -1810,18 +2070,44 @@ impl Resources {
         } else {
             None
         };
-        let ring = (0..ring_slots)
+        let hand_ring = (0..ring_slots)
             .map(|_| match HostBuf::pinned(n)? {
                 HostBuf::Pinned(v) => Ok(v),
                 _ => unreachable!("HostBuf::pinned makes pinned buffers"),
             })
             .collect::<Result<_>>()?;
-        let mut pipelines = Vec::new();
+        let ring_stream = if v.iter().any(|x| matches!(x, Variant::Ring(_))) {
+            Some(Stream::new(0)?)
+        } else {
+            None
+        };
+        let (mut rings, mut pipes) = (Vec::new(), Vec::new());
+        let pageable_pipe = if v.contains(&Variant::Pageable) {
+            Some(Piped::new(
+                allocator_api2::alloc::Global,
+                n,
+                1,
+                cfg.ring_buffers,
+                false,
+            )?)
+        } else {
+            None
+        };
         for &x in v {
-            if let Variant::Pipeline(s) = x {
-                if !pipelines.iter().any(|(k, _)| *k == s) {
-                    pipelines.push((s, Piped::new(n, s)?));
+            match (x, &ring_stream) {
+                (Variant::Ring(s), Some(stream)) if !rings.iter().any(|(k, _)| *k == s) => {
+                    rings.push((
+                        s,
+                        StagingRing::new(PinnedAlloc, std::slice::from_ref(stream), s + 1, n * 4)?,
+                    ));
                 }
+                (Variant::Pinned(s), _) if !pipes.iter().any(|(k, _)| *k == x) => {
+                    pipes.push((x, Piped::new(PinnedAlloc, n, s, cfg.ring_buffers, true)?));
+                }
+                (Variant::Pipeline(s), _) if !pipes.iter().any(|(k, _)| *k == x) => {
+                    pipes.push((x, Piped::new(PinnedAlloc, n, s, 2, true)?));
+                }
+                _ => {}
             }
         }
         Ok(Self {
@@ -1830,8 +2116,11 @@ impl Resources {
             pageable,
             double,
             arenas: (0..arenas).map(|_| Arena::pinned()).collect(),
-            ring,
-            pipelines,
+            hand_ring,
+            rings,
+            ring_stream,
+            pageable_pipe,
+            pipes,
         })
     }
 
@@ -1843,7 +2132,9 @@ impl Resources {
         if let Some(d) = &self.double {
             d.synchronize();
         }
-        for s in self.pipelines.iter().flat_map(|(_, p)| &p.streams) {
+        let pipe_streams = self.pipes.iter().flat_map(|(_, p)| &p.streams);
+        let pageable_streams = self.pageable_pipe.iter().flat_map(|p| &p.streams);
+        for s in pipe_streams.chain(pageable_streams).chain(&self.ring_stream) {
             let _ = s.synchronize();
         }
     }
@@ -1853,14 +2144,24 @@ impl Resources {
     fn run(&mut self, ctx: &Ctx<'_>, variant: Variant, batches: usize) -> Result<Tally> {
         let full = variant.staged() || ctx.checker.all;
         let out = match variant {
-            Variant::Pageable => {
+            Variant::Pageable => match &mut self.pageable_pipe {
+                Some(p) => run_ring(ctx, p, batches, full),
+                None => Err(Error::InvalidArgument("no pageable ring")),
+            },
+            Variant::Pinned(_) | Variant::Pipeline(_) => {
+                match self.pipes.iter_mut().find(|(k, _)| *k == variant) {
+                    Some((_, p)) => run_ring(ctx, p, batches, full),
+                    None => Err(Error::InvalidArgument("no staging pipeline of that many streams")),
+                }
+            }
+            Variant::HandPageable => {
                 let lane = self
                     .pageable
                     .as_mut()
                     .ok_or(Error::InvalidArgument("no pageable lane"))?;
                 run_lanes(ctx, std::slice::from_mut(lane), &mut Staging::Lane, batches, full)
             }
-            Variant::Pinned(s) => {
+            Variant::HandPinned(s) => {
                 let k = s.min(self.pinned.len());
                 run_lanes(ctx, &mut self.pinned[..k], &mut Staging::Lane, batches, full)
             }
@@ -1884,23 +2185,32 @@ impl Resources {
                 let k = s.min(self.pinned.len());
                 run_lanes(ctx, &mut self.pinned[..k], &mut Staging::Fresh, batches, full)
             }
-            Variant::Ring(s) => {
+            Variant::Ring(s) => match self.rings.iter().find(|(k, _)| *k == s) {
+                Some((_, ring)) => {
+                    let k = s.min(self.pinned.len());
+                    run_lanes(
+                        ctx,
+                        &mut self.pinned[..k],
+                        &mut Staging::Ring(ring),
+                        batches,
+                        full,
+                    )
+                }
+                None => Err(Error::InvalidArgument("no staging ring of that many streams")),
+            },
+            Variant::HandRing(s) => {
                 let k = s.min(self.pinned.len());
-                let len = (s + 1).min(self.ring.len());
-                let slots = &mut self.ring[..len];
+                let len = (s + 1).min(self.hand_ring.len());
+                let slots = &mut self.hand_ring[..len];
                 let last = vec![None; slots.len()];
                 run_lanes(
                     ctx,
                     &mut self.pinned[..k],
-                    &mut Staging::Ring { slots, last },
+                    &mut Staging::HandRing { slots, last },
                     batches,
                     full,
                 )
             }
-            Variant::Pipeline(s) => match self.pipelines.iter_mut().find(|(k, _)| *k == s) {
-                Some((_, p)) => run_pipeline(ctx, p, batches),
-                None => Err(Error::InvalidArgument("no staging pipeline of that many streams")),
-            },
         };
         self.synchronize();
         out
@@ -2109,7 +2419,8 @@ fn measure(
     let tally = res.run(ctx, variant, cfg.batches)?;
     let wall = start.elapsed().as_secs_f64();
     let after = PinnedAlloc::stats();
-    let tl = timeline(&ctx.events[..cfg.batches], ctx.t0)?;
+    let iv = stage_intervals(&ctx.events[..cfg.batches], ctx.t0)?;
+    let tl = busy(&iv);
     let mut stages = vec![("H2D", base.h2d_ms), ("D2H", base.d2h_ms), ("kernel", kernel_ms)];
     if variant.staged() {
         stages.push(("host fill", base.fill_ms));
@@ -2132,5 +2443,10 @@ fn measure(
         elements_checked: tally.elements_checked,
         mismatches: tally.mismatches,
         first_mismatch: tally.first_mismatch,
+        timeline: timeline::Timeline {
+            title: String::new(), // named by `Results::timelines`
+            lanes: variant.timeline_lanes(),
+            spans: spans(variant, &iv, &tally.stream_of, &tally.fills),
+        },
     })
 }

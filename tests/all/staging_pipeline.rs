@@ -325,6 +325,7 @@ fn the_tables_put_our_rows_next_to_the_cpp_reference() {
         (Variant::Pinned(2), 92.4),
         (Variant::Raw(2), 90.0),
         (Variant::Pinned(3), 95.0),
+        (Variant::HandPinned(2), 88.0),
     ]
     .map(|(variant, w)| pipeline::Row {
         variant,
@@ -353,7 +354,10 @@ fn the_tables_put_our_rows_next_to_the_cpp_reference() {
     let tables = results.tables();
     let main = tables.iter().find(|t| t.id == "pipeline").unwrap();
     let vs_cpp: Vec<String> = main.rows.iter().map(|r| main.cell(r, "vs_cpp")).collect();
-    assert_eq!(vs_cpp, ["1.05x", "1.02x", "-"]);
+    assert_eq!(vs_cpp, ["1.05x", "1.02x", "-", "1.00x"]);
+    // The row on the library against its hand-written twin in the same run.
+    let vs_hand: Vec<String> = main.rows.iter().map(|r| main.cell(r, "vs_hand")).collect();
+    assert_eq!(vs_hand, ["1.05x", "-", "-", "-"]);
     let cpp = tables.iter().find(|t| t.id == "pipeline_cpp").unwrap();
     assert_eq!(
         cpp.rows.len(),
@@ -389,6 +393,35 @@ fn regimes_and_variants_parse_and_name_themselves() {
     let some = Variant::all(&[1, 2], 3, Some(&["fresh".to_string(), "raw".to_string()]));
     assert_eq!(some, [Variant::Raw(1), Variant::Raw(2), Variant::FreshVec(3)]);
     assert_eq!(Variant::Ring(4).key(), "ring-4");
+    // The hand-written references of the rows on the library: only when named.
+    let hand = Variant::all(&[1, 2], 3, Some(&["hand".to_string()]));
+    assert_eq!(
+        hand,
+        [
+            Variant::HandPageable,
+            Variant::HandPinned(1),
+            Variant::HandPinned(2),
+            Variant::HandRing(3)
+        ]
+    );
+    assert!(!all.iter().any(|v| hand.contains(v)));
+    assert_eq!(Variant::HandPinned(4).key(), "hand-pinned-4");
+    assert_eq!(
+        Variant::HandRing(4).label(),
+        "ring of 5 Vec<PinnedAlloc>, 4 streams, hand-written"
+    );
+    // Each keeps its row's stream count, raw reference and C++ row.
+    for (lib, hand) in [
+        (Variant::Pageable, Variant::HandPageable),
+        (Variant::Pinned(4), Variant::HandPinned(4)),
+        (Variant::Ring(4), Variant::HandRing(4)),
+    ] {
+        assert_eq!(lib.streams(), hand.streams());
+        assert_eq!(lib.timeline_lanes(), hand.timeline_lanes());
+        for r in [Regime::TransferBound, Regime::Balanced, Regime::ComputeBound] {
+            assert_eq!(lib.cpp_reference(r), hand.cpp_reference(r), "{}", hand.key());
+        }
+    }
 }
 
 #[test]
@@ -412,13 +445,20 @@ fn every_variant_delivers_every_element_of_every_batch() {
             batches,
             batch_bytes,
             regimes: vec![Regime::Rounds(2), Regime::Rounds(17)],
-            variants: Variant::all(&[1, 2, 3], 2, None),
+            // The rows on the library's types and the hand-written ones they replaced.
+            variants: [
+                Variant::all(&[1, 2, 3], 2, None),
+                Variant::all(&[1, 2, 3], 2, Some(&["hand".to_string()])),
+            ]
+            .concat(),
             samples: 64,
             verify_all: true,
             warmup: true,
             fresh_headroom: None,
             fill_threads: 3,
             chain_copies,
+            // The rows on the ring with one buffer per stream, then with two.
+            ring_buffers: if chain_copies { 1 } else { 2 },
         };
         let results = pipeline::run(&cfg, &|_| {}).unwrap();
         assert_eq!(results.regimes.len(), 2);
@@ -443,8 +483,10 @@ fn every_variant_delivers_every_element_of_every_batch() {
                     "{who}: busy {}",
                     m.gpu_busy
                 );
+                assert_timeline(&who, row.variant, m, batches);
             }
         }
+        assert_timeline_svg(&results);
         let tables = results.tables();
         let t = tables.iter().find(|t| t.id == "pipeline").unwrap();
         assert_eq!(t.rows.len(), 2 * cfg.variants.len());
@@ -493,6 +535,7 @@ fn the_library_pipeline_delivers_every_element_of_every_batch() {
             fresh_headroom: None,
             fill_threads: 3,
             chain_copies,
+            ring_buffers: 1,
         };
         let results = pipeline::run(&cfg, &|_| {}).unwrap();
         for g in &results.regimes {
@@ -515,8 +558,10 @@ fn the_library_pipeline_delivers_every_element_of_every_batch() {
                     "{who}: busy {}",
                     m.gpu_busy
                 );
+                assert_timeline(&who, row.variant, m, batches);
             }
         }
+        assert_timeline_svg(&results);
     }
     assert_eq!(
         cudalloc::cuda::drop_errors(),
@@ -524,4 +569,229 @@ fn the_library_pipeline_delivers_every_element_of_every_batch() {
         "last: {:?}",
         cudalloc::cuda::last_drop_error()
     );
+}
+
+/// A measured row's timeline: a lane per stream and one for the host, each batch's
+/// three stages and its fill once, on its stream's lane, inside the run's wall time.
+fn assert_timeline(who: &str, v: Variant, m: &pipeline::Measured, batches: usize) {
+    use pipeline::timeline::SpanKind;
+    let t = &m.timeline;
+    assert_eq!(t.lanes, v.timeline_lanes(), "{who}");
+    let streams = if v == Variant::DoubleBuffered {
+        3
+    } else {
+        v.streams()
+    };
+    assert_eq!(t.lanes.len(), streams + 1, "{who}");
+    for kind in SpanKind::ALL {
+        let mut seen: Vec<usize> = t
+            .spans
+            .iter()
+            .filter(|s| s.kind == kind)
+            .map(|s| s.batch)
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(
+            seen,
+            (0..batches).collect::<Vec<_>>(),
+            "{who}: {kind:?} once per batch"
+        );
+    }
+    for s in &t.spans {
+        assert!(s.lane < t.lanes.len(), "{who}: {s:?}");
+        assert!(
+            0.0 <= s.start_ms && s.start_ms <= s.end_ms && s.end_ms <= m.wall_ms + 1.0,
+            "{who}: {s:?} outside 0..{} ms",
+            m.wall_ms
+        );
+        match (v, s.kind) {
+            (_, SpanKind::Fill) => assert_eq!(s.lane, streams, "{who}: {s:?}"),
+            (Variant::DoubleBuffered, k) => {
+                assert_eq!(
+                    s.lane,
+                    [SpanKind::H2D, SpanKind::Kernel, SpanKind::D2H]
+                        .iter()
+                        .position(|x| *x == k)
+                        .unwrap()
+                )
+            }
+            // On the library's pipeline the ring's free buffer picks the stream.
+            (Variant::Pipeline(_) | Variant::Pinned(_), _) => {}
+            _ => assert_eq!(s.lane, s.batch % streams, "{who}: {s:?}"),
+        }
+    }
+    // Every stream carried work (each run has at least as many batches as streams).
+    for lane in 0..streams.min(batches) {
+        assert!(t.spans.iter().any(|s| s.lane == lane), "{who}: lane {lane} empty");
+    }
+}
+
+/// The run's timeline SVG parses and has a caption per measured row.
+fn assert_timeline_svg(results: &pipeline::Results) {
+    let timelines = results.timelines();
+    let rows: usize = results.regimes.iter().map(|g| g.rows.len()).sum();
+    assert_eq!(timelines.len(), rows);
+    let text = pipeline::timeline::svg(&timelines).unwrap();
+    let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("malformed SVG: {e}"));
+    for t in &timelines {
+        assert!(
+            doc.descendants()
+                .any(|n| n.has_tag_name("text") && n.text().is_some_and(|x| x.trim() == t.title)),
+            "no caption {:?}",
+            t.title
+        );
+    }
+}
+
+/// Synthetic intervals of `batches` batches on a pipeline of `streams` lanes: batch b's
+/// H2D, kernel and D2H back to back from `b` ms, in seconds (as the events give them).
+fn synthetic_intervals(batches: usize) -> Vec<pipeline::StageIntervals> {
+    (0..batches)
+        .map(|b| {
+            let t = b as f64 * 1e-3;
+            [(t, t + 3e-4), (t + 3e-4, t + 6e-4), (t + 6e-4, t + 9e-4)]
+        })
+        .collect()
+}
+
+#[test]
+fn timeline_spans_put_each_batch_on_its_stream_and_the_fill_on_the_host_lane() {
+    use pipeline::timeline::SpanKind;
+    let iv = synthetic_intervals(6);
+    let fills: Vec<(usize, f64, f64)> = (0..6).map(|b| (b, b as f64, b as f64 + 0.2)).collect();
+    let lane_of = |spans: &[pipeline::timeline::Span], b: usize, kind: SpanKind| {
+        let s: Vec<_> = spans.iter().filter(|s| s.batch == b && s.kind == kind).collect();
+        assert_eq!(s.len(), 1, "batch {b} {kind:?}: {s:?}");
+        s[0].lane
+    };
+    // Batch b on stream b % S; the host lane is the last.
+    let v = Variant::Pinned(4);
+    assert_eq!(
+        v.timeline_lanes(),
+        ["stream 0", "stream 1", "stream 2", "stream 3", "host"]
+    );
+    let spans = pipeline::spans(v, &iv, &[], &fills);
+    assert_eq!(spans.len(), 6 * 3 + 6);
+    for kind in [SpanKind::H2D, SpanKind::Kernel, SpanKind::D2H] {
+        assert_eq!(lane_of(&spans, 5, kind), 1);
+    }
+    assert_eq!(lane_of(&spans, 5, SpanKind::Fill), 4);
+    let k5 = spans
+        .iter()
+        .find(|s| s.batch == 5 && s.kind == SpanKind::Kernel)
+        .unwrap();
+    assert!(
+        (k5.start_ms - 5.3).abs() < 1e-9 && (k5.end_ms - 5.6).abs() < 1e-9,
+        "{k5:?}"
+    );
+    // Double buffering: a stream per stage.
+    let v = Variant::DoubleBuffered;
+    assert_eq!(v.timeline_lanes().len(), 4);
+    let spans = pipeline::spans(v, &iv, &[], &fills);
+    assert_eq!(
+        [SpanKind::H2D, SpanKind::Kernel, SpanKind::D2H, SpanKind::Fill].map(|k| lane_of(&spans, 3, k)),
+        [0, 1, 2, 3]
+    );
+    // The library's pipeline: where the ring put each batch.
+    let v = Variant::Pipeline(2);
+    let spans = pipeline::spans(v, &iv, &[1, 0, 0, 1, 1, 0], &fills);
+    assert_eq!(
+        (0..6)
+            .map(|b| lane_of(&spans, b, SpanKind::D2H))
+            .collect::<Vec<_>>(),
+        [1, 0, 0, 1, 1, 0]
+    );
+    assert_eq!(lane_of(&spans, 2, SpanKind::Fill), 2);
+}
+
+/// Every `<rect>` of `svg` filled with `color`, as (x, y, width, height) in pixels.
+fn rects_of(doc: &roxmltree::Document<'_>, color: plotters::style::RGBColor) -> Vec<[f64; 4]> {
+    let hex = format!("#{:02X}{:02X}{:02X}", color.0, color.1, color.2);
+    doc.descendants()
+        .filter(|n| {
+            n.has_tag_name("rect") && n.attribute("fill").is_some_and(|f| f.eq_ignore_ascii_case(&hex))
+        })
+        .map(|n| ["x", "y", "width", "height"].map(|a| n.attribute(a).unwrap().parse::<f64>().unwrap()))
+        .collect()
+}
+
+#[test]
+fn the_timeline_svg_is_well_formed_and_has_one_lane_per_stream() {
+    use pipeline::timeline::{self, SpanKind, Timeline};
+    let batches = 9;
+    let iv = synthetic_intervals(batches);
+    let fills: Vec<(usize, f64, f64)> = (0..batches).map(|b| (b, b as f64, b as f64 + 0.25)).collect();
+    let v = Variant::Ring(3);
+    let one = Timeline {
+        // Markup in a caption must come out escaped, not break the document.
+        title: "balanced: fresh Vec<PinnedAlloc> & co".into(),
+        lanes: v.timeline_lanes(),
+        spans: pipeline::spans(v, &iv, &[], &fills),
+    };
+    let text = timeline::svg(std::slice::from_ref(&one)).unwrap();
+    let doc = roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("malformed SVG: {e}"));
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    let texts: Vec<String> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .map(|n| n.text().unwrap_or("").trim().to_string())
+        .collect();
+    assert!(texts.contains(&one.title), "no caption in {texts:?}");
+    // One name per lane: the three streams and the host, each once.
+    for lane in ["stream 0", "stream 1", "stream 2", "host"] {
+        assert_eq!(
+            texts.iter().filter(|t| *t == lane).count(),
+            1,
+            "lane {lane:?} in {texts:?}"
+        );
+    }
+    assert!(!texts.iter().any(|t| t == "stream 3"), "a fourth stream lane");
+    // Every span is a bar of its kind's colour (plus the kind's legend swatch), and the
+    // bars sit in one row per lane: three stream rows for the GPU stages, one host row.
+    let legend_y = |r: &[f64; 4]| r[1] < 30.0;
+    for kind in SpanKind::ALL {
+        let rects = rects_of(&doc, kind.color());
+        let bars: Vec<_> = rects.iter().filter(|r| !legend_y(r)).collect();
+        assert_eq!(rects.len() - bars.len(), 1, "{kind:?}: one legend swatch");
+        let spans = one.spans.iter().filter(|s| s.kind == kind).count();
+        assert_eq!(bars.len(), spans, "{kind:?}: a bar per span");
+        let mut rows: Vec<i64> = bars.iter().map(|r| r[1].round() as i64).collect();
+        rows.sort_unstable();
+        rows.dedup();
+        let want = if kind == SpanKind::Fill { 1 } else { 3 };
+        assert_eq!(rows.len(), want, "{kind:?}: rows {rows:?}");
+    }
+    // Batch b's H2D and its kernel share a row (its stream's), batch b + 1's differs.
+    let h2d: Vec<[f64; 4]> = rects_of(&doc, SpanKind::H2D.color())
+        .into_iter()
+        .filter(|r| !legend_y(r))
+        .collect();
+    let kernels: Vec<[f64; 4]> = rects_of(&doc, SpanKind::Kernel.color())
+        .into_iter()
+        .filter(|r| !legend_y(r))
+        .collect();
+    assert_eq!(h2d[4][1], kernels[4][1]);
+    assert_ne!(h2d[4][1], h2d[5][1]);
+    // Later bars lie further right: the axis is time.
+    assert!(h2d[5][0] > h2d[4][0]);
+
+    // Several panels stack: each caption and each panel's lanes appear.
+    let two = Timeline {
+        title: "transfer-bound: PinnedAlloc, double buffering".into(),
+        lanes: Variant::DoubleBuffered.timeline_lanes(),
+        spans: pipeline::spans(Variant::DoubleBuffered, &iv, &[], &fills),
+    };
+    let text = timeline::svg(&[one.clone(), two.clone()]).unwrap();
+    let doc = roxmltree::Document::parse(&text).unwrap();
+    let texts: Vec<String> = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .map(|n| n.text().unwrap_or("").trim().to_string())
+        .collect();
+    assert!(texts.contains(&one.title) && texts.contains(&two.title));
+    assert_eq!(texts.iter().filter(|t| *t == "host").count(), 2);
+    assert_eq!(texts.iter().filter(|t| *t == "kernel stream").count(), 1);
+    // No rows: still a document that says so.
+    let empty = timeline::svg(&[]).unwrap();
+    assert!(roxmltree::Document::parse(&empty).is_ok());
 }
