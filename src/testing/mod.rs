@@ -11,6 +11,7 @@
 mod raw_pinned;
 pub mod workload;
 
+pub use crate::cuda::async_memory::warm_up as warm_up_stream_ordered;
 pub use crate::cuda::async_memory::AsyncDeviceMemory;
 pub use crate::cuda::memory::DeviceMemory;
 pub use crate::source::managed::managed_bytes_held;

@@ -189,7 +189,10 @@ impl ReplayTarget for DevicePoolTarget {
     }
 }
 
+/// The streams of a device target, after the driver's one-time set-up of stream-ordered
+/// allocation was paid (once per process), so no target is charged for it.
 fn make_streams(device: usize, n: usize) -> Result<Vec<Stream>, String> {
+    crate::cuda::async_memory::warm_up(device).map_err(|e| format!("warming up the driver: {e}"))?;
     (0..n)
         .map(|_| Stream::new(device).map_err(|e| format!("creating a stream: {e}")))
         .collect()
