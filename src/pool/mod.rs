@@ -87,6 +87,7 @@ use size_class::{class_of, class_of_aligned, class_size, MAX_CLASS_SIZE, QUANTUM
 use uses::BlockKind;
 
 use crate::budget::Budget;
+use crate::cuda::nvtx;
 use crate::error::{Error, Result};
 use crate::fence::{registry, Fence};
 use crate::source::{HostVisible, MemorySource};
@@ -618,6 +619,10 @@ impl<S: MemorySource + 'static> Pool<S> {
             .alloc(block.cast::<u8>().as_ptr(), layout, block.len());
         #[cfg(feature = "debug-checks")]
         self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
+        // A live NVTX region of exactly the request (when the chunk is a heap).
+        if nvtx::on() {
+            nvtx::region_register(block.cast::<u8>().as_ptr() as u64, size);
+        }
         Ok(block)
     }
 
@@ -727,6 +732,11 @@ impl<S: MemorySource + 'static> Pool<S> {
         let size = layout.size();
         if size == 0 {
             return;
+        }
+        // Freed, the block is no longer a live region, wherever it goes next (a thread
+        // cache, a shared list, the pending list).
+        if nvtx::on() {
+            nvtx::region_unregister(ptr.as_ptr() as u64);
         }
         #[cfg(feature = "debug-checks")]
         self.shared
@@ -963,6 +973,7 @@ impl<S: HostVisible + 'static> Pool<S> {
                     self.shared
                         .trace
                         .resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, class_size(a)));
+                    resized_region(ptr, new.size());
                     return Ok(NonNull::slice_from_raw_parts(ptr, class_size(a)));
                 }
                 (None, None) if new.size() > old.size() && ptr.as_ptr() as usize % new.align() == 0 => {
@@ -971,6 +982,7 @@ impl<S: HostVisible + 'static> Pool<S> {
                         self.shared
                             .trace
                             .resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, usable));
+                        resized_region(ptr, new.size());
                         return Ok(NonNull::slice_from_raw_parts(ptr, usable));
                     }
                     growing = true;
@@ -990,6 +1002,9 @@ impl<S: HostVisible + 'static> Pool<S> {
             self.shared
                 .trace
                 .alloc(block.cast::<u8>().as_ptr(), new, block.len());
+            if nvtx::on() {
+                nvtx::region_register(block.cast::<u8>().as_ptr() as u64, new.size());
+            }
             block
         } else {
             self.allocate(new)?
@@ -998,6 +1013,15 @@ impl<S: HostVisible + 'static> Pool<S> {
         // bytes.
         unsafe { move_block(self, ptr, old, new, block) };
         Ok(block)
+    }
+}
+
+/// A block resized in place is a live region of its new length (NVTX).
+#[inline(always)]
+fn resized_region(ptr: NonNull<u8>, bytes: usize) {
+    if nvtx::on() {
+        nvtx::region_unregister(ptr.as_ptr() as u64);
+        nvtx::region_register(ptr.as_ptr() as u64, bytes);
     }
 }
 
