@@ -254,7 +254,7 @@ impl<S: HostVisible> Bump<S> {
             ));
         }
         // Memory a kernel reaches is an NVTX heap: the owner's blocks are regions in it.
-        if nvtx::on() && nvtx::host_heap_register(&self.source, base, size) {
+        if self.config.nvtx && nvtx::on() && nvtx::host_heap_register(&self.source, base, size) {
             self.heaps.set(self.heaps.get() + 1);
         }
         self.held.set(self.held.get() + size);

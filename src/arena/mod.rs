@@ -74,6 +74,11 @@ pub struct ArenaConfig {
     /// limit). A request that would pass it fails with `AllocError`, and the arena stays
     /// usable.
     pub limit: Option<usize>,
+    /// Whether the arena describes its memory to an attached NVTX tool (compute-sanitizer:
+    /// chunks the GPU reaches are heaps, blocks live regions until freed, reset or
+    /// rewound; see [`cuda::nvtx`](crate::cuda::nvtx)). Default `true`; nothing happens
+    /// without a tool.
+    pub nvtx: bool,
 }
 
 impl ArenaConfig {
@@ -93,6 +98,7 @@ impl ArenaConfig {
             first_chunk: Self::HOST_FIRST_CHUNK,
             max_chunk: None,
             limit: None,
+            nvtx: true,
         }
     }
 
@@ -162,6 +168,17 @@ impl ArenaConfig {
             limit: Some(bytes),
             ..self
         }
+    }
+
+    /// This configuration with its NVTX annotations on or off ([`nvtx`](ArenaConfig::nvtx)).
+    ///
+    /// ```
+    /// use cudalloc::arena::ArenaConfig;
+    /// assert!(ArenaConfig::pinned().nvtx);
+    /// assert!(!ArenaConfig::pinned().with_nvtx(false).nvtx);
+    /// ```
+    pub const fn with_nvtx(self, nvtx: bool) -> Self {
+        Self { nvtx, ..self }
     }
 }
 

@@ -209,6 +209,10 @@ pub struct PoolConfig {
     /// as the GPU work takes. A dropped pool waits as long for the uses of its freed
     /// blocks (10 s when `None`), then leaks what they guard (see [`Fence`]).
     pub pending_wait: Option<Duration>,
+    /// Whether the pool describes its memory to an attached NVTX tool (compute-sanitizer:
+    /// chunks the GPU reaches are heaps, blocks handed out live regions; see
+    /// [`cuda::nvtx`](crate::cuda::nvtx)). Default `true`; nothing happens without a tool.
+    pub nvtx: bool,
 }
 
 impl Default for PoolConfig {
@@ -220,6 +224,7 @@ impl Default for PoolConfig {
             thread_cache_bytes: 32 << 20,
             limit: None,
             pending_wait: Some(Duration::from_secs(10)),
+            nvtx: true,
         }
     }
 }
@@ -287,6 +292,19 @@ impl PoolConfig {
         }
     }
 
+    /// This configuration with its NVTX annotations on or off ([`nvtx`](PoolConfig::nvtx)):
+    /// off, the pool's memory looks to compute-sanitizer as before (one allocation per
+    /// chunk), as for the whole process with `CUDALLOC_NVTX=0`.
+    ///
+    /// ```
+    /// let c = cudalloc::pool::PoolConfig::default();
+    /// assert!(c.nvtx);
+    /// assert!(!c.with_nvtx(false).nvtx);
+    /// ```
+    pub const fn with_nvtx(self, nvtx: bool) -> Self {
+        Self { nvtx, ..self }
+    }
+
     fn settings(&self) -> Settings {
         const MIN_CHUNK: usize = 256 << 10;
         let chunk_size = align_up(self.chunk_size.max(MIN_CHUNK), PAGE_SIZE).unwrap_or(MIN_CHUNK);
@@ -312,6 +330,7 @@ impl PoolConfig {
             caps,
             thread_cache_bytes: self.thread_cache_bytes,
             pending_wait: self.pending_wait,
+            nvtx: self.nvtx,
         }
     }
 }

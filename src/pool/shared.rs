@@ -47,6 +47,8 @@ pub(crate) struct Settings {
     /// How long an allocation that finds the pool full waits for pending blocks' GPU
     /// uses to complete (backpressure); `None`: it fails at once.
     pub(crate) pending_wait: Option<Duration>,
+    /// Whether chunks may be NVTX heaps (`PoolConfig::nvtx`).
+    pub(crate) nvtx: bool,
 }
 
 /// The state a pool's threads share.
@@ -176,7 +178,7 @@ impl<S: MemorySource> Shared<S> {
                 self.trace.segment(Code::SegmentAlloc, p.as_ptr() as usize, size);
                 // Memory a kernel reaches is an NVTX heap: its blocks are regions while
                 // handed out (`Pool::try_allocate`, `Pool::free`).
-                if nvtx::on() {
+                if self.settings.nvtx && nvtx::on() {
                     nvtx::host_heap_register(&self.source, p, size);
                 }
                 Ok(BlockPtr::new(p))

@@ -581,13 +581,19 @@ fn a_host_pool_over_mapped_memory_registers_heaps_and_exact_regions_and_balances
         assert_eq!((h, hg, rg, rgg), (1, 1, 1, 1), "{:?}", &calls()[start..]);
         assert!(replay(&calls()).heaps.is_empty());
     }
-    // Pageable memory (HostSource, the fallback without a driver): no call.
+    // Pageable memory (HostSource, the fallback without a driver), and a pool configured
+    // without annotations: no call.
     let n = calls().len();
     let plain = Pool::new(HostSource);
     let mut v: Vec<u32, &Pool<HostSource>> = Vec::with_capacity_in(1000, &plain);
     v.push(1);
     drop(v);
     plain.trim();
+    let off = Pool::with_config(Mapped, PoolConfig::default().with_nvtx(false));
+    let mut v: Vec<u32, &Pool<Mapped>> = Vec::with_capacity_in(1000, &off);
+    v.push(1);
+    drop(v);
+    off.trim();
     assert_eq!(calls().len(), n, "{:?}", &calls()[n..]);
     assert_no_complaints();
 }
@@ -670,7 +676,7 @@ fn a_host_arena_over_mapped_memory_registers_exact_regions_and_resets_to_none() 
     let (h, hg, rg, rgg) = counts(start);
     assert_eq!((h, rg), (hg, rgg), "balanced: {:?}", &calls()[start..]);
 
-    // Pageable memory: no call.
+    // Pageable memory, and an arena configured without annotations: no call.
     let n = calls().len();
     let mut plain = Arena::host();
     plain
@@ -678,6 +684,11 @@ fn a_host_arena_over_mapped_memory_registers_exact_regions_and_resets_to_none() 
         .unwrap();
     plain.reset();
     drop(plain);
+    let mut off = Arena::with_config(Mapped, ArenaConfig::pinned().with_nvtx(false));
+    off.try_alloc_layout(Layout::from_size_align(100, 8).unwrap())
+        .unwrap();
+    off.reset();
+    drop(off);
     assert_eq!(calls().len(), n, "{:?}", &calls()[n..]);
     assert_no_complaints();
 }
