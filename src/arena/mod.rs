@@ -369,8 +369,9 @@ pub struct Arena<S: HostVisible = HostSource> {
     /// tool attached and chunks that are heaps): unregistered at a reset, a rewind past
     /// them and the drop. A freed block's record may stay (see `unannotate`).
     regions: RefCell<Vec<usize>>,
-    /// Records below this index are named by a checkpoint (`regions_floor <= regions.len()`
-    /// is not kept: a rewind may shorten the record below it), so never popped by a free.
+    /// The most records a checkpoint taken since the last reset counts: a free never pops
+    /// a record below it, so that a rewind to any such checkpoint finds every block
+    /// allocated after it. May exceed `regions.len()` after a rewind.
     regions_floor: Cell<usize>,
     uses: Arc<Uses>,
     /// The arena's id in the range registry.

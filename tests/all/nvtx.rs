@@ -1,8 +1,10 @@
 //! NVTX memory annotations (issue 24): the injection handshake with a fake tool linked
 //! into this binary (NVTX's static injection, `cuda::nvtx::inject_static`), which checks
 //! every structure it is given and records every call; the pools' heaps and regions
-//! balance (CPU: the simulated pool; GPU: `DevicePool` on both backings and
-//! `DeviceArena`); the switch and the loading path's failures. The `sanitizer_*` tests
+//! balance (CPU: the simulated pool, a host `Pool` and `Arena` over memory that says a
+//! kernel reaches it; GPU: `DevicePool` on both backings and `DeviceArena`, the pinned
+//! and managed handles, pools over each host source and a pinned `Arena`); the switch and
+//! the loading path's failures. The `sanitizer_*` tests
 //! make the errors compute-sanitizer must report (run by `tools/gpu-nvtx-checks.sh`,
 //! only with `CUDALLOC_SANITIZER_TESTS=1`).
 //!
