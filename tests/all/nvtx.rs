@@ -631,6 +631,25 @@ fn a_host_arena_over_mapped_memory_registers_exact_regions_and_resets_to_none() 
         drop(v);
         assert!(!replay(&calls()).regions.contains_key(&pv), "freed");
 
+        // A Vec that is not the newest block moves when it grows: the new block is a
+        // region, the old one no longer.
+        let mut w: Vec<u32, &Arena<Mapped>> = Vec::with_capacity_in(10, &arena);
+        w.extend(0..10);
+        let old = w.as_ptr() as u64;
+        let x = arena
+            .try_alloc_layout(Layout::from_size_align(16, 8).unwrap())
+            .unwrap();
+        w.extend(10..100);
+        let r = replay(&calls());
+        assert_ne!(w.as_ptr() as u64, old, "moved");
+        assert!(!r.regions.contains_key(&old), "{r:?}");
+        assert_eq!(r.regions.get(&(w.as_ptr() as u64)), Some(&(w.capacity() * 4)));
+        assert_eq!(r.regions.get(&(x.as_ptr() as u64)), Some(&16));
+        drop(w);
+        // SAFETY: `x` is the arena's block of this layout, not used after.
+        unsafe { (&arena).deallocate(x, Layout::from_size_align(16, 8).unwrap()) };
+        assert_eq!(replay(&calls()).regions.len(), 1, "only `a` is live");
+
         // A rewind takes the regions after its checkpoint, not those before.
         let mark = arena.checkpoint();
         let c = arena
