@@ -16,6 +16,7 @@ use core::ptr::{self, NonNull};
 use allocator_api2::alloc::Layout;
 
 use super::{ArenaConfig, Checkpoint};
+use crate::cuda::nvtx;
 use crate::error::{Error, Result};
 use crate::source::HostVisible;
 use crate::util::{align_up, PAGE_SIZE};
@@ -82,6 +83,9 @@ pub(crate) struct Bump<S: HostVisible> {
     /// Moves whenever every block is freed at once (a reset, a give-up): a checkpoint
     /// taken in an earlier epoch names no position of the current blocks.
     epoch: Cell<u64>,
+    /// Chunks registered as NVTX heaps so far (`cuda::nvtx`; 0 without a tool or for
+    /// memory no kernel reaches).
+    heaps: Cell<usize>,
     pub(crate) source: S,
 }
 
@@ -99,6 +103,7 @@ impl<S: HostVisible> Bump<S> {
             config,
             abandoned_bytes: Cell::new(0),
             epoch: Cell::new(0),
+            heaps: Cell::new(0),
             source,
         }
     }
@@ -248,6 +253,10 @@ impl<S: HostVisible> Bump<S> {
                 "the arena's source returned memory that overlaps memory the crate's allocators already hold",
             ));
         }
+        // Memory a kernel reaches is an NVTX heap: the owner's blocks are regions in it.
+        if self.config.nvtx && nvtx::on() && nvtx::host_heap_register(&self.source, base, size) {
+            self.heaps.set(self.heaps.get() + 1);
+        }
         self.held.set(self.held.get() + size);
         let grown = if dedicated { regular } else { size };
         let cap = self.config.max_chunk.unwrap_or(usize::MAX);
@@ -279,6 +288,7 @@ impl<S: HostVisible> Bump<S> {
     /// Returns a chunk to the source.
     fn free_chunk(&self, c: Chunk, hooks: &impl Hooks) {
         hooks.removed(c.base.as_ptr() as usize, c.size);
+        self.heap_gone(&c);
         self.held.set(self.held.get() - c.size);
         // SAFETY: the chunk came from `self.source.allocate(c.size)`; callers pass chunks
         // that hold no live block and whose GPU uses have completed (waited for).
@@ -289,8 +299,23 @@ impl<S: HostVisible> Bump<S> {
     /// reused nor freed (a leak is better than corrupted data).
     fn give_up(&self, c: Chunk, hooks: &impl Hooks) {
         hooks.removed(c.base.as_ptr() as usize, c.size);
+        self.heap_gone(&c);
         self.held.set(self.held.get() - c.size);
         self.abandoned_bytes.set(self.abandoned_bytes.get() + c.size);
+    }
+
+    /// The chunk leaves the arena: no longer an NVTX heap (nothing if it was none).
+    fn heap_gone(&self, c: &Chunk) {
+        if nvtx::on() {
+            nvtx::heap_unregister(c.base.as_ptr() as u64);
+        }
+    }
+
+    /// Whether some chunk became an NVTX heap (so the owner's blocks are worth describing
+    /// as regions).
+    #[inline(always)]
+    pub(crate) fn has_heaps(&self) -> bool {
+        self.heaps.get() > 0
     }
 
     /// Makes `chunk` the current chunk, empty.
@@ -452,6 +477,7 @@ impl<S: HostVisible> Bump<S> {
             ptr,
             arena: 0,
             epoch: self.epoch.get(),
+            regions: 0,
         }
     }
 

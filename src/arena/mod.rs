@@ -37,6 +37,7 @@
 
 mod bump;
 
+use core::cell::{Cell, RefCell};
 use core::fmt;
 use core::ptr::{self, NonNull};
 
@@ -44,7 +45,7 @@ use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
 use bump::{Bump, Hooks};
 
-use crate::cuda::MemoryType;
+use crate::cuda::{nvtx, MemoryType};
 use crate::cuda::{PooledEvent, Stream};
 use crate::error::Result;
 use crate::fence::{registry, SharedFence, UseSet};
@@ -73,6 +74,11 @@ pub struct ArenaConfig {
     /// limit). A request that would pass it fails with `AllocError`, and the arena stays
     /// usable.
     pub limit: Option<usize>,
+    /// Whether the arena describes its memory to an attached NVTX tool (compute-sanitizer:
+    /// chunks the GPU reaches are heaps, blocks live regions until freed, reset or
+    /// rewound; see [`cuda::nvtx`](crate::cuda::nvtx)). Default `true`; nothing happens
+    /// without a tool.
+    pub nvtx: bool,
 }
 
 impl ArenaConfig {
@@ -92,6 +98,7 @@ impl ArenaConfig {
             first_chunk: Self::HOST_FIRST_CHUNK,
             max_chunk: None,
             limit: None,
+            nvtx: true,
         }
     }
 
@@ -162,6 +169,17 @@ impl ArenaConfig {
             ..self
         }
     }
+
+    /// This configuration with its NVTX annotations on or off ([`nvtx`](ArenaConfig::nvtx)).
+    ///
+    /// ```
+    /// use cudalloc::arena::ArenaConfig;
+    /// assert!(ArenaConfig::pinned().nvtx);
+    /// assert!(!ArenaConfig::pinned().with_nvtx(false).nvtx);
+    /// ```
+    pub const fn with_nvtx(self, nvtx: bool) -> Self {
+        Self { nvtx, ..self }
+    }
 }
 
 impl Default for ArenaConfig {
@@ -184,6 +202,8 @@ pub struct Checkpoint {
     arena: u64,
     /// The arena's reset epoch then.
     epoch: u64,
+    /// How many NVTX regions the arena had recorded then (`Arena::regions`).
+    regions: usize,
 }
 
 /// What an arena holds and hands out.
@@ -345,6 +365,14 @@ impl Hooks for ArenaHooks<'_> {
 /// ```
 pub struct Arena<S: HostVisible = HostSource> {
     bump: Bump<S>,
+    /// The addresses of the blocks registered as NVTX regions, oldest first (only with a
+    /// tool attached and chunks that are heaps): unregistered at a reset, a rewind past
+    /// them and the drop. A freed block's record may stay (see `unannotate`).
+    regions: RefCell<Vec<usize>>,
+    /// The most records a checkpoint taken since the last reset counts: a free never pops
+    /// a record below it, so that a rewind to any such checkpoint finds every block
+    /// allocated after it. May exceed `regions.len()` after a rewind.
+    regions_floor: Cell<usize>,
     uses: Arc<Uses>,
     /// The arena's id in the range registry.
     id: u64,
@@ -444,6 +472,8 @@ impl<S: HostVisible> Arena<S> {
         registry::add_owner(id, UsesRef(uses.clone()));
         Self {
             bump: Bump::new(source, config),
+            regions: RefCell::new(Vec::new()),
+            regions_floor: Cell::new(0),
             uses,
             id,
             #[cfg(feature = "test-hooks")]
@@ -498,6 +528,9 @@ impl<S: HostVisible> Arena<S> {
                 .inspect_err(|e| self.uses.trace.failure(layout, e))?,
         };
         self.uses.trace.alloc(p.as_ptr(), layout, layout.size());
+        if nvtx::on() {
+            self.annotate(p, layout.size());
+        }
         Ok(p)
     }
 
@@ -506,9 +539,70 @@ impl<S: HostVisible> Arena<S> {
         if size == 0 {
             return Ok(dangling(align));
         }
-        match self.bump.try_alloc_fast(size, align) {
-            Some(p) => Ok(p),
-            None => self.alloc_slow_logged(size, align).ok_or(AllocError),
+        let p = match self.bump.try_alloc_fast(size, align) {
+            Some(p) => p,
+            None => self.alloc_slow_logged(size, align).ok_or(AllocError)?,
+        };
+        if nvtx::on() {
+            self.annotate(p, size);
+        }
+        Ok(p)
+    }
+
+    // ----- NVTX regions (`cuda::nvtx`) -----
+
+    /// The block at `p` (`size` bytes, nonzero) is a live region, if some chunk is an NVTX
+    /// heap (pinned or managed memory with a tool attached), and recorded for the next
+    /// reset or rewind.
+    #[cold]
+    #[inline(never)]
+    fn annotate(&self, p: NonNull<u8>, size: usize) {
+        if self.bump.has_heaps() {
+            nvtx::region_register(p.as_ptr() as u64, size);
+            self.regions.borrow_mut().push(p.as_ptr() as usize);
+        }
+    }
+
+    /// The block at `p` is freed (or moved by a resize): no longer a live region. Its
+    /// record is dropped when it is the newest one past every checkpoint taken (the usual
+    /// case: the newest block freed or resized), else left for the next reset or rewind,
+    /// whose unregistration of a region no longer live does nothing.
+    #[cold]
+    #[inline(never)]
+    fn unannotate(&self, p: NonNull<u8>) {
+        if !self.bump.has_heaps() {
+            return;
+        }
+        let addr = p.as_ptr() as usize;
+        nvtx::region_unregister(addr as u64);
+        let mut regions = self.regions.borrow_mut();
+        if regions.last() == Some(&addr) && regions.len() > self.regions_floor.get() {
+            regions.pop();
+        }
+    }
+
+    /// A block resized in place (`old` moved to `new`, either may be empty): a live
+    /// region of its new length.
+    #[cold]
+    #[inline(never)]
+    fn reannotate(&self, old: (NonNull<u8>, usize), new: (NonNull<u8>, usize)) {
+        if old.1 != 0 {
+            self.unannotate(old.0);
+        }
+        if new.1 != 0 {
+            self.annotate(new.0, new.1);
+        }
+    }
+
+    /// The blocks recorded from the `from`-th on are no longer live regions (a reset, a
+    /// rewind to a checkpoint taken with `from` recorded, the drop). A block allocated
+    /// after another at the same address (the first freed) comes later in the record, so
+    /// the earlier record is unregistered only together with the later one.
+    fn unannotate_from(&self, from: usize) {
+        let mut regions = self.regions.borrow_mut();
+        let from = from.min(regions.len());
+        for addr in regions.drain(from..) {
+            nvtx::region_unregister(addr as u64);
         }
     }
 
@@ -554,6 +648,8 @@ impl<S: HostVisible> Arena<S> {
     /// ```
     pub fn reset(&mut self) {
         let hooks = ArenaHooks::new(&self.uses, self.id, self.skips_wait());
+        self.unannotate_from(0);
+        self.regions_floor.set(0);
         self.bump.reset(&hooks);
     }
 
@@ -575,8 +671,11 @@ impl<S: HostVisible> Arena<S> {
     /// assert_eq!(unsafe { *keep }, 42); // allocated before the mark: untouched
     /// ```
     pub fn checkpoint(&self) -> Checkpoint {
+        let regions = self.regions.borrow().len();
+        self.regions_floor.set(self.regions_floor.get().max(regions));
         Checkpoint {
             arena: self.id,
+            regions,
             ..self.bump.checkpoint()
         }
     }
@@ -610,6 +709,7 @@ impl<S: HostVisible> Arena<S> {
             "Arena::rewind: {checkpoint:?} is not a position of this arena's current blocks"
         );
         let hooks = ArenaHooks::new(&self.uses, self.id, self.skips_wait());
+        self.unannotate_from(checkpoint.regions);
         self.bump.rewind(checkpoint, &hooks);
     }
 
@@ -745,6 +845,7 @@ impl<S: HostVisible> Drop for Arena<S> {
     fn drop(&mut self) {
         // Always waits, whatever the test switch says: this frees the memory.
         let hooks = ArenaHooks::new(&self.uses, self.id, false);
+        self.unannotate_from(0);
         self.bump.release_all(&hooks);
         drop(registry::remove_owner(self.id));
     }
@@ -778,6 +879,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
     #[inline]
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         self.uses.trace.free(ptr.as_ptr(), layout.size(), true);
+        if nvtx::on() && layout.size() != 0 {
+            self.unannotate(ptr);
+        }
         self.protect_if_used();
         // SAFETY: the trait's caller passes a live block of this arena.
         unsafe { self.bump.dealloc(ptr, layout.size()) }
@@ -792,6 +896,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
             self.uses
                 .trace
                 .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+            if nvtx::on() {
+                self.reannotate((ptr, old.size()), (p, new.size()));
+            }
             return Ok(NonNull::slice_from_raw_parts(p, new.size()));
         }
         let p = self
@@ -803,6 +910,10 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
         self.uses
             .trace
             .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+        // The new block is a region already (`alloc_block`); the old one is no longer.
+        if nvtx::on() && old.size() != 0 {
+            self.unannotate(ptr);
+        }
         Ok(NonNull::slice_from_raw_parts(p, new.size()))
     }
 
@@ -827,6 +938,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
             self.uses
                 .trace
                 .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+            if nvtx::on() {
+                self.reannotate((ptr, old.size()), (p, new.size()));
+            }
             return Ok(NonNull::slice_from_raw_parts(p, new.size()));
         }
         let p = self
@@ -837,6 +951,10 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
         self.uses
             .trace
             .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+        // The new block is a region already (`alloc_block`); the old one is no longer.
+        if nvtx::on() && old.size() != 0 {
+            self.unannotate(ptr);
+        }
         Ok(NonNull::slice_from_raw_parts(p, new.size()))
     }
 }

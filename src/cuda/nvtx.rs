@@ -735,3 +735,43 @@ pub(crate) fn region_unregister(ptr: u64) {
     // SAFETY: the tool's nvtxMemRegionsUnregister with a batch naming one live region.
     unsafe { (t.regions_unregister)(t.domain, &batch) };
 }
+
+// ---- Host memory: the pinned and managed pools and arenas --------------------------------
+
+/// A block a host pool or arena took from `source` (`ptr..ptr + bytes`): a heap if the
+/// GPU reaches it at its host address ([`MemorySource::device_mapped`]: pinned and
+/// managed memory, not the pageable fallback). Returns whether it is a heap now (false
+/// without a tool, for memory no kernel reaches, and when the tool refuses the heap).
+///
+/// [`MemorySource::device_mapped`]: crate::source::MemorySource::device_mapped
+#[cold]
+#[inline(never)]
+pub(crate) fn host_heap_register<S: crate::source::MemorySource + ?Sized>(
+    source: &S,
+    ptr: core::ptr::NonNull<u8>,
+    bytes: usize,
+) -> bool {
+    if tool().is_none() || !source.device_mapped(ptr, bytes) {
+        return false;
+    }
+    let base = ptr.as_ptr() as u64;
+    heap_register(base, bytes);
+    heap_holding(base).is_some_and(|(b, _)| b == base)
+}
+
+/// The registered heap holding `ptr`, as `(base, bytes)`: `None` without a tool, or if no
+/// heap holds it (memory that is not annotated, or a heap the tool refused). For tests and
+/// diagnostics (the sanitizer tests print it).
+///
+/// ```
+/// if !cudalloc::cuda::nvtx::attached() {
+///     assert_eq!(cudalloc::cuda::nvtx::heap_holding(0x1000), None);
+/// }
+/// ```
+#[doc(hidden)]
+pub fn heap_holding(ptr: u64) -> Option<(u64, usize)> {
+    let t = tool()?;
+    let r = lock(&t.registry);
+    let (&base, &(end, _)) = r.heaps.range(..=ptr).next_back()?;
+    (ptr < end).then_some((base, (end - base) as usize))
+}

@@ -87,6 +87,7 @@ use size_class::{class_of, class_of_aligned, class_size, MAX_CLASS_SIZE, QUANTUM
 use uses::BlockKind;
 
 use crate::budget::Budget;
+use crate::cuda::nvtx;
 use crate::error::{Error, Result};
 use crate::fence::{registry, Fence};
 use crate::source::{HostVisible, MemorySource};
@@ -208,6 +209,10 @@ pub struct PoolConfig {
     /// as the GPU work takes. A dropped pool waits as long for the uses of its freed
     /// blocks (10 s when `None`), then leaks what they guard (see [`Fence`]).
     pub pending_wait: Option<Duration>,
+    /// Whether the pool describes its memory to an attached NVTX tool (compute-sanitizer:
+    /// chunks the GPU reaches are heaps, blocks handed out live regions; see
+    /// [`cuda::nvtx`](crate::cuda::nvtx)). Default `true`; nothing happens without a tool.
+    pub nvtx: bool,
 }
 
 impl Default for PoolConfig {
@@ -219,6 +224,7 @@ impl Default for PoolConfig {
             thread_cache_bytes: 32 << 20,
             limit: None,
             pending_wait: Some(Duration::from_secs(10)),
+            nvtx: true,
         }
     }
 }
@@ -286,6 +292,19 @@ impl PoolConfig {
         }
     }
 
+    /// This configuration with its NVTX annotations on or off ([`nvtx`](PoolConfig::nvtx)):
+    /// off, the pool's memory looks to compute-sanitizer as before (one allocation per
+    /// chunk), as for the whole process with `CUDALLOC_NVTX=0`.
+    ///
+    /// ```
+    /// let c = cudalloc::pool::PoolConfig::default();
+    /// assert!(c.nvtx);
+    /// assert!(!c.with_nvtx(false).nvtx);
+    /// ```
+    pub const fn with_nvtx(self, nvtx: bool) -> Self {
+        Self { nvtx, ..self }
+    }
+
     fn settings(&self) -> Settings {
         const MIN_CHUNK: usize = 256 << 10;
         let chunk_size = align_up(self.chunk_size.max(MIN_CHUNK), PAGE_SIZE).unwrap_or(MIN_CHUNK);
@@ -311,6 +330,7 @@ impl PoolConfig {
             caps,
             thread_cache_bytes: self.thread_cache_bytes,
             pending_wait: self.pending_wait,
+            nvtx: self.nvtx,
         }
     }
 }
@@ -618,6 +638,10 @@ impl<S: MemorySource + 'static> Pool<S> {
             .alloc(block.cast::<u8>().as_ptr(), layout, block.len());
         #[cfg(feature = "debug-checks")]
         self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
+        // A live NVTX region of exactly the request (when the chunk is a heap).
+        if nvtx::on() {
+            nvtx::region_register(block.cast::<u8>().as_ptr() as u64, size);
+        }
         Ok(block)
     }
 
@@ -727,6 +751,11 @@ impl<S: MemorySource + 'static> Pool<S> {
         let size = layout.size();
         if size == 0 {
             return;
+        }
+        // Freed, the block is no longer a live region, wherever it goes next (a thread
+        // cache, a shared list, the pending list).
+        if nvtx::on() {
+            nvtx::region_unregister(ptr.as_ptr() as u64);
         }
         #[cfg(feature = "debug-checks")]
         self.shared
@@ -963,6 +992,7 @@ impl<S: HostVisible + 'static> Pool<S> {
                     self.shared
                         .trace
                         .resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, class_size(a)));
+                    resized_region(ptr, new.size());
                     return Ok(NonNull::slice_from_raw_parts(ptr, class_size(a)));
                 }
                 (None, None) if new.size() > old.size() && ptr.as_ptr() as usize % new.align() == 0 => {
@@ -971,6 +1001,7 @@ impl<S: HostVisible + 'static> Pool<S> {
                         self.shared
                             .trace
                             .resized((ptr.as_ptr(), old), (ptr.as_ptr(), new, usable));
+                        resized_region(ptr, new.size());
                         return Ok(NonNull::slice_from_raw_parts(ptr, usable));
                     }
                     growing = true;
@@ -990,6 +1021,9 @@ impl<S: HostVisible + 'static> Pool<S> {
             self.shared
                 .trace
                 .alloc(block.cast::<u8>().as_ptr(), new, block.len());
+            if nvtx::on() {
+                nvtx::region_register(block.cast::<u8>().as_ptr() as u64, new.size());
+            }
             block
         } else {
             self.allocate(new)?
@@ -998,6 +1032,15 @@ impl<S: HostVisible + 'static> Pool<S> {
         // bytes.
         unsafe { move_block(self, ptr, old, new, block) };
         Ok(block)
+    }
+}
+
+/// A block resized in place is a live region of its new length (NVTX).
+#[inline(always)]
+fn resized_region(ptr: NonNull<u8>, bytes: usize) {
+    if nvtx::on() {
+        nvtx::region_unregister(ptr.as_ptr() as u64);
+        nvtx::region_register(ptr.as_ptr() as u64, bytes);
     }
 }
 

@@ -25,6 +25,7 @@ use super::transfers::{Transfer, Transfers};
 use super::uses::{BlockKind, PendingBlock, UseTracker};
 use super::{Batch, BlockPtr};
 use crate::budget::Budget;
+use crate::cuda::nvtx;
 use crate::error::{Error, Result};
 use crate::fence::{registry, SharedFence, UseSet};
 use crate::source::MemorySource;
@@ -46,6 +47,8 @@ pub(crate) struct Settings {
     /// How long an allocation that finds the pool full waits for pending blocks' GPU
     /// uses to complete (backpressure); `None`: it fails at once.
     pub(crate) pending_wait: Option<Duration>,
+    /// Whether chunks may be NVTX heaps (`PoolConfig::nvtx`).
+    pub(crate) nvtx: bool,
 }
 
 /// The state a pool's threads share.
@@ -173,6 +176,11 @@ impl<S: MemorySource> Shared<S> {
                 }
                 self.acct.on_source_alloc(size);
                 self.trace.segment(Code::SegmentAlloc, p.as_ptr() as usize, size);
+                // Memory a kernel reaches is an NVTX heap: its blocks are regions while
+                // handed out (`Pool::try_allocate`, `Pool::free`).
+                if self.settings.nvtx && nvtx::on() {
+                    nvtx::host_heap_register(&self.source, p, size);
+                }
                 Ok(BlockPtr::new(p))
             }
             Err(e) => {
@@ -187,6 +195,9 @@ impl<S: MemorySource> Shared<S> {
     unsafe fn source_free(&self, p: BlockPtr, size: usize) {
         registry::remove_range(p.addr(), self.uid);
         self.trace.segment(Code::SegmentFree, p.addr(), size);
+        if nvtx::on() {
+            nvtx::heap_unregister(p.addr() as u64);
+        }
         // SAFETY: obligation 1; source_alloc returned this block of `size` bytes.
         unsafe { self.source.deallocate(p.as_non_null(), size) };
         self.acct.on_source_free(size);
@@ -741,6 +752,9 @@ impl<S: MemorySource> Drop for Shared<S> {
             {
                 leaked += size;
                 registry::remove_range(p.addr(), self.uid);
+                if nvtx::on() {
+                    nvtx::heap_unregister(p.addr() as u64);
+                }
                 continue;
             }
             // SAFETY: every chunk and segment came from source_alloc; the pool is being

@@ -118,6 +118,9 @@ unsafe impl MemorySource for ManagedSource {
             b.release(size);
         }
     }
+    fn device_mapped(&self, ptr: NonNull<u8>, _size: usize) -> bool {
+        super::mapped_at_host_address(ptr)
+    }
 }
 
 // SAFETY: managed memory is addressable by the host at the same address.

@@ -48,6 +48,38 @@ pub unsafe trait MemorySource: Send + Sync {
     /// 1. `ptr` was returned by `self.allocate(size)` with this same `size`.
     /// 2. The block is not used after this call, by the host or by the GPU.
     unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize);
+
+    /// Whether the GPU reaches the block `ptr..ptr + size` (from [`allocate`]) at its host
+    /// address, as it reaches pinned and managed memory under unified addressing. Pools and
+    /// arenas over the source then describe their blocks in it to an attached NVTX tool
+    /// (compute-sanitizer: [`cuda::nvtx`](crate::cuda::nvtx)), so that a kernel's access
+    /// outside a live block is reported. Asked only with a tool attached, once per block
+    /// taken from the source. The default, `false`, leaves the block unannotated (as
+    /// pageable memory is); a wrong `true` can only make the tool report accesses inside
+    /// the source's memory that are not inside a block.
+    ///
+    /// [`allocate`]: MemorySource::allocate
+    ///
+    /// ```
+    /// use cudalloc::source::{HostSource, MemorySource};
+    /// let p = HostSource.allocate(4096).unwrap();
+    /// assert!(!HostSource.device_mapped(p, 4096), "no GPU reaches pageable memory");
+    /// unsafe { HostSource.deallocate(p, 4096) };
+    /// ```
+    fn device_mapped(&self, ptr: NonNull<u8>, size: usize) -> bool {
+        let _ = (ptr, size);
+        false
+    }
+}
+
+/// Whether the driver maps `ptr`, pinned or managed host memory, into the device address
+/// space at the same address (so a kernel's access there is one the sanitizer checks).
+/// False without a driver, for pageable memory, and for a mapping at another address.
+pub(crate) fn mapped_at_host_address(ptr: NonNull<u8>) -> bool {
+    crate::cuda::pointer_info(ptr.as_ptr()).is_ok_and(|i| {
+        matches!(i.memory_type, MemoryType::PinnedHost | MemoryType::Managed)
+            && i.device_pointer == Some(ptr.as_ptr() as u64)
+    })
 }
 
 /// A [`MemorySource`] whose memory the host can read and write through ordinary
@@ -71,6 +103,9 @@ unsafe impl<S: MemorySource + ?Sized> MemorySource for &S {
     unsafe fn deallocate(&self, ptr: NonNull<u8>, size: usize) {
         // SAFETY: the caller's obligations are S's.
         unsafe { (**self).deallocate(ptr, size) }
+    }
+    fn device_mapped(&self, ptr: NonNull<u8>, size: usize) -> bool {
+        (**self).device_mapped(ptr, size)
     }
 }
 // SAFETY: `&S` hands out S's blocks.

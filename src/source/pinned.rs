@@ -107,6 +107,10 @@ unsafe impl MemorySource for PinnedSource {
         // SAFETY: `ptr` came from `allocate`, i.e. from host_alloc, and is unused now.
         unsafe { raw::host_free(ptr.as_ptr()) }
     }
+    fn device_mapped(&self, ptr: NonNull<u8>, _size: usize) -> bool {
+        // The pageable fallback (no driver) is asked too, and answers false.
+        super::mapped_at_host_address(ptr)
+    }
 }
 
 // SAFETY: page-locked host memory is ordinary host memory to the CPU (and the fallback

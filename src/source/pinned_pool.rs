@@ -149,6 +149,13 @@ unsafe impl MemorySource for PinnedPoolSource {
             }
         }
     }
+    fn device_mapped(&self, ptr: NonNull<u8>, size: usize) -> bool {
+        if self.registers(size) {
+            self.registered().device_mapped(ptr, size)
+        } else {
+            PinnedSource::new(self.flags).device_mapped(ptr, size)
+        }
+    }
 }
 
 // SAFETY: both inner sources return host-visible memory.

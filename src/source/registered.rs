@@ -82,6 +82,11 @@ unsafe impl MemorySource for RegisteredSource {
         // SAFETY: ptr came from prefault::map(len) in `allocate`.
         unsafe { prefault::unmap(ptr, len) }
     }
+    fn device_mapped(&self, ptr: NonNull<u8>, _size: usize) -> bool {
+        // Mapped with unified addressing (registered with DEVICEMAP or not), at the host
+        // address where the device can use host pointers for registered memory.
+        super::mapped_at_host_address(ptr)
+    }
 }
 
 // SAFETY: registered memory is ordinary host memory.
