@@ -40,6 +40,7 @@ mod bump;
 use core::cell::{Cell, RefCell};
 use core::fmt;
 use core::ptr::{self, NonNull};
+use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::{AllocError, Allocator, Layout};
 
@@ -74,6 +75,13 @@ pub struct ArenaConfig {
     /// limit). A request that would pass it fails with `AllocError`, and the arena stays
     /// usable.
     pub limit: Option<usize>,
+    /// How long a dropped arena waits for the recorded GPU uses of its memory before it
+    /// gives the memory up instead of freeing it under the GPU (leaked on purpose, logged,
+    /// counted in [`ArenaStats::abandoned_bytes`] and
+    /// [`cuda::drop_errors`](crate::cuda::drop_errors)); a [`Fence`](crate::fence::Fence)
+    /// that never completes must not hang a drop. Default 10 s. A reset waits without a
+    /// bound: it is a wait the caller asked for.
+    pub drop_wait: Duration,
     /// Whether the arena describes its memory to an attached NVTX tool (compute-sanitizer:
     /// chunks the GPU reaches are heaps, blocks live regions until freed, reset or
     /// rewound; see [`cuda::nvtx`](crate::cuda::nvtx)). Default `true`; nothing happens
@@ -87,6 +95,8 @@ impl ArenaConfig {
     /// First chunk for pinned, registered and managed memory: 2 MiB. A pinning call
     /// costs about 0.7 ms whatever its size, so small chunks would waste it.
     pub const PINNED_FIRST_CHUNK: usize = 2 << 20;
+    /// The default [`drop_wait`](ArenaConfig::drop_wait): 10 s, as a pool's drop.
+    pub const DROP_WAIT: Duration = Duration::from_secs(10);
 
     /// Defaults for pageable host memory: 64 KiB first chunk, unbounded growth, no limit.
     ///
@@ -98,6 +108,7 @@ impl ArenaConfig {
             first_chunk: Self::HOST_FIRST_CHUNK,
             max_chunk: None,
             limit: None,
+            drop_wait: Self::DROP_WAIT,
             nvtx: true,
         }
     }
@@ -179,6 +190,21 @@ impl ArenaConfig {
     /// ```
     pub const fn with_nvtx(self, nvtx: bool) -> Self {
         Self { nvtx, ..self }
+    }
+
+    /// This configuration with a dropped arena waiting at most `wait` for its memory's
+    /// GPU uses ([`drop_wait`](ArenaConfig::drop_wait)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let cfg = cudalloc::arena::ArenaConfig::pinned().with_drop_wait(Duration::from_secs(1));
+    /// assert_eq!(cfg.drop_wait, Duration::from_secs(1));
+    /// ```
+    pub const fn with_drop_wait(self, wait: Duration) -> Self {
+        Self {
+            drop_wait: wait,
+            ..self
+        }
     }
 }
 
@@ -269,11 +295,26 @@ struct ArenaHooks<'a> {
     id: u64,
     /// The test switch: reuse without waiting.
     skip_wait: bool,
+    /// When a wait gives up (`None`: never; the drop's bound).
+    deadline: Option<Instant>,
 }
 
 impl<'a> ArenaHooks<'a> {
     fn new(uses: &'a Uses, id: u64, skip_wait: bool) -> Self {
-        Self { uses, id, skip_wait }
+        Self {
+            uses,
+            id,
+            skip_wait,
+            deadline: None,
+        }
+    }
+
+    /// Waits that give up after `wait` from now.
+    fn bounded(self, wait: Duration) -> Self {
+        Self {
+            deadline: Instant::now().checked_add(wait),
+            ..self
+        }
     }
 }
 
@@ -294,7 +335,7 @@ impl Hooks for ArenaHooks<'_> {
         // this point, so fences fixed only at the free are sealed now (the contract of
         // `Fence::seal`).
         set.seal();
-        let ok = set.wait(None);
+        let ok = set.wait(self.deadline);
         if !ok {
             self.uses.wait_errors.fetch_add(1, Ordering::Relaxed);
             lock(&self.uses.set).absorb_back(set);
@@ -843,10 +884,22 @@ impl<S: HostVisible> Arena<S> {
 
 impl<S: HostVisible> Drop for Arena<S> {
     fn drop(&mut self) {
-        // Always waits, whatever the test switch says: this frees the memory.
-        let hooks = ArenaHooks::new(&self.uses, self.id, false);
+        // Always waits, whatever the test switch says: this frees the memory. Not forever:
+        // memory whose uses did not complete in time is given up, never freed under the GPU.
+        let hooks = ArenaHooks::new(&self.uses, self.id, false).bounded(self.bump.config.drop_wait);
         self.unannotate_from(0);
+        let abandoned = self.bump.abandoned_bytes();
         self.bump.release_all(&hooks);
+        let given_up = self.bump.abandoned_bytes() - abandoned;
+        if given_up > 0 {
+            crate::cuda::record_drop_error(
+                "dropping an arena",
+                format!(
+                    "recorded GPU uses did not complete within {:?}: {given_up} bytes are leaked on purpose (never freed under the GPU)",
+                    self.bump.config.drop_wait
+                ),
+            );
+        }
         drop(registry::remove_owner(self.id));
     }
 }

@@ -64,6 +64,9 @@ use crate::sync::Arc;
 /// and a pool dropped while it guards a freed block waits that long (10 s for a pool
 /// without a pending wait), then leaks the block's memory on purpose rather than free it
 /// under the GPU, logs it, and counts it in [`cuda::drop_errors`](crate::cuda::drop_errors).
+/// A dropped [`Arena`](crate::arena::Arena) does the same after its
+/// [`ArenaConfig::drop_wait`](crate::arena::ArenaConfig::drop_wait) (10 s by default); an
+/// arena's `reset` waits without a bound, as the caller asked.
 pub unsafe trait Fence: Send + Sync + 'static {
     /// Whether the use has completed. Must not block.
     fn is_complete(&self) -> Result<bool>;

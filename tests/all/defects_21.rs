@@ -506,3 +506,31 @@ fn defect_22_04_a_pool_dropped_with_a_fence_that_never_completes_ends() {
         .expect("the drop ends (it waited forever before)");
     assert!(cudalloc::cuda::drop_errors() > before, "the leak is counted");
 }
+
+/// An `Arena` dropped while its memory waits for a fence that never completes waited
+/// forever. The drop ends after its `drop_wait`, gives the memory up on purpose (counted
+/// in `abandoned_bytes` before the drop's end and in `drop_errors`).
+#[test]
+fn defect_22_04_an_arena_dropped_with_a_fence_that_never_completes_ends() {
+    if crate::support::in_a_child_process_with_a_driver(
+        "defects_21::defect_22_04_an_arena_dropped_with_a_fence_that_never_completes_ends",
+    ) {
+        return;
+    }
+    let before = cudalloc::cuda::drop_errors();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let arena = cudalloc::arena::Arena::with_config(
+            HostSource,
+            cudalloc::arena::ArenaConfig::host().with_drop_wait(Duration::from_millis(50)),
+        );
+        let v: Vec<u8, _> = Vec::with_capacity_in(4096, &arena);
+        assert!(cudalloc::fence::record_fence(v.as_ptr(), Never).unwrap());
+        drop(v);
+        drop(arena);
+        tx.send(()).unwrap();
+    });
+    rx.recv_timeout(Duration::from_secs(30))
+        .expect("the drop ends (it waited forever before)");
+    assert!(cudalloc::cuda::drop_errors() > before, "the leak is counted");
+}
