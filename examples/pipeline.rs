@@ -10,8 +10,9 @@
 //! streams, double buffering, per-stream arenas, a fresh pinned `Vec` per batch next to a
 //! ring, and the raw reference (`cuMemHostAlloc` + `cuMemAlloc`). The pageable and pinned
 //! rows run on the library's `staging::Pipeline` (`ring.pipeline().run(fill, launch,
-//! drain)`), the ring row on a `StagingRing`; the raw, double-buffering, arena and
-//! fresh-Vec rows are written by hand. The code is in `examples/common/pipeline.rs`.
+//! drain)`), the threaded row on it with its fill on worker threads
+//! (`ring.pipeline().fill_threads(n)`), the ring row on a `StagingRing`; the raw,
+//! double-buffering, arena and fresh-Vec rows are written by hand. The code is in `examples/common/pipeline.rs`.
 //!
 //! In the hand-written loops the issuing thread waits only for what it is about to reuse
 //! (a lane's input buffer: the H2D that read it; its output buffer: the D2H that filled
