@@ -37,6 +37,7 @@ pub struct ThreadedPipeline<'r, A: Allocator> {
 /// What a [`ThreadedPipeline::run`] did: the pipeline's counts and waits, and where the
 /// fill's time went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive] // more of where the time went may come
 pub struct ThreadedRun {
     /// Batches drained, and the issuing thread's waits for buffers and for the GPU.
     pub pipeline: PipelineRun,
