@@ -393,8 +393,13 @@ pub struct Baseline {
     pub d2h_ms: f64,
     /// GB/s moved by H2D and D2H copies running at the same time (both directions).
     pub bidir_gbps: f64,
-    /// Writing one whole batch on the host, with `fill_threads` threads.
+    /// Writing one whole batch on the host, with `fill_threads` threads (the same buffer
+    /// each time: the median of 3).
     pub fill_ms: f64,
+    /// The same into four batch buffers in turn (two rounds, the median of 8), as a
+    /// pipeline writes its ring's buffers: above `fill_ms` where a batch buffer written
+    /// again at once is still partly in the CPU's cache, which a pipeline's fill is not.
+    pub fill_rotating_ms: f64,
     pub fill_threads: usize,
 }
 
@@ -611,6 +616,7 @@ impl Results {
         .col("d2h_gbps", "D2H", Unit::GBps)
         .col("bidir_gbps", "H2D + D2H at once", Unit::GBps)
         .col("fill_ms", "host fill", Unit::Millis)
+        .col("fill_rotating_ms", "host fill, 4 buffers in turn", Unit::Millis)
         .col("fill_threads", "fill threads", Unit::Count);
         base.push(vec![
             c.batch_bytes.into(),
@@ -620,11 +626,14 @@ impl Results {
             gbps(b.d2h_ms).into(),
             b.bidir_gbps.into(),
             b.fill_ms.into(),
+            b.fill_rotating_ms.into(),
             b.fill_threads.into(),
         ]);
         base.note(
             "Pinned (PinnedAlloc) buffers; each stage timed alone with events, in the same run; \
-             host fill: writing a whole batch with that many threads, as the staging rows do.",
+             host fill: writing a whole batch with that many threads, as the staging rows do (the \
+             ideal's; the same buffer each time), and into four batch buffers in turn, as a \
+             pipeline writes its ring's buffers.",
         );
 
         let both_ways = b.both_ways_ms(c.batch_bytes);
@@ -2348,11 +2357,26 @@ fn baseline(lanes: &mut [Lane], n: usize, reps: usize, fill_threads: usize) -> R
         })
         .collect();
     fills.sort_by(f64::total_cmp);
+    let mut rotating: Vec<f64> = (0..8)
+        .map(|i| {
+            let buf: &mut [u32] = match i % 4 {
+                0 => &mut a.host_in,
+                1 => &mut b.host_in,
+                2 => &mut a.host_out,
+                _ => &mut b.host_out,
+            };
+            let t = Instant::now();
+            Checker::fill_with(i, buf, fill_threads);
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    rotating.sort_by(f64::total_cmp);
     Ok(Baseline {
         h2d_ms,
         d2h_ms,
         bidir_gbps,
         fill_ms: fills[1],
+        fill_rotating_ms: rotating[4],
         fill_threads,
     })
 }

@@ -342,6 +342,7 @@ fn the_tables_put_our_rows_next_to_the_cpp_reference() {
             d2h_ms: 1.2,
             bidir_gbps: 100.0,
             fill_ms: 1.0,
+            fill_rotating_ms: 1.1,
             fill_threads: 8,
         },
         regimes: vec![pipeline::RegimeResult {
