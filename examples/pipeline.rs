@@ -10,8 +10,9 @@
 //! streams, double buffering, per-stream arenas, a fresh pinned `Vec` per batch next to a
 //! ring, and the raw reference (`cuMemHostAlloc` + `cuMemAlloc`). The pageable and pinned
 //! rows run on the library's `staging::Pipeline` (`ring.pipeline().run(fill, launch,
-//! drain)`), the ring row on a `StagingRing`; the raw, double-buffering, arena and
-//! fresh-Vec rows are written by hand. The code is in `examples/common/pipeline.rs`.
+//! drain)`), the threaded row on it with its fill on worker threads
+//! (`ring.pipeline().fill_threads(n)`), the ring row on a `StagingRing`; the raw,
+//! double-buffering, arena and fresh-Vec rows are written by hand. The code is in `examples/common/pipeline.rs`.
 //!
 //! In the hand-written loops the issuing thread waits only for what it is about to reuse
 //! (a lane's input buffer: the H2D that read it; its output buffer: the D2H that filled
@@ -30,7 +31,7 @@
 //!   --streams LIST         stream counts of the PinnedAlloc and raw rows (1,2,4,8)
 //!   --staging-streams N    streams of the arena, fresh-Vec and ring rows (4)
 //!   --work LIST            transfer, balanced, compute, or rounds per element (all three)
-//!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring (all); pipeline and
+//!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring,threaded (all); pipeline and
 //!                          hand (only when named): `hand` adds the hand-written loops the
 //!                          pageable, pinned and ring rows ran on before the library's
 //!                          `StagingRing` and `staging::Pipeline`, as rows `hand-*` (and
@@ -38,6 +39,9 @@
 //!   --samples N            positions checked per batch besides the first and last (256)
 //!   --verify-all           write and check every element (slow)
 //!   --fill-threads N       threads that write a whole batch (half the cores, at most 8)
+//!   --fill-workers N       worker threads of the threaded-S row's fill
+//!                          (`Pipeline::fill_threads`, 2), each writing its batch with
+//!                          fill-threads / N threads
 //!   --unchained            order each lane's copies by its own stream only (as the C++
 //!                          reference does), not also after the previous batch's copy in
 //!                          the same direction
@@ -114,6 +118,13 @@ fn parse_args() -> Result<Args, String> {
                     .ok()
                     .filter(|&n| n > 0)
                     .ok_or("--fill-threads: not a count")?
+            }
+            "--fill-workers" => {
+                cfg.fill_workers = value()?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--fill-workers: not a count")?
             }
             "--unchained" => cfg.chain_copies = false,
             "--no-warmup" => cfg.warmup = false,

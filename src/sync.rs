@@ -74,6 +74,9 @@ pub(crate) use thread_local_const;
 /// a loom model, so they always use `std`'s versions.
 pub(crate) mod global {
     pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+    /// Channels between the threads of a run (the staging pipeline's fill workers),
+    /// never part of a loom model.
+    pub(crate) use std::sync::mpsc;
     pub(crate) use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
     /// [`lock`](super::lock) for `std` mutexes in statics.

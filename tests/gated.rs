@@ -44,6 +44,8 @@ mod gpu_support;
 mod pool_async;
 #[path = "gated/staging.rs"]
 mod staging;
+#[path = "gated/staging_threaded.rs"]
+mod staging_threaded;
 
 static GATED: Mutex<()> = Mutex::new(());
 

@@ -12,6 +12,7 @@
 //! | `fresh-S` | input in a fresh `Vec<u32, PinnedAlloc>` per batch, dropped right after its copy is queued: the pool's event-guarded reuse is the ring | hand-written |
 //! | `ring-S` | input in a `StagingRing` of S+1 `PinnedAlloc` buffers, reused once its copy is done | `StagingRing` |
 //! | `pipeline-S` | a `StagingRing` of 2 buffers per stream, S streams (only with `--variants pipeline`) | `staging::Pipeline` |
+//! | `threaded-S` | `pipeline-S` with its fill on [`Config::fill_workers`] worker threads (`Pipeline::fill_threads`), each writing its batch with `fill_threads / fill_workers` threads: the same threads in all as the ideal's fill | `staging::ThreadedPipeline` |
 //! | `hand-pageable`, `hand-pinned-S`, `hand-ring-S` | the rows above as they were written by hand before the library's types (a `Vec<u32>` / `Vec<u32, PinnedAlloc>` in/out pair per stream, an explicit ring of S+1 `Vec<u32, PinnedAlloc>`): the same-run reference for the rows on the library (only with `--variants hand`) | hand-written |
 //!
 //! Fixed-buffer variants (pageable, pinned, double, raw) write a batch's input at its
@@ -144,6 +145,9 @@ pub enum Variant {
     Ring(usize),
     /// `cudalloc::staging::Pipeline` (the library's helper) on S streams.
     Pipeline(usize),
+    /// The same with its fill on worker threads (`Pipeline::fill_threads`): the library's
+    /// staging row where the host fill bounds the pipeline.
+    Threaded(usize),
     /// `Pageable`, `Pinned(S)` and `Ring(S)` as written by hand, without the library's
     /// staging types: the reference they are measured against in the same run.
     HandPageable,
@@ -169,6 +173,7 @@ impl Variant {
             Variant::FreshVec(s) => format!("fresh Vec<PinnedAlloc> per batch, {}", streams(s)),
             Variant::Ring(s) => format!("ring of {} Vec<PinnedAlloc>, {}", s + 1, streams(s)),
             Variant::Pipeline(s) => format!("staging::Pipeline, {}", streams(s)),
+            Variant::Threaded(s) => format!("staging::Pipeline, fill on worker threads, {}", streams(s)),
             Variant::HandPageable => "pageable Vec, 1 stream, hand-written".into(),
             Variant::HandPinned(s) => format!("PinnedAlloc, {}, hand-written", streams(s)),
             Variant::HandRing(s) => {
@@ -188,6 +193,7 @@ impl Variant {
             Variant::FreshVec(s) => format!("fresh-{s}"),
             Variant::Ring(s) => format!("ring-{s}"),
             Variant::Pipeline(s) => format!("pipeline-{s}"),
+            Variant::Threaded(s) => format!("threaded-{s}"),
             Variant::HandPageable => "hand-pageable".into(),
             Variant::HandPinned(s) => format!("hand-pinned-{s}"),
             Variant::HandRing(s) => format!("hand-ring-{s}"),
@@ -205,6 +211,7 @@ impl Variant {
             | Variant::FreshVec(s)
             | Variant::Ring(s)
             | Variant::Pipeline(s)
+            | Variant::Threaded(s)
             | Variant::HandPinned(s)
             | Variant::HandRing(s) => s,
         }
@@ -218,6 +225,7 @@ impl Variant {
                 | Variant::FreshVec(_)
                 | Variant::Ring(_)
                 | Variant::Pipeline(_)
+                | Variant::Threaded(_)
                 | Variant::HandRing(_)
         )
     }
@@ -241,6 +249,7 @@ impl Variant {
             | Variant::FreshVec(s)
             | Variant::Ring(s)
             | Variant::Pipeline(s)
+            | Variant::Threaded(s)
             | Variant::HandPinned(s)
             | Variant::HandRing(s) => Some(Variant::Raw(s)),
             _ => None,
@@ -248,8 +257,8 @@ impl Variant {
     }
 
     /// Every variant: `streams` for the pinned and raw rows, `staging` streams for the
-    /// arena, fresh-Vec and ring rows. `names` filters by kind (`pageable`, `pinned`,
-    /// `double`, `raw`, `arena`, `fresh`, `ring`); `pipeline` (the library's
+    /// arena, fresh-Vec, ring and threaded rows. `names` filters by kind (`pageable`,
+    /// `pinned`, `double`, `raw`, `arena`, `fresh`, `ring`, `threaded`); `pipeline` (the library's
     /// `staging::Pipeline`, `staging` streams) runs only when named, and so do `hand`'s
     /// rows (`hand-pageable`, `hand-pinned-S` for `streams`, `hand-ring-S` for `staging`).
     pub fn all(streams: &[usize], staging: usize, names: Option<&[String]>) -> Vec<Variant> {
@@ -275,6 +284,9 @@ impl Variant {
         }
         if wants("ring") {
             v.push(Variant::Ring(staging));
+        }
+        if wants("threaded") {
+            v.push(Variant::Threaded(staging));
         }
         let named = |k: &str| names.is_some_and(|n| n.iter().any(|x| x == k));
         if named("pipeline") {
@@ -311,6 +323,10 @@ pub struct Config {
     /// `verify_all`): filling is part of what a staging pipeline does, and one thread
     /// writes 64 MiB several times slower than a copy moves it.
     pub fill_threads: usize,
+    /// Worker threads of the `threaded-S` row's fill (`Pipeline::fill_threads`); each
+    /// writes its batch with `fill_threads / fill_workers` threads (at least one), so the
+    /// row fills with as many threads in all as the ideal's fill was timed with.
+    pub fill_workers: usize,
     /// Make each copy wait, through an event, for the previous batch's copy in the same
     /// direction: one H2D and one D2H at a time, each at full speed, lanes staggered.
     /// Off: a lane's copies are ordered by its own stream only, as in the C++ reference.
@@ -344,6 +360,7 @@ impl Config {
             warmup: true,
             fresh_headroom: None,
             fill_threads: default_fill_threads(),
+            fill_workers: 2,
             chain_copies: true,
             ring_buffers: 1,
         }
@@ -376,8 +393,13 @@ pub struct Baseline {
     pub d2h_ms: f64,
     /// GB/s moved by H2D and D2H copies running at the same time (both directions).
     pub bidir_gbps: f64,
-    /// Writing one whole batch on the host, with `fill_threads` threads.
+    /// Writing one whole batch on the host, with `fill_threads` threads (the same buffer
+    /// each time: the median of 3).
     pub fill_ms: f64,
+    /// The same into four batch buffers in turn (two rounds, the median of 8), as a
+    /// pipeline writes its ring's buffers: above `fill_ms` where a batch buffer written
+    /// again at once is still partly in the CPU's cache, which a pipeline's fill is not.
+    pub fill_rotating_ms: f64,
     pub fill_threads: usize,
 }
 
@@ -496,6 +518,11 @@ pub struct Measured {
     pub elements_checked: usize,
     pub mismatches: usize,
     pub first_mismatch: Option<String>,
+    /// The staging rows' host fill of one batch inside the run (the mean of its fills'
+    /// spans), against the fill alone ([`Baseline::fill_ms`]): above it, the fill is slowed
+    /// by what runs beside it (copies, the other fills); the rest of the wall per batch is
+    /// the issue's serial part.
+    pub fill_in_run_ms: Option<f64>,
     /// The timed run's streams and host fill over time, from the events it recorded.
     pub timeline: timeline::Timeline,
 }
@@ -589,6 +616,7 @@ impl Results {
         .col("d2h_gbps", "D2H", Unit::GBps)
         .col("bidir_gbps", "H2D + D2H at once", Unit::GBps)
         .col("fill_ms", "host fill", Unit::Millis)
+        .col("fill_rotating_ms", "host fill, 4 buffers in turn", Unit::Millis)
         .col("fill_threads", "fill threads", Unit::Count);
         base.push(vec![
             c.batch_bytes.into(),
@@ -598,11 +626,14 @@ impl Results {
             gbps(b.d2h_ms).into(),
             b.bidir_gbps.into(),
             b.fill_ms.into(),
+            b.fill_rotating_ms.into(),
             b.fill_threads.into(),
         ]);
         base.note(
             "Pinned (PinnedAlloc) buffers; each stage timed alone with events, in the same run; \
-             host fill: writing a whole batch with that many threads, as the staging rows do.",
+             host fill: writing a whole batch with that many threads, as the staging rows do (the \
+             ideal's; the same buffer each time), and into four batch buffers in turn, as a \
+             pipeline writes its ring's buffers.",
         );
 
         let both_ways = b.both_ways_ms(c.batch_bytes);
@@ -661,6 +692,7 @@ impl Results {
         .col("exposed_transfer_pct", "transfer only", Unit::Percent)
         .col("copy_gbps", "H2D+D2H", Unit::GBps)
         .col("issuer_blocked_pct", "issuer blocked", Unit::Percent)
+        .col("fill_in_run_ms", "fill in run", Unit::Millis)
         .col("pinned_source_allocs", "new pinned blocks", Unit::Count)
         .col("batches_checked", "batches checked", Unit::Count)
         .col("elements_checked", "elements checked", Unit::Count)
@@ -702,6 +734,7 @@ impl Results {
                             (100.0 * m.exposed_transfer).into(),
                             m.copy_gbps.into(),
                             (100.0 * m.issuer_blocked).into(),
+                            m.fill_in_run_ms.into(),
                             (m.pinned_source_allocs as usize).into(),
                             m.batches_checked.into(),
                             m.elements_checked.into(),
@@ -710,7 +743,7 @@ impl Results {
                         ]);
                     }
                     Err(e) => {
-                        row.extend(std::iter::repeat_n(Value::Missing, 16));
+                        row.extend(std::iter::repeat_n(Value::Missing, 17));
                         row.push(e.clone().into());
                     }
                 }
@@ -724,7 +757,8 @@ impl Results {
              the same row written by hand before the library's staging types (`--variants hand`); C++ ref: the hand-written \
              CUDA C++ pipeline with as many streams that issue 11 quotes (its own kernel; staging \
              rows also write every input); issuer blocked: share of the wall the issuing thread \
-             waited for the GPU. Copies chained per direction: {}. The pageable and pinned rows: \
+             waited for the GPU; fill in run: a staging row's fill of one batch inside the run \
+             (the fill alone: the stages table). Copies chained per direction: {}. The pageable and pinned rows: \
              staging::Pipeline over a StagingRing of {} buffer(s) per stream.",
             if c.chain_copies { "yes" } else { "no" },
             c.ring_buffers
@@ -1242,7 +1276,9 @@ impl Variant {
         match self {
             Variant::DoubleBuffered => stage,
             // On the library's pipeline, the ring's free buffer decides.
-            Variant::Pipeline(s) | Variant::Pinned(s) => stream_of.get(b).copied().unwrap_or(b % s),
+            Variant::Pipeline(s) | Variant::Threaded(s) | Variant::Pinned(s) => {
+                stream_of.get(b).copied().unwrap_or(b % s)
+            }
             v => b % v.streams(),
         }
     }
@@ -1611,6 +1647,7 @@ struct Ctx<'a> {
     rounds: u32,
     n: usize,
     fill_threads: usize,
+    fill_workers: usize,
     chain_copies: bool,
 }
 
@@ -1940,69 +1977,95 @@ fn as_words_mut(bytes: &mut [u8]) -> Result<&mut [u32]> {
 /// A row's work on the library's `staging::Pipeline`: the helper leases the input
 /// buffers, keeps a batch per ring buffer in flight and waits for each batch before its
 /// check; the user code is the fill (all of the input when `full`, else its checked
-/// positions), the launch and the check.
-fn run_ring<A: allocator_api2::alloc::Allocator>(
+/// positions), the launch and the check. With `workers`, the fill runs on that many
+/// worker threads (`Pipeline::fill_threads`), each writing its batch with
+/// `fill_threads / workers` threads, while this thread launches and checks.
+fn run_ring<A: allocator_api2::alloc::Allocator + Send>(
     ctx: &Ctx<'_>,
     p: &mut Piped<A>,
     batches: usize,
     full: bool,
+    workers: Option<usize>,
 ) -> Result<Tally> {
     let mut tally = ctx.start(&p.streams)?;
     let chain = ctx.chain_copies && p.streams.len() > 1;
     let slots = std::cell::RefCell::new(&mut p.slots);
-    // The fill's spans and each batch's stream, for the timeline.
-    let mut host = Tally {
-        origin: tally.origin,
-        ..Tally::default()
+    // The fill's spans (from any thread) and each batch's stream, for the timeline.
+    let fills = std::sync::Mutex::new(Vec::new());
+    let origin = tally.origin;
+    let checker = ctx.checker;
+    let threads = workers.map_or(ctx.fill_threads, |w| (ctx.fill_threads / w.max(1)).max(1));
+    let fill = |b: usize, bytes: &mut [u8]| {
+        let input = as_words_mut(bytes)?;
+        let t = Instant::now();
+        if full {
+            Checker::fill_with(b, input, threads);
+        } else {
+            checker.stamp(b, input);
+        }
+        if let Some(origin) = origin {
+            let ms = |i: Instant| i.saturating_duration_since(origin).as_secs_f64() * 1e3;
+            let span = (b, ms(t), ms(Instant::now()));
+            fills.lock().unwrap_or_else(|e| e.into_inner()).push(span);
+        }
+        Ok::<_, Error>(())
     };
     let streams = p.streams.len();
     let mut stream_of = Vec::with_capacity(batches);
-    let run = p.ring.pipeline().run(
-        batches,
-        |b, bytes| {
-            let input = as_words_mut(bytes)?;
-            host.filled(b, || ctx.write_input(b, input, full));
-            Ok::<_, Error>(())
-        },
-        |b, buf| {
-            let (s, ev) = (buf.stream(), &ctx.events[b]);
-            stream_of.push(buf.index() % streams); // buffer k is stream k % S's
-            let mut slots = slots.borrow_mut();
-            let Slot {
-                dev_in,
-                dev_out,
-                host_out,
-                ..
-            } = &mut slots[buf.index()];
-            if chain && b > 0 {
-                s.wait(&ctx.events[b - 1].h1)?;
-            }
-            ev.h0.record(s)?;
-            // SAFETY: the pipeline does not refill the ring's buffer before this copy is done.
-            unsafe { dev_in.upload(as_words(buf)?, s) }?;
-            ev.h1.record(s)?;
-            ev.k0.record(s)?;
-            // SAFETY: both device buffers hold `n` u32s, are this ring buffer's (the
-            // pipeline drains a buffer's last batch before reusing it) and used on `s`.
-            unsafe { launch_hash(ctx.kernel, s, dev_in.ptr(), dev_out.ptr(), ctx.n, ctx.rounds) }?;
-            ev.k1.record(s)?;
-            if chain && b > 0 {
-                s.wait(&ctx.events[b - 1].d1)?;
-            }
-            ev.d0.record(s)?;
-            // SAFETY: `host_out` is read by this batch's check only, after the batch completed.
-            unsafe { dev_out.download(host_out, s) }?;
-            ev.d1.record(s)?;
-            Ok(buf.index())
-        },
-        |b, k| {
-            ctx.checker
-                .check(b, ctx.rounds, &slots.borrow()[k].host_out, &mut tally);
-            Ok(())
-        },
-    )?;
+    let launch = |b: usize, buf: &cudalloc::staging::Staged<A>| {
+        let (s, ev) = (buf.stream(), &ctx.events[b]);
+        stream_of.push(buf.index() % streams); // buffer k is stream k % S's
+        let mut slots = slots.borrow_mut();
+        let Slot {
+            dev_in,
+            dev_out,
+            host_out,
+            ..
+        } = &mut slots[buf.index()];
+        if chain && b > 0 {
+            s.wait(&ctx.events[b - 1].h1)?;
+        }
+        ev.h0.record(s)?;
+        // SAFETY: the pipeline does not refill the ring's buffer before this copy is done.
+        unsafe { dev_in.upload(as_words(buf)?, s) }?;
+        ev.h1.record(s)?;
+        ev.k0.record(s)?;
+        // SAFETY: both device buffers hold `n` u32s, are this ring buffer's (the
+        // pipeline drains a buffer's last batch before reusing it) and used on `s`.
+        unsafe { launch_hash(ctx.kernel, s, dev_in.ptr(), dev_out.ptr(), ctx.n, ctx.rounds) }?;
+        ev.k1.record(s)?;
+        if chain && b > 0 {
+            s.wait(&ctx.events[b - 1].d1)?;
+        }
+        ev.d0.record(s)?;
+        // SAFETY: `host_out` is read by this batch's check only, after the batch completed.
+        unsafe { dev_out.download(host_out, s) }?;
+        ev.d1.record(s)?;
+        Ok(buf.index())
+    };
+    let mut checks = Tally::default();
+    let drain = |b: usize, k: usize| {
+        ctx.checker
+            .check(b, ctx.rounds, &slots.borrow()[k].host_out, &mut checks);
+        Ok(())
+    };
+    let pipeline = p.ring.pipeline();
+    let run = match workers {
+        None => pipeline.run(batches, fill, launch, drain)?,
+        Some(w) => {
+            pipeline
+                .fill_threads(w)
+                .run(batches, fill, launch, drain)?
+                .pipeline
+        }
+    };
+    tally.batches_checked = checks.batches_checked;
+    tally.elements_checked = checks.elements_checked;
+    tally.mismatches = checks.mismatches;
+    tally.first_mismatch = checks.first_mismatch;
     tally.blocked_s = (run.buffer_wait + run.drain_wait).as_secs_f64();
-    tally.fills = host.fills;
+    tally.fills = fills.into_inner().unwrap_or_else(|e| e.into_inner());
+    tally.fills.sort_by_key(|&(b, ..)| b);
     tally.stream_of = stream_of;
     Ok(tally)
 }
@@ -2024,7 +2087,8 @@ struct Resources {
     ring_stream: Option<Stream>,
     /// `pageable` on the pipeline.
     pageable_pipe: Option<Piped<allocator_api2::alloc::Global>>,
-    /// One per `Pinned(s)` (one buffer per stream) and `Pipeline(s)` (two) variant.
+    /// One per `Pinned(s)` (one buffer per stream), `Pipeline(s)` and `Threaded(s)` (two)
+    /// variant.
     pipes: Vec<(Variant, Piped<PinnedAlloc>)>,
 }
 
@@ -2104,7 +2168,7 @@ impl Resources {
                 (Variant::Pinned(s), _) if !pipes.iter().any(|(k, _)| *k == x) => {
                     pipes.push((x, Piped::new(PinnedAlloc, n, s, cfg.ring_buffers, true)?));
                 }
-                (Variant::Pipeline(s), _) if !pipes.iter().any(|(k, _)| *k == x) => {
+                (Variant::Pipeline(s) | Variant::Threaded(s), _) if !pipes.iter().any(|(k, _)| *k == x) => {
                     pipes.push((x, Piped::new(PinnedAlloc, n, s, 2, true)?));
                 }
                 _ => {}
@@ -2145,12 +2209,13 @@ impl Resources {
         let full = variant.staged() || ctx.checker.all;
         let out = match variant {
             Variant::Pageable => match &mut self.pageable_pipe {
-                Some(p) => run_ring(ctx, p, batches, full),
+                Some(p) => run_ring(ctx, p, batches, full, None),
                 None => Err(Error::InvalidArgument("no pageable ring")),
             },
-            Variant::Pinned(_) | Variant::Pipeline(_) => {
+            Variant::Pinned(_) | Variant::Pipeline(_) | Variant::Threaded(_) => {
+                let workers = matches!(variant, Variant::Threaded(_)).then_some(ctx.fill_workers);
                 match self.pipes.iter_mut().find(|(k, _)| *k == variant) {
-                    Some((_, p)) => run_ring(ctx, p, batches, full),
+                    Some((_, p)) => run_ring(ctx, p, batches, full, workers),
                     None => Err(Error::InvalidArgument("no staging pipeline of that many streams")),
                 }
             }
@@ -2292,11 +2357,26 @@ fn baseline(lanes: &mut [Lane], n: usize, reps: usize, fill_threads: usize) -> R
         })
         .collect();
     fills.sort_by(f64::total_cmp);
+    let mut rotating: Vec<f64> = (0..8)
+        .map(|i| {
+            let buf: &mut [u32] = match i % 4 {
+                0 => &mut a.host_in,
+                1 => &mut b.host_in,
+                2 => &mut a.host_out,
+                _ => &mut b.host_out,
+            };
+            let t = Instant::now();
+            Checker::fill_with(i, buf, fill_threads);
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    rotating.sort_by(f64::total_cmp);
     Ok(Baseline {
         h2d_ms,
         d2h_ms,
         bidir_gbps,
         fill_ms: fills[1],
+        fill_rotating_ms: rotating[4],
         fill_threads,
     })
 }
@@ -2364,6 +2444,7 @@ pub fn run(cfg: &Config, progress: &dyn Fn(&str)) -> Result<Results> {
             rounds,
             n,
             fill_threads,
+            fill_workers: cfg.fill_workers.max(1),
             chain_copies: cfg.chain_copies,
         };
         let mut rows = Vec::new();
@@ -2430,6 +2511,8 @@ fn measure(
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap_or(("-", 0.0));
     let moved = 2.0 * cfg.batches as f64 * cfg.batch_bytes as f64;
+    let fill_in_run_ms = (variant.staged() && !tally.fills.is_empty())
+        .then(|| tally.fills.iter().map(|&(_, s, e)| e - s).sum::<f64>() / tally.fills.len() as f64);
     Ok(Measured {
         wall_ms: wall * 1e3,
         ideal_ms: cfg.batches as f64 * per_batch,
@@ -2443,6 +2526,7 @@ fn measure(
         elements_checked: tally.elements_checked,
         mismatches: tally.mismatches,
         first_mismatch: tally.first_mismatch,
+        fill_in_run_ms,
         timeline: timeline::Timeline {
             title: String::new(), // named by `Results::timelines`
             lanes: variant.timeline_lanes(),

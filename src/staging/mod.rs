@@ -12,7 +12,8 @@
 //! Work on another stream is covered by [`Staged::record_use`].
 //!
 //! [`StagingRing::pipeline`] runs the whole double-buffered loop over a ring: the user
-//! gives the host fill, the launch and the drain ([`Pipeline`]).
+//! gives the host fill, the launch and the drain ([`Pipeline`]), the fill on worker threads
+//! if asked ([`Pipeline::fill_threads`], [`ThreadedPipeline`]).
 //!
 //! ```
 //! use cudalloc::{cuda::Stream, staging::StagingRing, PinnedAlloc};
@@ -45,7 +46,9 @@ use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, Mutex};
 
 mod pipeline;
+mod threaded;
 pub use pipeline::{Pipeline, PipelineRun};
+pub use threaded::{ThreadedPipeline, ThreadedRun};
 
 /// A ring of host-visible staging buffers from any allocator of host memory (
 /// [`PinnedAlloc`](crate::PinnedAlloc), `&Pool<S>`, `&Arena<S>`, ...), `per_stream` of them

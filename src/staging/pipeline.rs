@@ -27,9 +27,9 @@ use crate::error::Error;
 /// per ring buffer (indexed by [`Staged::index`]) are reused safely without a free list.
 #[derive(Debug)]
 pub struct Pipeline<'r, A: Allocator> {
-    ring: &'r StagingRing<A>,
-    in_flight: usize,
-    timeout: Duration,
+    pub(super) ring: &'r StagingRing<A>,
+    pub(super) in_flight: usize,
+    pub(super) timeout: Duration,
 }
 
 /// What a [`Pipeline::run`] did: the batches drained and where the issuing thread waited.
@@ -237,7 +237,7 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
 
 /// Whether a buffer's last batch is drained before its refill: always, but for the
 /// negative controls of `test-hooks` ([`super::hooks::skip_release_events`]).
-fn drain_before_refill() -> bool {
+pub(super) fn drain_before_refill() -> bool {
     #[cfg(feature = "test-hooks")]
     if super::hooks::SKIP_RELEASE_EVENT.load(crate::sync::global::Ordering::SeqCst) {
         return false;

@@ -110,6 +110,8 @@ const SOURCES: &[(&str, &str)] = sources![
     "source/registered.rs",
     "staging/mod.rs",
     "staging/pipeline.rs",
+    "staging/threaded.rs",
+    "staging/threaded/tests.rs",
     "sync.rs",
     "testing/mod.rs",
     "testing/raw_pinned.rs",

@@ -342,6 +342,7 @@ fn the_tables_put_our_rows_next_to_the_cpp_reference() {
             d2h_ms: 1.2,
             bidir_gbps: 100.0,
             fill_ms: 1.0,
+            fill_rotating_ms: 1.1,
             fill_threads: 8,
         },
         regimes: vec![pipeline::RegimeResult {
@@ -389,7 +390,8 @@ fn regimes_and_variants_parse_and_name_themselves() {
     assert_eq!(Regime::parse("400"), Some(Regime::Rounds(400)));
     assert_eq!(Regime::parse("0"), None);
     let all = Variant::all(&[1, 2], 3, None);
-    assert_eq!(all.len(), 1 + 2 + 1 + 2 + 3);
+    assert_eq!(all.len(), 1 + 2 + 1 + 2 + 4);
+    assert!(all.contains(&Variant::Threaded(3)));
     let some = Variant::all(&[1, 2], 3, Some(&["fresh".to_string(), "raw".to_string()]));
     assert_eq!(some, [Variant::Raw(1), Variant::Raw(2), Variant::FreshVec(3)]);
     assert_eq!(Variant::Ring(4).key(), "ring-4");
@@ -456,6 +458,7 @@ fn every_variant_delivers_every_element_of_every_batch() {
             warmup: true,
             fresh_headroom: None,
             fill_threads: 3,
+            fill_workers: 2,
             chain_copies,
             // The rows on the ring with one buffer per stream, then with two.
             ring_buffers: if chain_copies { 1 } else { 2 },
@@ -528,12 +531,16 @@ fn the_library_pipeline_delivers_every_element_of_every_batch() {
                 Variant::Pipeline(1),
                 Variant::Pipeline(2),
                 Variant::Pipeline(8),
+                Variant::Threaded(1),
+                Variant::Threaded(2),
+                Variant::Threaded(8),
             ],
             samples: 64,
             verify_all: true,
             warmup: true,
             fresh_headroom: None,
             fill_threads: 3,
+            fill_workers: if chain_copies { 2 } else { 3 },
             chain_copies,
             ring_buffers: 1,
         };
@@ -616,7 +623,7 @@ fn assert_timeline(who: &str, v: Variant, m: &pipeline::Measured, batches: usize
                 )
             }
             // On the library's pipeline the ring's free buffer picks the stream.
-            (Variant::Pipeline(_) | Variant::Pinned(_), _) => {}
+            (Variant::Pipeline(_) | Variant::Threaded(_) | Variant::Pinned(_), _) => {}
             _ => assert_eq!(s.lane, s.batch % streams, "{who}: {s:?}"),
         }
     }
@@ -794,4 +801,244 @@ fn the_timeline_svg_is_well_formed_and_has_one_lane_per_stream() {
     // No rows: still a document that says so.
     let empty = timeline::svg(&[]).unwrap();
     assert!(roxmltree::Document::parse(&empty).is_ok());
+}
+
+#[test]
+fn the_threaded_row_runs_by_default_and_by_name_as_a_staging_row() {
+    let named = Variant::all(&[1, 2], 4, Some(&["threaded".to_string()]));
+    assert_eq!(named, [Variant::Threaded(4)]);
+    assert_eq!(Variant::Threaded(4).key(), "threaded-4");
+    assert_eq!(
+        Variant::Threaded(1).label(),
+        "staging::Pipeline, fill on worker threads, 1 stream"
+    );
+    assert_eq!(Variant::Threaded(8).streams(), 8);
+    assert_eq!(
+        Variant::Threaded(4).timeline_lanes(),
+        Variant::Pipeline(4).timeline_lanes()
+    );
+    assert_eq!(Config::full().fill_workers, 2);
+}
+
+// ----- the library's threaded fill (`Pipeline::fill_threads`) on a GPU -----------------
+
+use std::sync::Mutex;
+
+use allocator_api2::vec::Vec as AVec;
+use cudalloc::cuda::{Kernel, Module, Stream};
+use cudalloc::device::DevicePool;
+use cudalloc::staging::StagingRing;
+use cudalloc::{copy, Error, PinnedAlloc};
+
+const THREADED_ROUNDS: u32 = 5;
+
+/// Queues `out[i] = hash_rounds(input[i], THREADED_ROUNDS)` on `stream`.
+///
+/// # Safety
+/// `input` and `output` hold `n` u32s on the device until the kernel completes, ordered
+/// with other work by `stream`; `kernel` is kept until then.
+unsafe fn launch_hash(
+    kernel: &Kernel,
+    stream: &Stream,
+    input: u64,
+    output: u64,
+    n: usize,
+) -> cudalloc::Result<()> {
+    let (mut input, mut output, mut n64, mut rounds) = (input, output, n as u64, THREADED_ROUNDS);
+    let mut args: [*mut std::ffi::c_void; 4] = [
+        (&mut input as *mut u64).cast(),
+        (&mut output as *mut u64).cast(),
+        (&mut n64 as *mut u64).cast(),
+        (&mut rounds as *mut u32).cast(),
+    ];
+    let grid = n.div_ceil(256).clamp(1, 1 << 16) as u32;
+    // SAFETY: the arguments match `pipeline_hash(const u32*, u32*, u64, u32)` and live
+    // across the call; this function's contract covers the buffers and the kernel.
+    unsafe { kernel.launch((grid, 1, 1), (256, 1, 1), 0, stream, &mut args) }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Fill(usize),
+    Launch(usize),
+    Drain(usize),
+}
+
+struct Threaded {
+    wrong: usize,
+    elements: usize,
+    calls: Vec<Call>,
+    /// The ring buffer of each batch, in launch order.
+    buffer_of: Vec<usize>,
+    streams_used: usize,
+    batches: usize,
+}
+
+/// `batches` batches of `n` u32s through a ring of 2 buffers on each of `streams` streams,
+/// filled with `input_value` on `workers` fill threads: H2D, the hash kernel, D2H into
+/// pinned memory, every element checked in the drain. `corrupt`: a batch filled wrong.
+fn threaded_pipeline(
+    streams: usize,
+    workers: usize,
+    batches: usize,
+    n: usize,
+    corrupt: Option<usize>,
+) -> Threaded {
+    let streams: Vec<Stream> = (0..streams).map(|_| Stream::new(0).unwrap()).collect();
+    let ring = StagingRing::new(PinnedAlloc, &streams, 2, n * 4).unwrap();
+    let pool = DevicePool::get(0).unwrap();
+    let module = Module::load_ptx(0, crate::pipeline::PTX).unwrap();
+    let kernel = module.function(crate::pipeline::KERNEL).unwrap();
+    let calls = Mutex::new(Vec::new());
+    let push = |c: Call| calls.lock().unwrap().push(c);
+    let mut buffer_of = Vec::new();
+    let mut used = std::collections::HashSet::new();
+    let (mut wrong, mut elements) = (0, 0);
+    let run = ring
+        .pipeline()
+        .fill_threads(workers)
+        .run(
+            batches,
+            |b, bytes| {
+                push(Call::Fill(b));
+                for (i, w) in bytes.chunks_exact_mut(4).enumerate() {
+                    let v = input_value(b, i);
+                    let v = if corrupt == Some(b) { !v } else { v };
+                    w.copy_from_slice(&v.to_ne_bytes());
+                }
+                Ok::<_, Error>(())
+            },
+            |b, buf| {
+                push(Call::Launch(b));
+                buffer_of.push(buf.index());
+                used.insert(buf.stream().id());
+                let s = buf.stream();
+                let mut input = pool.alloc::<u8>(buf.len(), s)?;
+                let output = pool.alloc::<u32>(n, s)?;
+                // SAFETY: the pipeline hands `buf` out again only once the copy completed.
+                unsafe { copy::host_to_device_async(buf, &mut input, 0) }?;
+                // SAFETY: both buffers hold `n` u32s and live in the value until the drain
+                // (after the kernel), on `s`; `kernel` outlives the run.
+                unsafe { launch_hash(&kernel, s, input.device_ptr(), output.device_ptr(), n) }?;
+                let mut back: AVec<u32, PinnedAlloc> = AVec::new_in(PinnedAlloc);
+                back.resize(n, 0);
+                // SAFETY: `back` is read by the drain only, after the batch's work completed.
+                unsafe { copy::device_to_host_async(&output, 0, &mut back) }?;
+                Ok((input, output, back))
+            },
+            |b, (_input, _output, back)| {
+                push(Call::Drain(b));
+                elements += back.len();
+                wrong += back
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, &v)| v != hash_rounds(input_value(b, i), THREADED_ROUNDS))
+                    .count();
+                Ok(())
+            },
+        )
+        .unwrap();
+    Threaded {
+        wrong,
+        elements,
+        calls: calls.into_inner().unwrap(),
+        buffer_of,
+        streams_used: used.len(),
+        batches: run.pipeline.batches,
+    }
+}
+
+#[test]
+fn a_threaded_pipeline_delivers_every_element_of_every_batch_in_order() {
+    gpu!();
+    for (streams, workers) in [(1, 1), (1, 2), (4, 2), (4, 3), (8, 4)] {
+        let (batches, n) = (40, 1 << 16);
+        let who = format!("{streams} streams, {workers} fill threads");
+        let out = threaded_pipeline(streams, workers, batches, n, None);
+        assert_eq!(out.batches, batches, "{who}");
+        assert_eq!(
+            out.elements,
+            batches * n,
+            "{who}: every element of every batch checked"
+        );
+        assert_eq!(out.wrong, 0, "{who}: wrong elements");
+        assert_eq!(out.streams_used, streams, "{who}: streams used");
+        let of =
+            |pick: fn(&Call) -> Option<usize>| -> Vec<usize> { out.calls.iter().filter_map(pick).collect() };
+        let mut fills = of(|c| if let Call::Fill(b) = c { Some(*b) } else { None });
+        fills.sort_unstable();
+        assert!(
+            fills.iter().copied().eq(0..batches),
+            "{who}: each batch filled once"
+        );
+        let launches = of(|c| if let Call::Launch(b) = c { Some(*b) } else { None });
+        assert!(
+            launches.iter().copied().eq(0..batches),
+            "{who}: launches {launches:?}"
+        );
+        let drains = of(|c| if let Call::Drain(b) = c { Some(*b) } else { None });
+        assert!(drains.iter().copied().eq(0..batches), "{who}: drains {drains:?}");
+        // A buffer is refilled only after its last batch was drained.
+        let at = |c: Call| out.calls.iter().position(|&x| x == c).unwrap();
+        for (b, &k) in out.buffer_of.iter().enumerate() {
+            if let Some(prev) = out.buffer_of[..b].iter().rposition(|&j| j == k) {
+                assert!(
+                    at(Call::Drain(prev)) < at(Call::Fill(b)),
+                    "{who}: buffer {k} filled for batch {b} before batch {prev} was drained"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        cudalloc::cuda::drop_errors(),
+        0,
+        "last: {:?}",
+        cudalloc::cuda::last_drop_error()
+    );
+}
+
+#[test]
+fn the_threaded_pipeline_check_sees_a_batch_filled_wrong() {
+    gpu!();
+    // The negative control of the test above: its check can fail.
+    let n = 1 << 12;
+    let out = threaded_pipeline(2, 2, 9, n, Some(4));
+    assert_eq!(out.wrong, n, "the corrupted batch was not seen");
+}
+
+#[test]
+fn a_failing_threaded_fill_stops_the_run_and_gives_every_buffer_back() {
+    gpu!();
+    let streams = [Stream::new(0).unwrap(), Stream::new(0).unwrap()];
+    let ring = StagingRing::new(PinnedAlloc, &streams, 2, 4096).unwrap();
+    let launched = Mutex::new(Vec::new());
+    let err = ring
+        .pipeline()
+        .fill_threads(2)
+        .run(
+            12,
+            |b, _| {
+                if b == 5 {
+                    Err(Error::InvalidArgument("fill 5 fails"))
+                } else {
+                    Ok(())
+                }
+            },
+            |b, _| {
+                launched.lock().unwrap().push(b);
+                Ok(b)
+            },
+            |_, _| Ok(()),
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument("fill 5 fails")), "{err:?}");
+    let launched = launched.into_inner().unwrap();
+    assert!(
+        launched.iter().copied().eq(0..launched.len()) && launched.len() <= 5,
+        "{launched:?}"
+    );
+    let all: Vec<_> = (0..ring.buffers())
+        .map(|_| ring.next(std::time::Duration::from_secs(10)).unwrap())
+        .collect();
+    assert_eq!(all.len(), 4, "every buffer is back in the ring");
 }

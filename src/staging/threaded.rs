@@ -1,0 +1,507 @@
+//! The pipeline with its host fill on worker threads ([`Pipeline::fill_threads`]): the
+//! issuing thread leases the ring's buffers, launches and drains in batch order, while
+//! `n` scoped workers fill the next batches. Where the fill bounds a pipeline, the fill
+//! and the issue no longer share one thread: the launches, event waits and drains of the
+//! batches before run while the workers write the next ones.
+
+use std::collections::BTreeMap;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use allocator_api2::alloc::Allocator;
+
+use super::{Pipeline, PipelineRun, Staged, StagingRing};
+use crate::cuda::Event;
+use crate::error::{Error, Result};
+// The workers are never part of a loom model: `std`'s primitives always.
+use crate::sync::global::{lock, mpsc, AtomicBool, Mutex, Ordering};
+
+/// A [`Pipeline`] whose host fill runs on worker threads, made by
+/// [`Pipeline::fill_threads`]: configure it, then [`run`](Self::run) it.
+///
+/// The issuing (calling) thread leases the ring's buffers in turn, hands each to a
+/// worker with its batch number, and launches the filled batches in batch order, then
+/// drains them in batch order, as [`Pipeline::run`] does. Up to
+/// [`ahead`](Self::ahead) batches are leased for filling and not yet launched (default:
+/// the workers plus one, at most the ring's buffers), so a worker finds its next batch
+/// waiting when it is done with one. Every guarantee of [`Pipeline`] holds: a buffer is
+/// handed to a worker only once the GPU is done with its last use (the ring waits for its
+/// event) and its last batch has been drained (state kept per buffer is free to reuse).
+#[derive(Debug)]
+pub struct ThreadedPipeline<'r, A: Allocator> {
+    pipeline: Pipeline<'r, A>,
+    threads: usize,
+    ahead: Option<usize>,
+}
+
+/// What a [`ThreadedPipeline::run`] did: the pipeline's counts and waits, and where the
+/// fill's time went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive] // more of where the time went may come
+pub struct ThreadedRun {
+    /// Batches drained, and the issuing thread's waits for buffers and for the GPU.
+    pub pipeline: PipelineRun,
+    /// Time the issuing thread waited for a worker to finish the next batch's fill: most
+    /// of the run where the fill bounds it.
+    pub fill_wait: Duration,
+    /// The workers' fill calls, summed over the workers. Divided by the batches, the
+    /// time of one fill inside the run: above the fill's time alone, the fill is slowed
+    /// by what runs beside it (the copies' memory traffic, the other workers).
+    pub fill_busy: Duration,
+}
+
+impl<'r, A: Allocator> Pipeline<'r, A> {
+    /// Runs the fill on `n` scoped worker threads while this thread launches and drains
+    /// (see [`ThreadedPipeline`]). The fill must then be `Fn + Sync`: the workers share it
+    /// by reference, so it may borrow the caller's data (the input it copies from) without
+    /// a clone per thread; state of its own goes behind a lock or in a thread-local.
+    /// [`ThreadedPipeline::run`] refuses `n == 0`.
+    ///
+    /// ```
+    /// use cudalloc::{cuda::Stream, staging::StagingRing, PinnedAlloc};
+    /// if let (Ok(a), Ok(b)) = (Stream::new(0), Stream::new(0)) {
+    ///     let ring = StagingRing::new(PinnedAlloc, &[a, b], 2, 1 << 16).unwrap();
+    ///     let data: Vec<u8> = (0..=255).collect(); // borrowed by every worker
+    ///     let run = ring
+    ///         .pipeline()
+    ///         .fill_threads(2)
+    ///         .run(
+    ///             8,
+    ///             |batch, buf| {
+    ///                 buf.fill(data[batch]); // on a worker
+    ///                 Ok::<_, cudalloc::Error>(())
+    ///             },
+    ///             |batch, lease| Ok((batch, lease[0])), // queue the batch's work on lease.stream()
+    ///             |batch, (b, first)| {
+    ///                 assert_eq!((b, first), (batch, batch as u8)); // in batch order
+    ///                 Ok(())
+    ///             },
+    ///         )
+    ///         .unwrap();
+    ///     assert_eq!(run.pipeline.batches, 8);
+    /// }
+    /// ```
+    pub fn fill_threads(self, n: usize) -> ThreadedPipeline<'r, A> {
+        ThreadedPipeline {
+            pipeline: self,
+            threads: n,
+            ahead: None,
+        }
+    }
+}
+
+impl<A: Allocator> ThreadedPipeline<'_, A> {
+    /// As [`Pipeline::in_flight`]: at most `n` batches launched and not yet drained.
+    pub fn in_flight(mut self, n: usize) -> Self {
+        self.pipeline = self.pipeline.in_flight(n);
+        self
+    }
+
+    /// As [`Pipeline::timeout`]: how long one lease waits at most for a free buffer.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.pipeline = self.pipeline.timeout(timeout);
+        self
+    }
+
+    /// At most `n` batches leased for filling and not yet launched (default: the workers
+    /// plus one). Clamped to the ring's buffers; more than the workers lets a worker start
+    /// its next batch at once, fewer leaves workers idle. [`run`](Self::run) refuses 0.
+    pub fn ahead(mut self, n: usize) -> Self {
+        self.ahead = Some(n);
+        self
+    }
+
+    fn ahead_now(&self) -> usize {
+        self.ahead
+            .unwrap_or(self.threads.saturating_add(1))
+            .min(self.pipeline.ring.buffers())
+    }
+}
+
+impl<A: Allocator + Send> ThreadedPipeline<'_, A> {
+    /// Runs `batches` batches as [`Pipeline::run`] does, with `fill(batch, bytes)` called
+    /// on the worker threads: `launch(batch, &lease)` and then, once its work completed,
+    /// `drain(batch, value)` on the calling thread, both in batch order. Returns what it
+    /// did ([`ThreadedRun`]).
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `fill_threads(0)`, `ahead(0)` or
+    /// `in_flight(0)` (before any call); else the first error the calling thread sees (a
+    /// fill's, a launch's, a drain's, or the driver's, converted into `E`). An error stops
+    /// the run: no further batch is filled or launched, the batches in flight are waited
+    /// for before their values are dropped and are not drained, and every buffer is back
+    /// in the ring. A panic in a fill is resumed on the calling thread after the same
+    /// clean-up.
+    pub fn run<T, E, F, L, D>(
+        &self,
+        batches: usize,
+        fill: F,
+        launch: L,
+        drain: D,
+    ) -> core::result::Result<ThreadedRun, E>
+    where
+        E: From<Error> + Send,
+        F: Fn(usize, &mut [u8]) -> core::result::Result<(), E> + Sync,
+        L: FnMut(usize, &Staged<A>) -> core::result::Result<T, E>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        let lanes = RingLanes {
+            ring: self.pipeline.ring,
+            timeout: self.pipeline.timeout,
+        };
+        let shape = Shape {
+            threads: self.threads,
+            ahead: self.ahead_now(),
+            in_flight: self.pipeline.in_flight,
+            drain_before_refill: super::pipeline::drain_before_refill(),
+        };
+        run_threaded(&lanes, shape, batches, fill, launch, drain)
+    }
+}
+
+/// The ring's side of a threaded run, apart so that the schedule is tested on the host
+/// (a model of the ring, without a driver) and runs on the ring unchanged.
+pub(super) trait Lanes {
+    /// A leased buffer: the workers write its bytes.
+    type Lease: core::ops::DerefMut<Target = [u8]> + Send;
+    /// A launched batch's completion.
+    type Done;
+    /// A free buffer the GPU is done with, now, if any.
+    fn try_lease(&self) -> Result<Option<Self::Lease>>;
+    /// A free buffer, waiting for the GPU (with the pipeline's deadline).
+    fn lease(&self) -> Result<Self::Lease>;
+    /// Which buffer of the ring it is.
+    fn index(lease: &Self::Lease) -> usize;
+    /// After a launch: marks the end of the work queued so far with the lease (reusing a
+    /// spare completion) and gives the buffer back. An error leaves no work untracked.
+    fn launched(&self, lease: Self::Lease, spare: &mut Vec<Self::Done>) -> Result<Self::Done>;
+    /// After a failed launch: waits for whatever it queued, then gives the buffer back.
+    fn abandon(&self, lease: Self::Lease);
+    /// Waits for a launched batch's work.
+    fn wait(done: &Self::Done) -> Result<()>;
+}
+
+struct RingLanes<'r, A: Allocator> {
+    ring: &'r StagingRing<A>,
+    timeout: Duration,
+}
+
+impl<A: Allocator + Send> Lanes for RingLanes<'_, A> {
+    type Lease = Staged<A>;
+    type Done = Event;
+
+    fn try_lease(&self) -> Result<Option<Staged<A>>> {
+        self.ring.try_next()
+    }
+
+    fn lease(&self) -> Result<Staged<A>> {
+        self.ring.next(self.timeout)
+    }
+
+    fn index(lease: &Staged<A>) -> usize {
+        lease.index()
+    }
+
+    fn launched(&self, lease: Staged<A>, spare: &mut Vec<Event>) -> Result<Event> {
+        let recorded = (|| {
+            let done = match spare.pop() {
+                Some(e) => e,
+                None => Event::new(lease.stream().device())?,
+            };
+            done.record(lease.stream())?;
+            Ok(done)
+        })();
+        if recorded.is_err() {
+            // The batch's work is not tracked: wait for it before its value is dropped.
+            let _ = lease.stream().synchronize();
+        }
+        // The lease, dropped here, records the ring's own event after the batch's work.
+        drop(lease);
+        recorded
+    }
+
+    fn abandon(&self, lease: Staged<A>) {
+        let _ = lease.stream().synchronize();
+    }
+
+    fn wait(done: &Event) -> Result<()> {
+        done.synchronize()
+    }
+}
+
+/// The numbers of a threaded run.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shape {
+    pub(super) threads: usize,
+    pub(super) ahead: usize,
+    pub(super) in_flight: usize,
+    /// Always, but for the negative controls of `test-hooks`.
+    pub(super) drain_before_refill: bool,
+}
+
+/// A launched batch waiting for its drain.
+struct InFlight<T, Done> {
+    batch: usize,
+    buffer: usize,
+    done: Done,
+    value: T,
+}
+
+/// What a worker gives back: the batch, its lease, the fill's outcome (or its panic) and
+/// how long the fill took.
+type Filled<Lease, E> = (
+    usize,
+    Lease,
+    std::thread::Result<core::result::Result<(), E>>,
+    Duration,
+);
+
+/// The issuing thread's side: leases, hands out, launches and drains.
+struct Issuer<'a, B: Lanes, T, E> {
+    lanes: &'a B,
+    shape: Shape,
+    run: ThreadedRun,
+    queue: VecDeque<InFlight<T, B::Done>>,
+    spare: Vec<B::Done>,
+    /// Filled batches not yet launched, by batch.
+    ready: BTreeMap<usize, B::Lease>,
+    /// Batches handed to the workers and not yet given back.
+    at_workers: usize,
+    _e: core::marker::PhantomData<E>,
+}
+
+impl<B: Lanes, T, E: From<Error>> Issuer<'_, B, T, E> {
+    /// Drains the oldest launched batch (waiting for its work).
+    fn drain_oldest<D>(&mut self, drain: &mut D) -> core::result::Result<(), E>
+    where
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        let Some(oldest) = self.queue.front() else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        // An error leaves the batch in the queue: the clean-up waits for it before dropping.
+        B::wait(&oldest.done)?;
+        self.run.pipeline.drain_wait += t0.elapsed();
+        let Some(InFlight {
+            batch, done, value, ..
+        }) = self.queue.pop_front()
+        else {
+            return Ok(());
+        };
+        self.spare.push(done);
+        drain(batch, value)?;
+        self.run.pipeline.batches += 1;
+        Ok(())
+    }
+
+    /// A leased buffer, made ready for a refill: its last batch drained.
+    fn prepare<D>(&mut self, lease: &B::Lease, drain: &mut D) -> core::result::Result<(), E>
+    where
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        let index = B::index(lease);
+        while self.shape.drain_before_refill && self.queue.iter().any(|q| q.buffer == index) {
+            self.drain_oldest(drain)?;
+        }
+        Ok(())
+    }
+
+    /// Launches filled batch `batch` (the next in order).
+    fn launch<L, D>(
+        &mut self,
+        batch: usize,
+        lease: B::Lease,
+        launch: &mut L,
+        drain: &mut D,
+    ) -> core::result::Result<(), E>
+    where
+        L: FnMut(usize, &B::Lease) -> core::result::Result<T, E>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        if self.queue.len() >= self.shape.in_flight {
+            if let Err(e) = self.drain_oldest(drain) {
+                self.ready.insert(batch, lease);
+                return Err(e);
+            }
+        }
+        let buffer = B::index(&lease);
+        let value = match launch(batch, &lease) {
+            Ok(v) => v,
+            Err(e) => {
+                // Work of this batch may be queued but is not tracked: wait for it before
+                // the run returns. The error is the one to report.
+                self.lanes.abandon(lease);
+                return Err(e);
+            }
+        };
+        let done = match self.lanes.launched(lease, &mut self.spare) {
+            Ok(done) => done,
+            Err(e) => {
+                // `launched` waited for the work: the value is free to drop.
+                drop(value);
+                return Err(e.into());
+            }
+        };
+        self.queue.push_back(InFlight {
+            batch,
+            buffer,
+            done,
+            value,
+        });
+        Ok(())
+    }
+}
+
+/// The schedule of [`ThreadedPipeline::run`] over any [`Lanes`].
+pub(super) fn run_threaded<B, T, E, F, L, D>(
+    lanes: &B,
+    shape: Shape,
+    batches: usize,
+    fill: F,
+    mut launch: L,
+    mut drain: D,
+) -> core::result::Result<ThreadedRun, E>
+where
+    B: Lanes,
+    E: From<Error> + Send,
+    F: Fn(usize, &mut [u8]) -> core::result::Result<(), E> + Sync,
+    L: FnMut(usize, &B::Lease) -> core::result::Result<T, E>,
+    D: FnMut(usize, T) -> core::result::Result<(), E>,
+{
+    if shape.threads == 0 || shape.ahead == 0 || shape.in_flight == 0 {
+        return Err(Error::InvalidArgument(
+            "a threaded pipeline needs at least one fill thread, one batch ahead and one in flight",
+        )
+        .into());
+    }
+    let mut issuer: Issuer<'_, B, T, E> = Issuer {
+        lanes,
+        shape,
+        run: ThreadedRun::default(),
+        queue: VecDeque::with_capacity(shape.in_flight),
+        spare: Vec::new(),
+        ready: BTreeMap::new(),
+        at_workers: 0,
+        _e: core::marker::PhantomData,
+    };
+    let stop = AtomicBool::new(false);
+    let (job_tx, job_rx) = mpsc::channel::<(usize, B::Lease)>();
+    let (done_tx, done_rx) = mpsc::channel::<Filled<B::Lease, E>>();
+    let job_rx = Mutex::new(job_rx);
+    let (fill, stop_ref, job_rx_ref) = (&fill, &stop, &job_rx);
+    let mut panic = None;
+    let out = std::thread::scope(|scope| {
+        for _ in 0..shape.threads {
+            let done_tx = done_tx.clone();
+            scope.spawn(move || loop {
+                // One worker waits in `recv` at a time; the others wait for the lock.
+                let job = lock(job_rx_ref).recv();
+                let Ok((batch, mut lease)) = job else { return };
+                let t0 = Instant::now();
+                let outcome = if stop_ref.load(Ordering::Relaxed) {
+                    Ok(Ok(())) // the run is stopping: give the lease back unfilled
+                } else {
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fill(batch, &mut lease)))
+                };
+                if done_tx.send((batch, lease, outcome, t0.elapsed())).is_err() {
+                    return;
+                }
+            });
+        }
+        drop(done_tx);
+        let mut filled = |issuer: &mut Issuer<'_, B, T, E>| -> core::result::Result<(), E> {
+            let t0 = Instant::now();
+            let got = done_rx.recv();
+            issuer.run.fill_wait += t0.elapsed();
+            let Ok((batch, lease, outcome, took)) = got else {
+                return Err(Error::InvalidArgument("the fill threads stopped").into());
+            };
+            issuer.at_workers -= 1;
+            issuer.run.fill_busy += took;
+            issuer.ready.insert(batch, lease);
+            match outcome {
+                Ok(r) => r,
+                Err(p) => {
+                    panic = Some(p);
+                    Err(Error::InvalidArgument("a fill panicked").into())
+                }
+            }
+        };
+        let mut schedule = || -> core::result::Result<(), E> {
+            let (mut next_fill, mut next_launch) = (0, 0);
+            while next_launch < batches {
+                if let Some(lease) = issuer.ready.remove(&next_launch) {
+                    issuer.launch(next_launch, lease, &mut launch, &mut drain)?;
+                    next_launch += 1;
+                    continue;
+                }
+                let leased = next_fill - next_launch; // at the workers or ready
+                if next_fill < batches && leased < shape.ahead {
+                    // Wait for the GPU only when no worker is busy: a fill coming back
+                    // first is launched first.
+                    let t0 = Instant::now();
+                    let lease = if issuer.at_workers == 0 {
+                        Some(lanes.lease()?)
+                    } else {
+                        lanes.try_lease()?
+                    };
+                    issuer.run.pipeline.buffer_wait += t0.elapsed();
+                    if let Some(lease) = lease {
+                        if let Err(e) = issuer.prepare(&lease, &mut drain) {
+                            drop(lease); // not filled: nothing of it is queued
+                            return Err(e);
+                        }
+                        issuer.at_workers += 1;
+                        if let Err(mpsc::SendError((_, lease))) = job_tx.send((next_fill, lease)) {
+                            issuer.at_workers -= 1;
+                            drop(lease);
+                            return Err(Error::InvalidArgument("the fill threads stopped").into());
+                        }
+                        next_fill += 1;
+                        continue;
+                    }
+                }
+                filled(&mut issuer)?;
+            }
+            while !issuer.queue.is_empty() {
+                issuer.drain_oldest(&mut drain)?;
+            }
+            Ok(())
+        };
+        let out = schedule();
+        // Stop the workers and take back the leases they hold (unlaunched: nothing of
+        // theirs is queued on the GPU).
+        stop.store(true, Ordering::Relaxed);
+        drop(job_tx);
+        while issuer.at_workers > 0 {
+            match done_rx.recv() {
+                Ok((_, lease, outcome, _)) => {
+                    issuer.at_workers -= 1;
+                    drop(lease);
+                    if let (Err(p), None) = (outcome, &panic) {
+                        panic = Some(p);
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        out
+    });
+    issuer.ready.clear();
+    if out.is_err() {
+        // The values may hold memory the GPU still writes: drop them only after it.
+        for b in issuer.queue.drain(..) {
+            if B::wait(&b.done).is_err() {
+                // Its state is unknown: leak the value rather than free memory in use.
+                core::mem::forget(b.value);
+            }
+        }
+    }
+    if let Some(p) = panic {
+        std::panic::resume_unwind(p);
+    }
+    out.map(|()| issuer.run)
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests;
