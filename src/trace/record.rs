@@ -4,18 +4,20 @@
 //! The hooks run inside allocators, perhaps the global one, so:
 //! - off, a hook is one Relaxed load of [`STATE`] and a branch ([`on`]); everything else
 //!   is behind a `#[cold]` call;
-//! - on, a recording thread takes no global lock: it writes a buffer of its own (a
-//!   header found through a thread-local, its storage from `System`), behind a flag that
-//!   only [`stop`] (and the out-of-memory dump) ever contends for, and takes its place in
-//!   the global order with one `fetch_add` on [`SEQ`];
+//! - on, a recording thread takes no global lock and one atomic read-modify-write per
+//!   call: it writes a buffer of its own (a header found through a thread-local, its
+//!   storage from `System`), and one `fetch_add` on [`SEQ`] both gives it its place in
+//!   the global order and tells it whether [`stop`] (or the out-of-memory dump) halted
+//!   the recorder; a plain store of the buffer's `writing` flag on each side of the write
+//!   tells `stop` when the buffer may be read (see [`ThreadBuf::enter`]);
 //! - a thread-local guard keeps the recorder from recording itself: what it allocates
 //!   (a thread's first buffer, an allocator's name, the trace [`stop`] builds) goes to the
 //!   allocator untraced, so a `Traced<System>` under `#[global_allocator]` cannot recurse.
 //!
 //! Locks: [`CONTROL`] (the configuration and the allocators of the session) is taken by
 //! `start`, `stop` and by an allocator's first event of a session, never per event, and
-//! never while the taking thread holds a buffer's flag; a buffer's flag is held only for
-//! the few stores of one event (or, by `stop`, to move the buffer's storage out).
+//! never while the taking thread writes its buffer; a buffer's `busy` flag is taken by
+//! `stop` and by a thread claiming the buffer of an exited one, never per event.
 
 #[cfg(all(feature = "backtrace", not(loom)))]
 mod sites;
@@ -100,8 +102,14 @@ const ON: u64 = 1;
 const ENV_PENDING: u64 = 2;
 const SESSION_SHIFT: u32 = 2;
 
-/// The global order of events (a `fetch_add` per event; renumbered from 0 by `stop`).
+/// The global order of events in its low 63 bits (one `fetch_add` per recording call;
+/// renumbered from 0 by `stop`), and [`HALT`]. Only read-modify-writes change it, so
+/// that each one synchronizes with every earlier one (a release sequence): what a
+/// writer stored before its `fetch_add` is visible to `collect` after its `fetch_or`.
 static SEQ: AtomicU64 = AtomicU64::new(0);
+/// Set in [`SEQ`] while `collect` reads the buffers: a writer whose `fetch_add` sees it
+/// writes nothing (and waits, if the recording goes on).
+const HALT: u64 = 1 << 63;
 /// Thread numbers of the session, from 0.
 static NEXT_THREAD: AtomicU64 = AtomicU64::new(0);
 /// Each thread's ring holds this many events (the configuration's `max_entries`).
@@ -275,16 +283,29 @@ fn collect(stop: bool) -> Trace {
         return Trace::default();
     }
     if stop {
-        // Before the buffers are read: a writer that takes a buffer's flag after `stop`
-        // released it sees the recording off (the flag orders the two).
+        // Before `HALT`: a writer that sees `HALT` (or, later, sees it cleared) sees the
+        // recording off, and drops its event.
         STATE.store(state & !ON, Ordering::SeqCst);
     }
     let session = session_of(state);
-    let mut taken: Vec<Taken> = Vec::new();
+    // Acquire: every writer whose `fetch_add` came before this one in `SEQ`'s order
+    // stored its `writing` flag before it, visibly now; every later one sees `HALT`.
+    SEQ.fetch_or(HALT, Ordering::AcqRel);
+    // From `System`: while `HALT` is set, an out-of-memory dump's writers wait, and one
+    // may hold a lock of the global allocator.
+    let mut taken: SysVec<Taken, System> = SysVec::new_in(System);
     let mut offered = 0u64;
     for buf in buffers() {
+        // The owner finishes the one event it may be writing (Acquire: its stores are
+        // visible once the flag reads false), and writes no other until `HALT` clears.
+        while buf.writing.load(Ordering::Acquire) {
+            core::hint::spin_loop();
+        }
+        // Against a thread claiming the buffer meanwhile (it reads the data).
         let _held = buf.hold();
-        // SAFETY: the flag is held, so no writer touches the data.
+        // SAFETY: the owner writes the data only between a `fetch_add` that saw no
+        // `HALT` and its release of `writing`, which completed above; the flag keeps
+        // claimers out.
         let d = unsafe { &mut *buf.data.get() };
         if d.session != session {
             continue;
@@ -316,6 +337,8 @@ fn collect(stop: bool) -> Trace {
         }
         taken.push(t);
     }
+    // Release: a writer whose `fetch_add` sees `HALT` gone sees the state `stop` stored.
+    SEQ.fetch_and(!HALT, Ordering::Release);
     let allocators = if stop {
         core::mem::take(&mut ctl.allocators)
     } else {
@@ -336,7 +359,12 @@ struct Taken {
 }
 
 /// The trace from the buffers' contents: sorted, trimmed to `max_entries`, renumbered.
-fn build(allocators: Vec<TracedAllocator>, taken: Vec<Taken>, offered: u64, clock: &Clock) -> Trace {
+fn build(
+    allocators: Vec<TracedAllocator>,
+    taken: SysVec<Taken, System>,
+    offered: u64,
+    clock: &Clock,
+) -> Trace {
     let cap = CAPACITY.load(Ordering::Relaxed);
     // (seq, thread, taken index, record index)
     let mut order: Vec<(u64, u32, usize, usize)> = Vec::new();
@@ -721,20 +749,18 @@ impl Tag {
         let Some(buf) = my_buffer() else {
             return;
         };
-        let _held = buf.hold();
-        // Under the flag: if `stop` ran since `state` was read, it has read this buffer
-        // already (or will find it in the next session): drop the event.
-        if STATE.load(Ordering::Relaxed) != state {
+        let Some((_writing, seq)) = buf.enter(state, 1 + u64::from(completed)) else {
             return;
-        }
-        // SAFETY: the flag is held, so nobody else reaches the data.
+        };
+        // SAFETY: between `enter` and the drop of `_writing` only this thread, the
+        // buffer's owner, reaches the data (`collect` waits for the flag).
         let d = unsafe { &mut *buf.data.get() };
         let session = session_of(state);
         if d.session != session {
             d.begin(session);
         }
         let rec = Rec {
-            seq: SEQ.fetch_add(1 + u64::from(completed), Ordering::Relaxed),
+            seq,
             ticks: ticks(),
             addr: note.addr as u64,
             size: note.size as u64,
@@ -911,7 +937,8 @@ impl Code {
     }
 }
 
-/// One event in a buffer (64 bytes).
+/// One event in a buffer (64 bytes; not aligned to a cache line: `System` grows an
+/// over-aligned block by a copy, not in place, which tripled the cost of filling a ring).
 #[derive(Clone, Copy)]
 struct Rec {
     seq: u64,
@@ -996,14 +1023,18 @@ impl fmt::Write for Msg {
 struct ThreadBuf {
     /// The next header in the list (fixed once pushed).
     next: *const ThreadBuf,
-    /// Held while one event is written, or while `stop` reads the buffer.
+    /// Set by the owner (plain stores, no read-modify-write) while it writes `data`.
+    writing: AtomicBool,
+    /// Held while `collect` reads the buffer or a thread claims it (never per event).
     busy: AtomicBool,
     /// Set while a live thread writes this buffer.
     owned: AtomicBool,
     data: UnsafeCell<BufData>,
 }
 
-// SAFETY: `data` is reached only under the `busy` flag (an acquire/release spin flag);
+// SAFETY: `data` is written by its owner between `enter` and the release of `writing`,
+// read and written by `collect` only once `HALT` is set and `writing` reads false, and by
+// a claiming thread only under `busy` while no thread owns it (see `ThreadBuf::enter`);
 // `next` is immutable after the header is published.
 unsafe impl Sync for ThreadBuf {}
 
@@ -1013,6 +1044,8 @@ struct BufData {
     thread: u32,
     /// Events of the session offered to this buffer (stored, overwritten or lost).
     offered: u64,
+    /// The session's `CAPACITY`, read once by `begin`.
+    cap: usize,
     /// A ring of at most `CAPACITY` events: pushed until full, then overwritten at `head`.
     recs: SysVec<Rec, System>,
     head: usize,
@@ -1029,6 +1062,7 @@ impl BufData {
         self.session = session;
         self.thread = NEXT_THREAD.fetch_add(1, Ordering::Relaxed) as u32;
         self.offered = 0;
+        self.cap = CAPACITY.load(Ordering::Relaxed).max(1);
         self.head = 0;
         self.recs.clear();
         self.frames.clear();
@@ -1039,28 +1073,30 @@ impl BufData {
     #[inline(always)]
     fn push(&mut self, rec: Rec, stack: Option<&Stack>, error: Option<&dyn fmt::Display>) {
         self.offered += 1;
-        let cap = CAPACITY.load(Ordering::Relaxed);
-        let i = if self.recs.len() < cap {
-            // With no memory for the event it goes unrecorded (counted as dropped): no
-            // abort in an allocator.
-            if self.recs.len() == self.recs.capacity() {
-                let grow = self.recs.len().max(1024).min(cap - self.recs.len());
-                if self.recs.try_reserve_exact(grow).is_err() {
-                    return;
-                }
-            }
-            self.recs.push(rec);
-            self.recs.len() - 1
-        } else {
-            // No `%`: a division per event is tens of cycles of latency on many server
-            // CPUs.
+        let cap = self.cap;
+        let len = self.recs.len();
+        let i = if len >= cap {
+            // Full: overwrite the oldest, at `head`. No `%`: a division per event is tens
+            // of cycles of latency on many server CPUs.
             let i = self.head;
             if let Some(slot) = self.recs.get_mut(i) {
                 *slot = rec;
             }
             self.head = if i + 1 >= cap { 0 } else { i + 1 };
             i
+        } else {
+            // With no memory for the event it goes unrecorded (counted as dropped): no
+            // abort in an allocator.
+            if len == self.recs.capacity() {
+                let grow = len.max(1024).min(cap - len);
+                if self.recs.try_reserve_exact(grow).is_err() {
+                    return;
+                }
+            }
+            self.recs.push(rec);
+            len
         };
+        prefetch_for_write(self.recs.as_ptr().wrapping_add(i + PREFETCH_AHEAD));
         if SITES.load(Ordering::Relaxed) {
             let s = stack.copied().unwrap_or(Stack {
                 ips: [0; FRAMES],
@@ -1091,7 +1127,63 @@ impl BufData {
     }
 }
 
+/// Events ahead of the one written whose line is fetched: the store of an event then
+/// finds its line in the cache (a ring of 2^16 events is 4 MiB, beyond the L2 cache),
+/// rather than stalling the next read-modify-write, which waits for the stores before
+/// it, on a miss.
+const PREFETCH_AHEAD: usize = 4;
+
+/// Asks for the cache line at `p` (any address: a prefetch never faults).
+#[inline(always)]
+fn prefetch_for_write(p: *const Rec) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `prefetcht0` exists on every x86-64 processor, reads nothing the program
+    // sees and never faults, whatever the address.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 impl ThreadBuf {
+    /// Starts writing one call's `events` events into the buffer, for the recording of
+    /// `state`: the first event's place in the global order, and the guard whose drop
+    /// ends the write; `None` if `stop` ended the recording (the events go unrecorded).
+    ///
+    /// The protocol, with one read-modify-write per call: the owner stores `writing`
+    /// (a plain store), then takes its `fetch_add` on [`SEQ`] (a release: it carries
+    /// the store); `collect` sets [`HALT`] with its own read-modify-write (an acquire),
+    /// then waits for each buffer's `writing` to read false. Read-modify-writes of `SEQ`
+    /// are totally ordered: a writer before `collect`'s sees no `HALT` and its `writing`
+    /// store is visible to `collect`, which waits for the event; a writer after it sees
+    /// `HALT` and leaves the data alone. A halt of `stop` changes `STATE` first: the
+    /// writer drops the event; the out-of-memory dump's does not: the writer waits for
+    /// the dump to read the buffers, then takes a new place.
+    #[inline(always)]
+    fn enter(&self, state: u64, events: u64) -> Option<(Writing<'_>, u64)> {
+        loop {
+            self.writing.store(true, Ordering::Relaxed);
+            let seq = SEQ.fetch_add(events, Ordering::AcqRel);
+            if seq & HALT == 0 && STATE.load(Ordering::Relaxed) == state {
+                return Some((Writing(self), seq));
+            }
+            self.writing.store(false, Ordering::Release);
+            self.wait_halted(state)?;
+        }
+    }
+
+    /// Waits while `collect` reads the buffers of the recording `state`; `None` once
+    /// that recording ended.
+    #[cold]
+    #[inline(never)]
+    fn wait_halted(&self, state: u64) -> Option<()> {
+        while SEQ.load(Ordering::Relaxed) & HALT != 0 && STATE.load(Ordering::Relaxed) == state {
+            core::hint::spin_loop();
+        }
+        (STATE.load(Ordering::Relaxed) == state).then_some(())
+    }
+
     /// Holds the flag (spinning: the other holder writes one event, or moves storage).
     fn hold(&self) -> Held<'_> {
         while self
@@ -1106,6 +1198,16 @@ impl ThreadBuf {
 }
 
 struct Held<'a>(&'a ThreadBuf);
+
+/// The owner is writing its buffer (see [`ThreadBuf::enter`]).
+struct Writing<'a>(&'a ThreadBuf);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        // Release: `collect`, reading false, sees the event's stores.
+        self.0.writing.store(false, Ordering::Release);
+    }
+}
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
@@ -1221,12 +1323,14 @@ fn publish() -> Option<&'static ThreadBuf> {
     let header = SysBox::try_new_in(
         ThreadBuf {
             next: core::ptr::null(),
+            writing: AtomicBool::new(false),
             busy: AtomicBool::new(false),
             owned: AtomicBool::new(true),
             data: UnsafeCell::new(BufData {
                 session: 0,
                 thread: 0,
                 offered: 0,
+                cap: 1,
                 recs: SysVec::new_in(System),
                 head: 0,
                 frames: SysVec::new_in(System),
