@@ -106,7 +106,22 @@ const SESSION_SHIFT: u32 = 2;
 /// renumbered from 0 by `stop`), and [`HALT`]. Only read-modify-writes change it, so
 /// that each one synchronizes with every earlier one (a release sequence): what a
 /// writer stored before its `fetch_add` is visible to `collect` after its `fetch_or`.
-static SEQ: AtomicU64 = AtomicU64::new(0);
+static SEQ: Line<AtomicU64> = Line(AtomicU64::new(0));
+
+/// A value on cache lines of its own: [`SEQ`], written by every event, beside [`STATE`],
+/// read by every hook of every thread, would take that line from each reader's cache at
+/// every event; a thread's buffer header beside another's, the same (128 bytes: the
+/// pair of lines that x86's adjacent-line prefetch fetches together).
+#[repr(align(128))]
+struct Line<T>(T);
+
+impl<T> core::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// Set in [`SEQ`] while `collect` reads the buffers: a writer whose `fetch_add` sees it
 /// writes nothing (and waits, if the recording goes on).
 const HALT: u64 = 1 << 63;
@@ -1019,7 +1034,9 @@ impl fmt::Write for Msg {
 
 /// A thread's buffer: a header that lives as long as the process (in a list that only
 /// grows; a header is reused by a later thread once its thread exited and its events
-/// were collected), its storage from `System`.
+/// were collected), its storage from `System`. Aligned as [`Line`]: one thread's stores
+/// to its header leave the others' alone.
+#[repr(align(128))]
 struct ThreadBuf {
     /// The next header in the list (fixed once pushed).
     next: *const ThreadBuf,
@@ -1096,7 +1113,6 @@ impl BufData {
             self.recs.push(rec);
             len
         };
-        prefetch_for_write(self.recs.as_ptr().wrapping_add(i + PREFETCH_AHEAD));
         if SITES.load(Ordering::Relaxed) {
             let s = stack.copied().unwrap_or(Stack {
                 ips: [0; FRAMES],
@@ -1125,25 +1141,6 @@ impl BufData {
             }
         }
     }
-}
-
-/// Events ahead of the one written whose line is fetched: the store of an event then
-/// finds its line in the cache (a ring of 2^16 events is 4 MiB, beyond the L2 cache),
-/// rather than stalling the next read-modify-write, which waits for the stores before
-/// it, on a miss.
-const PREFETCH_AHEAD: usize = 4;
-
-/// Asks for the cache line at `p` (any address: a prefetch never faults).
-#[inline(always)]
-fn prefetch_for_write(p: *const Rec) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: `prefetcht0` exists on every x86-64 processor, reads nothing the program
-    // sees and never faults, whatever the address.
-    unsafe {
-        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 impl ThreadBuf {
