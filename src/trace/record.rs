@@ -52,10 +52,11 @@ use crate::sync::global::{lock, AtomicBool, AtomicU64, AtomicUsize, Mutex, OnceL
 pub struct TraceConfig {
     /// The most events a trace keeps (default 2^20): when more were recorded, [`stop`]
     /// keeps the `max_entries` newest (highest `seq`) and counts the rest in
-    /// [`Trace::dropped`]. Each thread keeps its newest `max_entries` events in a ring
-    /// that grows as it fills, so no event that the trace keeps is lost, and each
-    /// recording thread holds at most `max_entries` events (64 bytes each, more with
-    /// sites) until `stop`. At least 1.
+    /// [`Trace::dropped`]. Each thread keeps its newest `max_entries` records (at least
+    /// as many events) in a ring that grows as it fills, so no event that the trace
+    /// keeps is lost, and each recording thread holds at most `max_entries` records (64
+    /// bytes each, more with sites; a free whose block is reusable at once and that
+    /// completion share one) until `stop`. At least 1.
     pub max_entries: usize,
     /// Record the stack of every allocation (needs the `backtrace` feature; costly: a
     /// stack walk per allocation, and 256 bytes per event).
@@ -381,19 +382,25 @@ fn build(
     clock: &Clock,
 ) -> Trace {
     let cap = CAPACITY.load(Ordering::Relaxed);
-    // (seq, thread, taken index, record index)
-    let mut order: Vec<(u64, u32, usize, usize)> = Vec::new();
+    // (seq, thread, taken index, record index, the record's `FreeCompleted`)
+    let mut order: Vec<(u64, u32, usize, usize, bool)> = Vec::new();
     for (ti, t) in taken.iter().enumerate() {
-        order.extend(t.recs.iter().enumerate().map(|(ri, r)| (r.seq, t.thread, ti, ri)));
+        for (ri, r) in t.recs.iter().enumerate() {
+            order.push((r.seq, t.thread, ti, ri, false));
+            if r.completed {
+                order.push((r.seq + 1, t.thread, ti, ri, true));
+            }
+        }
     }
     order.sort_unstable_by_key(|o| o.0);
     let kept_from = order.len().saturating_sub(cap);
     let order = &order[kept_from..];
     let mut events = Vec::with_capacity(order.len());
-    for (i, &(seq, thread, ti, ri)) in order.iter().enumerate() {
+    for (i, &(seq, thread, ti, ri, second)) in order.iter().enumerate() {
         let t = &taken[ti];
         let r = &t.recs[ri];
         let action = match r.action {
+            _ if second => Action::FreeCompleted,
             Code::Failure => Action::Failure(Cow::Owned(
                 t.msgs
                     .iter()
@@ -410,7 +417,7 @@ fn build(
         e.given = r.given;
         e.align = r.align;
         e.stream = r.stream;
-        if let Some(stack) = t.frames.get(ri) {
+        if let Some(stack) = t.frames.get(ri).filter(|_| !second) {
             e.frames = resolve(stack);
         }
         events.push(e);
@@ -735,9 +742,9 @@ impl Tag {
 
     /// Writes the event of `note` into this thread's buffer and, with `completed` (a
     /// free whose block is reusable at once), its `FreeCompleted` right after it, at the
-    /// same time: the two under one entry into the recorder, one hold of the buffer and
-    /// one step of the global order: a free's two events cost one event's locked
-    /// instructions (a pool hit pair's three events, two of each instead of three).
+    /// same time: the two under one entry into the recorder, one read-modify-write (one
+    /// step of the global order) and one record in the ring ([`Rec::completed`]): a pool
+    /// hit pair's three events cost two of each.
     #[cold]
     #[inline(never)]
     fn record_then(&self, note: &Note<'_>, completed: bool) {
@@ -784,16 +791,9 @@ impl Tag {
             stream: note.stream,
             allocator,
             action: note.action,
+            completed,
         };
         d.push(rec, stack.as_ref(), note.error);
-        if completed {
-            let done = Rec {
-                seq: rec.seq + 1,
-                action: Code::FreeCompleted,
-                ..rec
-            };
-            d.push(done, None, None);
-        }
     }
 }
 
@@ -966,6 +966,9 @@ struct Rec {
     stream: u64,
     allocator: u32,
     action: Code,
+    /// A free followed at once by its `FreeCompleted` (`seq + 1`, the same fields),
+    /// which `build` makes of this record: one record written for the two events.
+    completed: bool,
 }
 
 /// Return addresses of an allocation site, innermost first.
@@ -1089,7 +1092,7 @@ impl BufData {
 
     #[inline(always)]
     fn push(&mut self, rec: Rec, stack: Option<&Stack>, error: Option<&dyn fmt::Display>) {
-        self.offered += 1;
+        self.offered += 1 + u64::from(rec.completed);
         let cap = self.cap;
         let len = self.recs.len();
         let i = if len >= cap {
