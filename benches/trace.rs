@@ -8,6 +8,14 @@
 //!   under 1 ns (`traced_system_off` against `system`; `pool_off` against the `pool`
 //!   bench's `alloc_free_hit/pool_host/256B` of a build without the hooks).
 //!
+//! - `trace_parts`: what the parts of a recorded event cost on this machine, alone and
+//!   together (printed only, no criterion rows): the time-stamp counter, a thread-local,
+//!   an uncontended `fetch_add`, a spin flag's take and release (the per-event flag the
+//!   recorder had before issue 20's change), a 64-byte record stored into a 4 MiB ring,
+//!   and the ring store followed by one or two locked instructions (which wait for the
+//!   stores before them: what a record costs where a store's line is far away). Run it
+//!   where `trace_hit_pair`'s figure is out of line with this machine's.
+//!
 //! Each group also prints per-call times over timed batches (median / fastest), and the
 //! difference per event.
 //!
@@ -118,5 +126,74 @@ fn hit_pair(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, hit_pair);
+/// A record as the recorder stores it: 64 bytes.
+#[derive(Clone, Copy, Default)]
+struct Record([u64; 8]);
+
+fn parts(_c: &mut Criterion) {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    if !wanted("trace_parts") {
+        return;
+    }
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    static FLAG: AtomicBool = AtomicBool::new(false);
+    std::thread_local! {
+        static LOCAL: Cell<u64> = const { Cell::new(0) };
+    }
+    let take_flag = || {
+        while FLAG
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {}
+        FLAG.store(false, Ordering::Release);
+    };
+    // 2^16 records, as `trace_hit_pair`'s steady rows.
+    let ring = std::cell::RefCell::new(vec![Record::default(); 1 << 16]);
+    let head = Cell::new(0usize);
+    let store = || {
+        let mut r = ring.borrow_mut();
+        let i = head.get();
+        r[i] = Record([i as u64; 8]);
+        head.set(if i + 1 == r.len() { 0 } else { i + 1 });
+    };
+    let (batches, calls) = (31, 30_000);
+    let time = |f: &dyn Fn()| per_call(batches, calls, f);
+    let nothing = time(&|| {
+        black_box(0);
+    });
+    #[cfg(target_arch = "x86_64")]
+    let rdtsc = time(&|| {
+        // SAFETY: `rdtsc` exists on every x86-64 processor and has no side effects.
+        black_box(unsafe { core::arch::x86_64::_rdtsc() });
+    });
+    let local = time(&|| LOCAL.with(|l| l.set(black_box(l.get() + 1))));
+    let fetch_add = time(&|| {
+        black_box(SEQ.fetch_add(1, Ordering::AcqRel));
+    });
+    let flag = time(&take_flag);
+    let ring_store = time(&store);
+    let store_add = time(&|| {
+        store();
+        black_box(SEQ.fetch_add(1, Ordering::AcqRel));
+    });
+    let store_flag_add = time(&|| {
+        take_flag();
+        store();
+        black_box(SEQ.fetch_add(1, Ordering::AcqRel));
+    });
+    black_box(ring.borrow()[0].0[0]);
+    println!("trace_parts per call (median / fastest):");
+    println!("  loop alone                        {nothing}");
+    #[cfg(target_arch = "x86_64")]
+    println!("  rdtsc                             {rdtsc}");
+    println!("  thread-local get + set            {local}");
+    println!("  fetch_add (uncontended)           {fetch_add}");
+    println!("  spin flag take + release          {flag}");
+    println!("  64 B store into a 4 MiB ring      {ring_store}");
+    println!("  ring store + fetch_add            {store_add}   (one recording call now)");
+    println!("  flag + ring store + fetch_add     {store_flag_add}   (one recording call before)");
+}
+
+criterion_group!(benches, hit_pair, parts);
 criterion_main!(benches);

@@ -4,18 +4,20 @@
 //! The hooks run inside allocators, perhaps the global one, so:
 //! - off, a hook is one Relaxed load of [`STATE`] and a branch ([`on`]); everything else
 //!   is behind a `#[cold]` call;
-//! - on, a recording thread takes no global lock: it writes a buffer of its own (a
-//!   header found through a thread-local, its storage from `System`), behind a flag that
-//!   only [`stop`] (and the out-of-memory dump) ever contends for, and takes its place in
-//!   the global order with one `fetch_add` on [`SEQ`];
+//! - on, a recording thread takes no global lock and one atomic read-modify-write per
+//!   call: it writes a buffer of its own (a header found through a thread-local, its
+//!   storage from `System`), and one `fetch_add` on [`SEQ`] both gives it its place in
+//!   the global order and tells it whether [`stop`] (or the out-of-memory dump) halted
+//!   the recorder; a plain store of the buffer's `writing` flag on each side of the write
+//!   tells `stop` when the buffer may be read (see [`ThreadBuf::enter`]);
 //! - a thread-local guard keeps the recorder from recording itself: what it allocates
 //!   (a thread's first buffer, an allocator's name, the trace [`stop`] builds) goes to the
 //!   allocator untraced, so a `Traced<System>` under `#[global_allocator]` cannot recurse.
 //!
 //! Locks: [`CONTROL`] (the configuration and the allocators of the session) is taken by
 //! `start`, `stop` and by an allocator's first event of a session, never per event, and
-//! never while the taking thread holds a buffer's flag; a buffer's flag is held only for
-//! the few stores of one event (or, by `stop`, to move the buffer's storage out).
+//! never while the taking thread writes its buffer; a buffer's `busy` flag is taken by
+//! `stop` and by a thread claiming the buffer of an exited one, never per event.
 
 #[cfg(all(feature = "backtrace", not(loom)))]
 mod sites;
@@ -50,10 +52,11 @@ use crate::sync::global::{lock, AtomicBool, AtomicU64, AtomicUsize, Mutex, OnceL
 pub struct TraceConfig {
     /// The most events a trace keeps (default 2^20): when more were recorded, [`stop`]
     /// keeps the `max_entries` newest (highest `seq`) and counts the rest in
-    /// [`Trace::dropped`]. Each thread keeps its newest `max_entries` events in a ring
-    /// that grows as it fills, so no event that the trace keeps is lost, and each
-    /// recording thread holds at most `max_entries` events (64 bytes each, more with
-    /// sites) until `stop`. At least 1.
+    /// [`Trace::dropped`]. Each thread keeps its newest `max_entries` records (at least
+    /// as many events) in a ring that grows as it fills, so no event that the trace
+    /// keeps is lost, and each recording thread holds at most `max_entries` records (64
+    /// bytes each, more with sites; a free whose block is reusable at once and that
+    /// completion share one) until `stop`. At least 1.
     pub max_entries: usize,
     /// Record the stack of every allocation (needs the `backtrace` feature; costly: a
     /// stack walk per allocation, and 256 bytes per event).
@@ -100,8 +103,29 @@ const ON: u64 = 1;
 const ENV_PENDING: u64 = 2;
 const SESSION_SHIFT: u32 = 2;
 
-/// The global order of events (a `fetch_add` per event; renumbered from 0 by `stop`).
-static SEQ: AtomicU64 = AtomicU64::new(0);
+/// The global order of events in its low 63 bits (one `fetch_add` per recording call;
+/// renumbered from 0 by `stop`), and [`HALT`]. Only read-modify-writes change it, so
+/// that each one synchronizes with every earlier one (a release sequence): what a
+/// writer stored before its `fetch_add` is visible to `collect` after its `fetch_or`.
+static SEQ: Line<AtomicU64> = Line(AtomicU64::new(0));
+
+/// A value on cache lines of its own: [`SEQ`], written by every event, beside [`STATE`],
+/// read by every hook of every thread, would take that line from each reader's cache at
+/// every event; a thread's buffer header beside another's, the same (128 bytes: the
+/// pair of lines that x86's adjacent-line prefetch fetches together).
+#[repr(align(128))]
+struct Line<T>(T);
+
+impl<T> core::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+/// Set in [`SEQ`] while `collect` reads the buffers: a writer whose `fetch_add` sees it
+/// writes nothing (and waits, if the recording goes on).
+const HALT: u64 = 1 << 63;
 /// Thread numbers of the session, from 0.
 static NEXT_THREAD: AtomicU64 = AtomicU64::new(0);
 /// Each thread's ring holds this many events (the configuration's `max_entries`).
@@ -275,16 +299,29 @@ fn collect(stop: bool) -> Trace {
         return Trace::default();
     }
     if stop {
-        // Before the buffers are read: a writer that takes a buffer's flag after `stop`
-        // released it sees the recording off (the flag orders the two).
+        // Before `HALT`: a writer that sees `HALT` (or, later, sees it cleared) sees the
+        // recording off, and drops its event.
         STATE.store(state & !ON, Ordering::SeqCst);
     }
     let session = session_of(state);
-    let mut taken: Vec<Taken> = Vec::new();
+    // Acquire: every writer whose `fetch_add` came before this one in `SEQ`'s order
+    // stored its `writing` flag before it, visibly now; every later one sees `HALT`.
+    SEQ.fetch_or(HALT, Ordering::AcqRel);
+    // From `System`: while `HALT` is set, an out-of-memory dump's writers wait, and one
+    // may hold a lock of the global allocator.
+    let mut taken: SysVec<Taken, System> = SysVec::new_in(System);
     let mut offered = 0u64;
     for buf in buffers() {
+        // The owner finishes the one event it may be writing (Acquire: its stores are
+        // visible once the flag reads false), and writes no other until `HALT` clears.
+        while buf.writing.load(Ordering::Acquire) {
+            core::hint::spin_loop();
+        }
+        // Against a thread claiming the buffer meanwhile (it reads the data).
         let _held = buf.hold();
-        // SAFETY: the flag is held, so no writer touches the data.
+        // SAFETY: the owner writes the data only between a `fetch_add` that saw no
+        // `HALT` and its release of `writing`, which completed above; the flag keeps
+        // claimers out.
         let d = unsafe { &mut *buf.data.get() };
         if d.session != session {
             continue;
@@ -316,6 +353,8 @@ fn collect(stop: bool) -> Trace {
         }
         taken.push(t);
     }
+    // Release: a writer whose `fetch_add` sees `HALT` gone sees the state `stop` stored.
+    SEQ.fetch_and(!HALT, Ordering::Release);
     let allocators = if stop {
         core::mem::take(&mut ctl.allocators)
     } else {
@@ -336,21 +375,32 @@ struct Taken {
 }
 
 /// The trace from the buffers' contents: sorted, trimmed to `max_entries`, renumbered.
-fn build(allocators: Vec<TracedAllocator>, taken: Vec<Taken>, offered: u64, clock: &Clock) -> Trace {
+fn build(
+    allocators: Vec<TracedAllocator>,
+    taken: SysVec<Taken, System>,
+    offered: u64,
+    clock: &Clock,
+) -> Trace {
     let cap = CAPACITY.load(Ordering::Relaxed);
-    // (seq, thread, taken index, record index)
-    let mut order: Vec<(u64, u32, usize, usize)> = Vec::new();
+    // (seq, thread, taken index, record index, the record's `FreeCompleted`)
+    let mut order: Vec<(u64, u32, usize, usize, bool)> = Vec::new();
     for (ti, t) in taken.iter().enumerate() {
-        order.extend(t.recs.iter().enumerate().map(|(ri, r)| (r.seq, t.thread, ti, ri)));
+        for (ri, r) in t.recs.iter().enumerate() {
+            order.push((r.seq, t.thread, ti, ri, false));
+            if r.completed {
+                order.push((r.seq + 1, t.thread, ti, ri, true));
+            }
+        }
     }
     order.sort_unstable_by_key(|o| o.0);
     let kept_from = order.len().saturating_sub(cap);
     let order = &order[kept_from..];
     let mut events = Vec::with_capacity(order.len());
-    for (i, &(seq, thread, ti, ri)) in order.iter().enumerate() {
+    for (i, &(seq, thread, ti, ri, second)) in order.iter().enumerate() {
         let t = &taken[ti];
         let r = &t.recs[ri];
         let action = match r.action {
+            _ if second => Action::FreeCompleted,
             Code::Failure => Action::Failure(Cow::Owned(
                 t.msgs
                     .iter()
@@ -367,7 +417,7 @@ fn build(allocators: Vec<TracedAllocator>, taken: Vec<Taken>, offered: u64, cloc
         e.given = r.given;
         e.align = r.align;
         e.stream = r.stream;
-        if let Some(stack) = t.frames.get(ri) {
+        if let Some(stack) = t.frames.get(ri).filter(|_| !second) {
             e.frames = resolve(stack);
         }
         events.push(e);
@@ -692,9 +742,9 @@ impl Tag {
 
     /// Writes the event of `note` into this thread's buffer and, with `completed` (a
     /// free whose block is reusable at once), its `FreeCompleted` right after it, at the
-    /// same time: the two under one entry into the recorder, one hold of the buffer and
-    /// one step of the global order: a free's two events cost one event's locked
-    /// instructions (a pool hit pair's three events, two of each instead of three).
+    /// same time: the two under one entry into the recorder, one read-modify-write (one
+    /// step of the global order) and one record in the ring ([`Rec::completed`]): a pool
+    /// hit pair's three events cost two of each.
     #[cold]
     #[inline(never)]
     fn record_then(&self, note: &Note<'_>, completed: bool) {
@@ -721,20 +771,18 @@ impl Tag {
         let Some(buf) = my_buffer() else {
             return;
         };
-        let _held = buf.hold();
-        // Under the flag: if `stop` ran since `state` was read, it has read this buffer
-        // already (or will find it in the next session): drop the event.
-        if STATE.load(Ordering::Relaxed) != state {
+        let Some((_writing, seq)) = buf.enter(state, 1 + u64::from(completed)) else {
             return;
-        }
-        // SAFETY: the flag is held, so nobody else reaches the data.
+        };
+        // SAFETY: between `enter` and the drop of `_writing` only this thread, the
+        // buffer's owner, reaches the data (`collect` waits for the flag).
         let d = unsafe { &mut *buf.data.get() };
         let session = session_of(state);
         if d.session != session {
             d.begin(session);
         }
         let rec = Rec {
-            seq: SEQ.fetch_add(1 + u64::from(completed), Ordering::Relaxed),
+            seq,
             ticks: ticks(),
             addr: note.addr as u64,
             size: note.size as u64,
@@ -743,16 +791,9 @@ impl Tag {
             stream: note.stream,
             allocator,
             action: note.action,
+            completed,
         };
         d.push(rec, stack.as_ref(), note.error);
-        if completed {
-            let done = Rec {
-                seq: rec.seq + 1,
-                action: Code::FreeCompleted,
-                ..rec
-            };
-            d.push(done, None, None);
-        }
     }
 }
 
@@ -911,7 +952,8 @@ impl Code {
     }
 }
 
-/// One event in a buffer (64 bytes).
+/// One event in a buffer (64 bytes; not aligned to a cache line: `System` grows an
+/// over-aligned block by a copy, not in place, which tripled the cost of filling a ring).
 #[derive(Clone, Copy)]
 struct Rec {
     seq: u64,
@@ -924,6 +966,9 @@ struct Rec {
     stream: u64,
     allocator: u32,
     action: Code,
+    /// A free followed at once by its `FreeCompleted` (`seq + 1`, the same fields),
+    /// which `build` makes of this record: one record written for the two events.
+    completed: bool,
 }
 
 /// Return addresses of an allocation site, innermost first.
@@ -992,18 +1037,24 @@ impl fmt::Write for Msg {
 
 /// A thread's buffer: a header that lives as long as the process (in a list that only
 /// grows; a header is reused by a later thread once its thread exited and its events
-/// were collected), its storage from `System`.
+/// were collected), its storage from `System`. Aligned as [`Line`]: one thread's stores
+/// to its header leave the others' alone.
+#[repr(align(128))]
 struct ThreadBuf {
     /// The next header in the list (fixed once pushed).
     next: *const ThreadBuf,
-    /// Held while one event is written, or while `stop` reads the buffer.
+    /// Set by the owner (plain stores, no read-modify-write) while it writes `data`.
+    writing: AtomicBool,
+    /// Held while `collect` reads the buffer or a thread claims it (never per event).
     busy: AtomicBool,
     /// Set while a live thread writes this buffer.
     owned: AtomicBool,
     data: UnsafeCell<BufData>,
 }
 
-// SAFETY: `data` is reached only under the `busy` flag (an acquire/release spin flag);
+// SAFETY: `data` is written by its owner between `enter` and the release of `writing`,
+// read and written by `collect` only once `HALT` is set and `writing` reads false, and by
+// a claiming thread only under `busy` while no thread owns it (see `ThreadBuf::enter`);
 // `next` is immutable after the header is published.
 unsafe impl Sync for ThreadBuf {}
 
@@ -1013,6 +1064,8 @@ struct BufData {
     thread: u32,
     /// Events of the session offered to this buffer (stored, overwritten or lost).
     offered: u64,
+    /// The session's `CAPACITY`, read once by `begin`.
+    cap: usize,
     /// A ring of at most `CAPACITY` events: pushed until full, then overwritten at `head`.
     recs: SysVec<Rec, System>,
     head: usize,
@@ -1029,6 +1082,7 @@ impl BufData {
         self.session = session;
         self.thread = NEXT_THREAD.fetch_add(1, Ordering::Relaxed) as u32;
         self.offered = 0;
+        self.cap = CAPACITY.load(Ordering::Relaxed).max(1);
         self.head = 0;
         self.recs.clear();
         self.frames.clear();
@@ -1038,28 +1092,29 @@ impl BufData {
 
     #[inline(always)]
     fn push(&mut self, rec: Rec, stack: Option<&Stack>, error: Option<&dyn fmt::Display>) {
-        self.offered += 1;
-        let cap = CAPACITY.load(Ordering::Relaxed);
-        let i = if self.recs.len() < cap {
-            // With no memory for the event it goes unrecorded (counted as dropped): no
-            // abort in an allocator.
-            if self.recs.len() == self.recs.capacity() {
-                let grow = self.recs.len().max(1024).min(cap - self.recs.len());
-                if self.recs.try_reserve_exact(grow).is_err() {
-                    return;
-                }
-            }
-            self.recs.push(rec);
-            self.recs.len() - 1
-        } else {
-            // No `%`: a division per event is tens of cycles of latency on many server
-            // CPUs.
+        self.offered += 1 + u64::from(rec.completed);
+        let cap = self.cap;
+        let len = self.recs.len();
+        let i = if len >= cap {
+            // Full: overwrite the oldest, at `head`. No `%`: a division per event is tens
+            // of cycles of latency on many server CPUs.
             let i = self.head;
             if let Some(slot) = self.recs.get_mut(i) {
                 *slot = rec;
             }
             self.head = if i + 1 >= cap { 0 } else { i + 1 };
             i
+        } else {
+            // With no memory for the event it goes unrecorded (counted as dropped): no
+            // abort in an allocator.
+            if len == self.recs.capacity() {
+                let grow = len.max(1024).min(cap - len);
+                if self.recs.try_reserve_exact(grow).is_err() {
+                    return;
+                }
+            }
+            self.recs.push(rec);
+            len
         };
         if SITES.load(Ordering::Relaxed) {
             let s = stack.copied().unwrap_or(Stack {
@@ -1092,6 +1147,43 @@ impl BufData {
 }
 
 impl ThreadBuf {
+    /// Starts writing one call's `events` events into the buffer, for the recording of
+    /// `state`: the first event's place in the global order, and the guard whose drop
+    /// ends the write; `None` if `stop` ended the recording (the events go unrecorded).
+    ///
+    /// The protocol, with one read-modify-write per call: the owner stores `writing`
+    /// (a plain store), then takes its `fetch_add` on [`SEQ`] (a release: it carries
+    /// the store); `collect` sets [`HALT`] with its own read-modify-write (an acquire),
+    /// then waits for each buffer's `writing` to read false. Read-modify-writes of `SEQ`
+    /// are totally ordered: a writer before `collect`'s sees no `HALT` and its `writing`
+    /// store is visible to `collect`, which waits for the event; a writer after it sees
+    /// `HALT` and leaves the data alone. A halt of `stop` changes `STATE` first: the
+    /// writer drops the event; the out-of-memory dump's does not: the writer waits for
+    /// the dump to read the buffers, then takes a new place.
+    #[inline(always)]
+    fn enter(&self, state: u64, events: u64) -> Option<(Writing<'_>, u64)> {
+        loop {
+            self.writing.store(true, Ordering::Relaxed);
+            let seq = SEQ.fetch_add(events, Ordering::AcqRel);
+            if seq & HALT == 0 && STATE.load(Ordering::Relaxed) == state {
+                return Some((Writing(self), seq));
+            }
+            self.writing.store(false, Ordering::Release);
+            self.wait_halted(state)?;
+        }
+    }
+
+    /// Waits while `collect` reads the buffers of the recording `state`; `None` once
+    /// that recording ended.
+    #[cold]
+    #[inline(never)]
+    fn wait_halted(&self, state: u64) -> Option<()> {
+        while SEQ.load(Ordering::Relaxed) & HALT != 0 && STATE.load(Ordering::Relaxed) == state {
+            core::hint::spin_loop();
+        }
+        (STATE.load(Ordering::Relaxed) == state).then_some(())
+    }
+
     /// Holds the flag (spinning: the other holder writes one event, or moves storage).
     fn hold(&self) -> Held<'_> {
         while self
@@ -1106,6 +1198,16 @@ impl ThreadBuf {
 }
 
 struct Held<'a>(&'a ThreadBuf);
+
+/// The owner is writing its buffer (see [`ThreadBuf::enter`]).
+struct Writing<'a>(&'a ThreadBuf);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        // Release: `collect`, reading false, sees the event's stores.
+        self.0.writing.store(false, Ordering::Release);
+    }
+}
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
@@ -1221,12 +1323,14 @@ fn publish() -> Option<&'static ThreadBuf> {
     let header = SysBox::try_new_in(
         ThreadBuf {
             next: core::ptr::null(),
+            writing: AtomicBool::new(false),
             busy: AtomicBool::new(false),
             owned: AtomicBool::new(true),
             data: UnsafeCell::new(BufData {
                 session: 0,
                 thread: 0,
                 offered: 0,
+                cap: 1,
                 recs: SysVec::new_in(System),
                 head: 0,
                 frames: SysVec::new_in(System),

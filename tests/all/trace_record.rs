@@ -734,3 +734,92 @@ fn a_recorded_device_trace_replays_on_the_gpu_to_the_same_peak() {
     .unwrap();
     assert_eq!(again.peak_requested, r.peak_requested);
 }
+
+/// Each recorded thread's events, in the trace's order, as (step, action) where the size
+/// `8 * (1 + step)` names the step: a thread's events must be whole steps, consecutive,
+/// each its alloc, free requested, free completed (the last step may be cut short).
+fn steps_of_each_thread(t: &Trace, name: &str) -> Vec<Vec<(u64, &'static str)>> {
+    let e = events_of(t, name);
+    let mut threads: Vec<u32> = e.iter().map(|e| e.thread).collect();
+    threads.sort_unstable();
+    threads.dedup();
+    threads
+        .iter()
+        .map(|&th| {
+            e.iter()
+                .filter(|e| e.thread == th)
+                .map(|e| (e.size / 8 - 1, e.action.torch_name()))
+                .collect()
+        })
+        .collect()
+}
+
+fn assert_whole_consecutive_steps(steps: &[(u64, &'static str)], what: &str) {
+    const CYCLE: [&str; 3] = ["alloc", "free_requested", "free_completed"];
+    let first = steps.first().map_or(0, |s| s.0);
+    for (i, &(step, action)) in steps.iter().enumerate() {
+        assert_eq!(step, first + (i / 3) as u64, "{what}: event {i} of its step");
+        assert_eq!(action, CYCLE[i % 3], "{what}: event {i} of the cycle");
+    }
+}
+
+#[test]
+fn stopping_while_threads_record_keeps_whole_events_in_each_threads_order() {
+    let Some(_g) = serial() else { return };
+    const THREADS: usize = 3;
+    let a = Traced::named(System, "trace_record::stopping");
+    let steps: Vec<std::sync::atomic::AtomicU64> = (0..THREADS)
+        .map(|_| std::sync::atomic::AtomicU64::new(0))
+        .collect();
+    let done = AtomicBool::new(false);
+    // Each thread has taken `n` more steps than it had at the call.
+    let wait_steps = |n: u64| {
+        let from: Vec<u64> = steps.iter().map(|s| s.load(Ordering::Acquire)).collect();
+        for (s, f) in steps.iter().zip(from) {
+            while s.load(Ordering::Acquire) < f + n {
+                std::thread::yield_now();
+            }
+        }
+    };
+    trace::start(TraceConfig::default()).unwrap();
+    let (first, second) = std::thread::scope(|s| {
+        for step in &steps {
+            let (a, done) = (&a, &done);
+            s.spawn(move || {
+                let mut i = 0;
+                while !done.load(Ordering::Acquire) {
+                    let l = Layout::from_size_align(8 * (1 + i), 8).unwrap();
+                    let p = a.allocate(l).unwrap();
+                    // SAFETY: allocated just above with `l`.
+                    unsafe { a.deallocate(p.cast(), l) };
+                    i += 1;
+                    step.store(i as u64, Ordering::Release);
+                }
+            });
+        }
+        // Stopped while every thread records, then recorded again (the buffers reused
+        // mid-run), and stopped again.
+        wait_steps(200);
+        let first = trace::stop();
+        wait_steps(200);
+        trace::start(TraceConfig::default()).unwrap();
+        wait_steps(200);
+        let second = trace::stop();
+        done.store(true, Ordering::Release);
+        (first, second)
+    });
+    for (t, which) in [(&first, "first"), (&second, "second")] {
+        let threads = steps_of_each_thread(t, "trace_record::stopping");
+        assert_eq!(threads.len(), THREADS, "{which}: every thread recorded");
+        for (th, steps) in threads.iter().enumerate() {
+            assert!(steps.len() >= 3 * 200, "{which}: {} events", steps.len());
+            let w = format!("{which} recording, thread {th}");
+            // The cycle from the first alloc: the second recording starts mid-step.
+            let from = steps.iter().position(|s| s.1 == "alloc").unwrap();
+            assert_whole_consecutive_steps(&steps[from..], &w);
+        }
+        let mut seqs: Vec<u64> = t.events.iter().map(|e| e.seq).collect();
+        seqs.dedup();
+        assert_eq!(seqs.len(), t.events.len(), "{which}: every seq distinct");
+    }
+}
