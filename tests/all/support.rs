@@ -34,7 +34,7 @@ macro_rules! gpu {
 /// compute-sanitizer) a `DevicePool` takes its blocks with `cuMemAlloc` instead, the only
 /// memory the tool sees inside (`cuda::nvtx`), so the test says so and returns. Run it
 /// without the tool, or under it with `CUDALLOC_NVTX=0`, to test the backings.
-#[allow(unused_macros)] // tests/gated.rs shares this file and has no such test
+#[allow(unused_macros)] // used by both test binaries, which share this file; not by every test file
 macro_rules! backings_in_use {
     () => {
         if cudalloc::cuda::nvtx::attached() {
@@ -42,6 +42,35 @@ macro_rules! backings_in_use {
                 "skipped: an NVTX tool is attached, DevicePool takes its blocks with cuMemAlloc \
                  (CUDALLOC_NVTX=0 tests the backings under the tool)"
             );
+            return;
+        }
+    };
+}
+
+/// Returns from a test whose check is a timing race on the GPU (work on one stream still
+/// running while another is checked) when an NVTX tool is attached: compute-sanitizer
+/// serializes the device and waits in calls that do not wait otherwise, so the race the
+/// test needs never happens (its memory accesses are still checked by the rest of the run).
+#[allow(unused_macros)] // only tests/gated.rs has such tests
+macro_rules! overlap_in_use {
+    () => {
+        if cudalloc::cuda::nvtx::attached() || std::env::var_os("NVTX_INJECTION64_PATH").is_some() {
+            println!(
+                "skipped: under compute-sanitizer, which serializes the device (the race cannot happen)"
+            );
+            return;
+        }
+    };
+}
+
+/// Returns from a test that makes the device fault on purpose (a kernel that traps) when
+/// an NVTX tool is attached: compute-sanitizer reports the trap as an error of the run,
+/// which is what the test provokes, not a memory error of the crate.
+#[allow(unused_macros)] // only tests/gated.rs has such a test
+macro_rules! faults_on_purpose {
+    () => {
+        if cudalloc::cuda::nvtx::attached() || std::env::var_os("NVTX_INJECTION64_PATH").is_some() {
+            println!("skipped: under compute-sanitizer, which reports the trap this test provokes");
             return;
         }
     };

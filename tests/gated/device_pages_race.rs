@@ -11,6 +11,7 @@ const N: usize = 64 << 20;
 #[test]
 fn a_page_freed_on_one_stream_serves_another_only_after_its_work() {
     gpu!();
+    backings_in_use!();
     let _one = crate::one_at_a_time();
     // No cache: every allocation and free goes to the page heap.
     let pool = DevicePool::new(

@@ -260,6 +260,7 @@ fn heap_counter(pool: &DevicePool, name: &str) -> Option<u64> {
 #[test]
 fn a_large_block_freed_on_one_stream_is_taken_by_another_only_after_its_work() {
     gpu!();
+    backings_in_use!();
     let _one = crate::one_at_a_time();
     for thread_cache in [true, false] {
         let pool = pool(thread_cache);
@@ -290,6 +291,7 @@ fn a_large_block_freed_on_one_stream_is_taken_by_another_only_after_its_work() {
 #[test]
 fn without_the_heap_ordering_a_taken_large_block_is_corrupted() {
     gpu!();
+    backings_in_use!();
     let _one = crate::one_at_a_time();
     for thread_cache in [true, false] {
         let pool = pool(thread_cache);
@@ -305,6 +307,7 @@ fn without_the_heap_ordering_a_taken_large_block_is_corrupted() {
 #[test]
 fn a_large_block_used_on_another_stream_is_reused_after_that_work() {
     gpu!();
+    backings_in_use!();
     let _one = crate::one_at_a_time();
     let pool = pool(true);
     let (race, _, _) = record_use_race_of(&pool, true, LARGE);
@@ -316,6 +319,7 @@ fn a_large_block_used_on_another_stream_is_reused_after_that_work() {
 #[test]
 fn without_the_event_a_large_block_used_on_another_stream_is_corrupted() {
     gpu!();
+    backings_in_use!();
     let _one = crate::one_at_a_time();
     let pool = pool(true);
     let (race, _, reused) = record_use_race_of(&pool, false, LARGE);
