@@ -533,7 +533,10 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             Some(start) => start,
             None => self.add_region(&mut st, n)?,
         };
-        let run = self.take_run(&mut st, start);
+        let Some(run) = self.take_run(&mut st, start) else {
+            log::error!("cudalloc: page heap index lost a free run (internal bug); the allocation fails");
+            return Err(Error::OutOfMemory { requested: bytes });
+        };
         if run.len > n {
             // The rest of a maximal run: its neighbours are this block and a block.
             let rest = touching(&run.stamps, start + n, start + run.len);
@@ -766,7 +769,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         let h = st.chunks[c].handle?;
         // Carve the chunk out of its run: its units stay mapped, out of use, until the
         // run's marks complete (`poll`).
-        let run = self.take_run(st, rs);
+        let run = self.take_run(st, rs)?;
         let (first, end) = (c * self.chunk_units, (c + 1) * self.chunk_units);
         if rs < first {
             self.put_run(st, rs, first - rs, touching(&run.stamps, rs, first));
@@ -853,9 +856,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Removes the free run starting at `start`.
-    fn take_run(&self, st: &mut State<B>, start: usize) -> Run {
-        let (len, stamps) = st.free.remove(start).expect("a free run from the index");
-        Run { len, stamps }
+    /// `None` only if the index lost the run (an internal bug: debug builds stop here;
+    /// release builds fail the operation at hand instead of panicking on an allocation
+    /// path).
+    fn take_run(&self, st: &mut State<B>, start: usize) -> Option<Run> {
+        let run = st.free.remove(start).map(|(len, stamps)| Run { len, stamps });
+        debug_assert!(run.is_some(), "page heap: unit {start} starts no free run of the index");
+        run
     }
 
     /// Inserts a free run as it is (its neighbours are not free).
@@ -875,14 +882,16 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
         let (mut start, mut len) = (start, n);
         if let Some((s, l)) = st.free.ending_at(start) {
-            let run = self.take_run(st, s);
-            merge(&st.clocks, &mut stamps, run.stamps);
-            (start, len) = (s, len + l);
+            if let Some(run) = self.take_run(st, s) {
+                merge(&st.clocks, &mut stamps, run.stamps);
+                (start, len) = (s, len + l);
+            }
         }
         if st.free.len_at(start + len).is_some() {
-            let run = self.take_run(st, start + len);
-            len += run.len;
-            merge(&st.clocks, &mut stamps, run.stamps);
+            if let Some(run) = self.take_run(st, start + len) {
+                len += run.len;
+                merge(&st.clocks, &mut stamps, run.stamps);
+            }
         }
         merge(&st.clocks, &mut stamps, Vec::new());
         self.put_run(st, start, len, stamps);
@@ -1099,7 +1108,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             if let Err(e) = unsafe { self.phys.free_range(va, units * self.unit) } {
                 record_drop_error("cuMemAddressFree", e);
             }
-            self.take_run(st, first);
+            let _ = self.take_run(st, first);
             st.regions.remove(i);
         }
     }
