@@ -861,7 +861,10 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// path).
     fn take_run(&self, st: &mut State<B>, start: usize) -> Option<Run> {
         let run = st.free.remove(start).map(|(len, stamps)| Run { len, stamps });
-        debug_assert!(run.is_some(), "page heap: unit {start} starts no free run of the index");
+        debug_assert!(
+            run.is_some(),
+            "page heap: unit {start} starts no free run of the index"
+        );
         run
     }
 

@@ -296,7 +296,9 @@ fn every_sample_trace_replays_on_the_host_allocators_and_its_own_kind() {
         let trace = cudalloc::trace::format::read_any(&bytes, false).unwrap().trace;
         let plan = Plan::new(&trace, &ReplayOptions::default()).unwrap();
         let allocs = trace.events.iter().filter(|e| e.action == Action::Alloc).count() as u64;
-        assert!(allocs > 500, "{}", path.display());
+        // The pipeline example's recording is small by nature (its rings reuse 41
+        // buffers for every batch); the other samples have thousands of allocations.
+        assert!(allocs >= 32, "{}: an empty or broken recording", path.display());
         let own = trace.allocators[0].memory;
         let mut kinds = vec![TraceMemory::Host];
         if own == TraceMemory::Device {
