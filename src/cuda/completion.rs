@@ -141,62 +141,52 @@ impl Wait {
     }
 }
 
-/// The future of [`Stream::idle`]: resolves once all work queued on the stream before the
-/// call has completed, with the stream's error if it failed. `Send` and `'static`: spawn
-/// it, select on it, drop it (dropped early it leaks nothing and wakes no one).
-#[must_use = "a future does nothing unless awaited or polled"]
-pub struct StreamIdle {
-    wait: Wait,
+/// One completion future type: `Send`, `'static`, `Unpin`, a [`Wait`] it polls and
+/// cancels on drop. Two public types, not one generic, so that each names what it waits
+/// for in signatures and errors.
+macro_rules! completion_future {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[must_use = "a future does nothing unless awaited or polled"]
+        pub struct $name {
+            wait: Wait,
+        }
+
+        impl Future for $name {
+            type Output = Result<()>;
+            fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+                self.get_mut().wait.poll(cx)
+            }
+        }
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                self.wait.cancel();
+            }
+        }
+
+        impl core::fmt::Debug for $name {
+            fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+                f.debug_struct(stringify!($name))
+                    .field("done", &self.wait.is_done())
+                    .finish()
+            }
+        }
+    };
 }
 
-impl Future for StreamIdle {
-    type Output = Result<()>;
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        self.get_mut().wait.poll(cx)
-    }
+completion_future! {
+    /// The future of [`Stream::idle`]: resolves once all work queued on the stream before the
+    /// call has completed, with the stream's error if it failed. `Send` and `'static`: spawn
+    /// it, select on it, drop it (dropped early it leaks nothing and wakes no one).
+    StreamIdle
 }
 
-impl Drop for StreamIdle {
-    fn drop(&mut self) {
-        self.wait.cancel();
-    }
-}
-
-impl core::fmt::Debug for StreamIdle {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("StreamIdle")
-            .field("done", &self.wait.is_done())
-            .finish()
-    }
-}
-
-/// The future of [`Event::completed`]: resolves once the work the event captured (its
-/// last record before the call) has completed, with the error if it failed. `Send` and
-/// `'static`, cancel-safe like [`StreamIdle`].
-#[must_use = "a future does nothing unless awaited or polled"]
-pub struct EventCompleted {
-    wait: Wait,
-}
-
-impl Future for EventCompleted {
-    type Output = Result<()>;
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
-        self.get_mut().wait.poll(cx)
-    }
-}
-
-impl Drop for EventCompleted {
-    fn drop(&mut self) {
-        self.wait.cancel();
-    }
-}
-
-impl core::fmt::Debug for EventCompleted {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("EventCompleted")
-            .field("done", &self.wait.is_done())
-            .finish()
-    }
+completion_future! {
+    /// The future of [`Event::completed`]: resolves once the work the event captured (its
+    /// last record before the call) has completed, with the error if it failed. `Send` and
+    /// `'static`, cancel-safe like [`StreamIdle`].
+    EventCompleted
 }
 
 impl Wait {
