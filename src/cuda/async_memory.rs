@@ -16,11 +16,23 @@ use crate::sync::global::{AtomicU64, Ordering};
 /// Devices (bit per ordinal below 64) whose default pool has had its threshold raised.
 static THRESHOLD_SET: AtomicU64 = AtomicU64::new(0);
 
-fn keep_freed_memory(device: usize) -> Result<()> {
+/// Runs `f` unless it already succeeded for `device` (a bit of `done` per ordinal below
+/// 64; above, every time).
+fn once_per_device(done: &AtomicU64, device: usize, f: impl FnOnce() -> Result<()>) -> Result<()> {
     let bit = 1u64.checked_shl(device as u32).unwrap_or(0);
-    if bit != 0 && THRESHOLD_SET.load(Ordering::Relaxed) & bit != 0 {
+    if bit != 0 && done.load(Ordering::Relaxed) & bit != 0 {
         return Ok(());
     }
+    f()?;
+    done.fetch_or(bit, Ordering::Relaxed);
+    Ok(())
+}
+
+fn keep_freed_memory(device: usize) -> Result<()> {
+    once_per_device(&THRESHOLD_SET, device, || set_threshold(device))
+}
+
+fn set_threshold(device: usize) -> Result<()> {
     let dev = result::device::get(device as i32).map_err(CudaError::from)?;
     let mut pool: sys::CUmemoryPool = core::ptr::null_mut();
     // SAFETY: cuDeviceGetDefaultMemPool writes the pool handle of device `dev`.
@@ -34,7 +46,6 @@ fn keep_freed_memory(device: usize) -> Result<()> {
             (&mut threshold as *mut u64).cast(),
         )
     })?;
-    THRESHOLD_SET.fetch_or(bit, Ordering::Relaxed);
     Ok(())
 }
 
@@ -52,16 +63,12 @@ static WARMED: AtomicU64 = AtomicU64::new(0);
 /// let _ = cudalloc::testing::warm_up_stream_ordered(0);
 /// ```
 pub fn warm_up(device: usize) -> Result<()> {
-    let bit = 1u64.checked_shl(device as u32).unwrap_or(0);
-    if bit != 0 && WARMED.load(Ordering::Relaxed) & bit != 0 {
-        return Ok(());
-    }
-    let stream = Stream::new(device)?;
-    drop(AsyncDeviceMemory::new(256, &stream)?);
-    stream.record_event()?.synchronize()?;
-    stream.synchronize()?;
-    WARMED.fetch_or(bit, Ordering::Relaxed);
-    Ok(())
+    once_per_device(&WARMED, device, || {
+        let stream = Stream::new(device)?;
+        drop(AsyncDeviceMemory::new(256, &stream)?);
+        stream.record_event()?.synchronize()?;
+        stream.synchronize()
+    })
 }
 
 /// Device memory allocated in stream order on a stream (`cuMemAllocAsync`) and freed on

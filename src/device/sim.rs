@@ -41,6 +41,11 @@ thread_local_const! {
 
 static SLOTS: SlotBits = SlotBits::new();
 
+/// The simulated device's allocation granule (the H200's).
+const GRANULE: usize = 2 << 20;
+/// Where the simulated page heap starts serving blocks.
+const PAGE_MIN: usize = page_threshold(GRANULE);
+
 impl PoolHandle for SimPool {
     type B = FakeBackend;
 
@@ -105,12 +110,16 @@ impl SimPool {
     /// assert_eq!(pool.hits(), 1);
     /// ```
     pub fn paged(thread_cache_bytes: usize) -> Self {
-        const GRANULE: usize = 2 << 20;
-        let page_min = page_threshold(GRANULE);
-        let phys = FakePhys::new(GRANULE, usize::MAX);
-        let backend = FakeBackend::paged(u64::MAX, phys, page_min, PageTuning::default());
-        let mut settings = Settings::new((1 << 30).min(page_min - 1), thread_cache_bytes, None);
+        let mut settings = Settings::new((1 << 30).min(PAGE_MIN - 1), thread_cache_bytes, None);
         settings.max_large_bytes = 1 << 30;
+        Self::on_pages(settings)
+    }
+
+    /// A pool of `settings` over a simulated page heap shaped as the H200's (2 MiB
+    /// granules, blocks from [`PAGE_MIN`] up on the heap).
+    fn on_pages(settings: Settings) -> Self {
+        let phys = FakePhys::new(GRANULE, usize::MAX);
+        let backend = FakeBackend::paged(u64::MAX, phys, PAGE_MIN, PageTuning::default());
         Self {
             core: Arc::new(Core::new::<SimPool>(Cache::new(backend, settings))),
         }
@@ -127,16 +136,7 @@ impl SimPool {
     /// assert_eq!(pool.hits(), 0, "nothing is cached");
     /// ```
     pub fn paged_uncached() -> Self {
-        const GRANULE: usize = 2 << 20;
-        let page_min = page_threshold(GRANULE);
-        let phys = FakePhys::new(GRANULE, usize::MAX);
-        let backend = FakeBackend::paged(u64::MAX, phys, page_min, PageTuning::default());
-        Self {
-            core: Arc::new(Core::new::<SimPool>(Cache::new(
-                backend,
-                Settings::new(0, 0, None),
-            ))),
-        }
+        Self::on_pages(Settings::new(0, 0, None))
     }
 
     /// The most memory the simulated driver pool and page heap reserved together so far

@@ -47,30 +47,17 @@ macro_rules! backings_in_use {
     };
 }
 
-/// Returns from a test whose check is a timing race on the GPU (work on one stream still
-/// running while another is checked) when an NVTX tool is attached: compute-sanitizer
-/// serializes the device and waits in calls that do not wait otherwise, so the race the
-/// test needs never happens (its memory accesses are still checked by the rest of the run).
-#[allow(unused_macros)] // only tests/gated.rs has such tests
-macro_rules! overlap_in_use {
-    () => {
+/// Returns from a test that compute-sanitizer cannot run as meant (an NVTX tool is
+/// attached), saying why: `under_a_sanitizer!("…")`. Two kinds: a timing race between
+/// streams (the sanitizer serializes the device and waits in calls that do not wait
+/// otherwise, so the race never happens; its memory accesses are still checked by the
+/// rest of the run), and a kernel that faults on purpose (the sanitizer reports the trap
+/// as an error of the run). Only tests/gated.rs has such tests.
+#[allow(unused_macros)]
+macro_rules! under_a_sanitizer {
+    ($why:literal) => {
         if cudalloc::cuda::nvtx::attached() || std::env::var_os("NVTX_INJECTION64_PATH").is_some() {
-            println!(
-                "skipped: under compute-sanitizer, which serializes the device (the race cannot happen)"
-            );
-            return;
-        }
-    };
-}
-
-/// Returns from a test that makes the device fault on purpose (a kernel that traps) when
-/// an NVTX tool is attached: compute-sanitizer reports the trap as an error of the run,
-/// which is what the test provokes, not a memory error of the crate.
-#[allow(unused_macros)] // only tests/gated.rs has such a test
-macro_rules! faults_on_purpose {
-    () => {
-        if cudalloc::cuda::nvtx::attached() || std::env::var_os("NVTX_INJECTION64_PATH").is_some() {
-            println!("skipped: under compute-sanitizer, which reports the trap this test provokes");
+            println!(concat!("skipped: under compute-sanitizer, ", $why));
             return;
         }
     };

@@ -247,7 +247,7 @@ const TRAP_PTX: &str = "\
 #[test]
 fn a_failed_kernel_is_the_futures_error() {
     gpu!();
-    faults_on_purpose!();
+    under_a_sanitizer!("which reports the trap this test provokes");
     let _one = crate::one_at_a_time();
     // A trap ruins the context of the whole process: alone in a child.
     if crate::support::in_a_child_process("futures::a_failed_kernel_is_the_futures_error") {
