@@ -101,6 +101,44 @@ for p in "${probes[@]}"; do
   check ${p%% *} probe $([[ $p == *' '* ]] && echo "${p#* }")
 done
 
+# initcheck (reads of bytes no one wrote) over pooled memory, annotations on and off. The
+# sanitizer's documentation promises nothing here for the NVTX memory API beyond
+# --track-unused-memory, so each line says what the tool did (INFO), except the fresh
+# block, which initcheck must report whatever the annotations (the driver tracks the
+# pool's chunk as an allocation never written).
+# With `unused` as a second argument, also --track-unused-memory yes (unused bytes of
+# allocations reported at exit: with the annotations, only those inside live regions).
+initcheck() {
+  local t=$1 flags=()
+  [[ ${2:-} == unused ]] && flags=(--track-unused-memory yes)
+  for mode in on off; do
+    local tag=initcheck-$t${2:+-$2}-$mode
+    local log=$out/$tag.log extra=()
+    [[ $mode == off ]] && extra+=(CUDALLOC_NVTX=0)
+    env CUDALLOC_SANITIZER_TESTS=1 "${extra[@]}" compute-sanitizer --tool initcheck "${flags[@]}" \
+      --log-file "$log" .gpu/test-all --exact "nvtx::$t" --test-threads=1 --nocapture \
+      > "$out/$tag.out" 2>&1
+    local errors uninit unused ran verdict=INFO
+    errors=$(grep -Eo 'ERROR SUMMARY: [0-9]+' "$log" | grep -Eo '[0-9]+' | tail -1)
+    uninit=$(grep -c 'Uninitialized __global__ memory read' "$log")
+    unused=$(grep -ci 'unused memory' "$log")
+    ran=$(grep -c 'pipeline_hash reading' "$out/$tag.out")
+    if [[ $t == initcheck_read_of_a_fresh_pooled_block ]]; then
+      verdict=FAIL
+      [[ $ran -ge 1 && $uninit -gt 0 ]] && verdict=PASS
+      [[ $verdict == FAIL ]] && status=1
+    fi
+    [[ $ran -ge 1 ]] || { verdict=FAIL; status=1; }
+    printf '%-4s initcheck %-52s %-3s %s errors %-4s uninitialized-read lines %-4s unused-memory lines %s\n' \
+      "$verdict" "$t" "$mode" "${flags[*]}" "${errors:-?}" "$uninit" "$unused"
+    grep -m1 -E 'Uninitialized __global__' "$log" | sed 's/^/       /'
+    grep -m2 -iE 'unused memory' "$log" | sed 's/^/       /'
+  done
+}
+initcheck initcheck_read_of_a_fresh_pooled_block
+initcheck initcheck_read_of_a_recycled_block_its_last_owner_wrote
+initcheck initcheck_read_of_a_recycled_block_its_last_owner_wrote unused
+
 echo "=== the fake tool on the host pools and arenas (pinned, managed, registered; no sanitizer)"
 if .gpu/test-all --exact nvtx::pinned_and_managed_pools_and_arenas_register_exact_regions_and_balance \
   --test-threads=1 --nocapture > "$out/host-balance.out" 2>&1 && grep -q '1 passed' "$out/host-balance.out"; then

@@ -48,9 +48,13 @@ static STATIC_INJECTION: OnceLock<(Option<CoreInit>, ExtInit)> = OnceLock::new()
 /// they are off), true before the first look (the annotation then looks) and with a
 /// tool. Callers write `if nvtx::on() { nvtx::region_register(..) }`: without a tool, one
 /// load and one branch that always goes the same way.
+///
+/// Built with `RUSTFLAGS="--cfg cudalloc_no_nvtx"` it is `false` at compile time, so the
+/// annotations are compiled out: only for measuring what the one branch costs (the A/B of
+/// BENCHMARKS.md, issue 24); no tool is then ever told about a pool.
 #[inline(always)]
 pub(crate) fn on() -> bool {
-    STATE.load(Ordering::Relaxed) != OFF
+    !cfg!(cudalloc_no_nvtx) && STATE.load(Ordering::Relaxed) != OFF
 }
 
 /// Whether a tool is attached to this process's annotations (loading it at the first

@@ -968,15 +968,35 @@ macro_rules! sanitizer_test {
 /// `n`), so that it is of another size class than the block under test and never reuses
 /// a dropped one.
 fn write_with_kernel(pool: &DevicePool, stream: &Stream, dst: u64, n: usize) {
-    let module = Module::load_ptx(0, PTX).unwrap();
-    let kernel = module.function(KERNEL).unwrap();
     let src = pool.alloc_zeroed::<u32>(n + 2048, stream).unwrap();
     assert_ne!(src.device_ptr(), dst, "the source is not the block under test");
-    let (mut i, mut o, mut len, mut rounds) = (src.device_ptr(), dst, n as u64, 1u32);
-    // SAFETY: the arguments match pipeline_hash(const u32*, u32*, u64, u32). `dst` may
-    // be past a buffer's end or freed on purpose: the memory stays mapped by the pool
-    // (rounding, cache, arena chunk), so the write corrupts nothing but the pool's own
-    // unused bytes, and the sanitizer is what must notice.
+    hash_kernel(stream, src.device_ptr(), dst, n, "writing", dst);
+}
+
+/// Reads `n` elements at `src` with the pipeline kernel into a zeroed block of its own
+/// (longer, so of another size class than the block under test): for initcheck, which
+/// reports reads of bytes no one wrote.
+fn read_with_kernel(pool: &DevicePool, stream: &Stream, src: u64, n: usize) {
+    let dst = pool.alloc_zeroed::<u32>(n + 2048, stream).unwrap();
+    assert_ne!(
+        dst.device_ptr(),
+        src,
+        "the destination is not the block under test"
+    );
+    hash_kernel(stream, src, dst.device_ptr(), n, "reading", src);
+}
+
+/// `pipeline_hash(src, dst, n, 1)` on `stream`, then a synchronize; prints what it did
+/// (`what` at `at`: the line tools/gpu-nvtx-checks.sh looks for).
+fn hash_kernel(stream: &Stream, src: u64, dst: u64, n: usize, what: &str, at: u64) {
+    let module = Module::load_ptx(0, PTX).unwrap();
+    let kernel = module.function(KERNEL).unwrap();
+    let (mut i, mut o, mut len, mut rounds) = (src, dst, n as u64, 1u32);
+    // SAFETY: the arguments match pipeline_hash(const u32*, u32*, u64, u32). The block
+    // under test may be past a buffer's end, freed or never written on purpose: the
+    // memory stays mapped by the pool (rounding, cache, arena chunk), so the access
+    // corrupts nothing but the pool's own unused bytes, and the sanitizer is what must
+    // notice.
     let launched = unsafe {
         kernel.launch(
             (7, 1, 1),
@@ -992,7 +1012,7 @@ fn write_with_kernel(pool: &DevicePool, stream: &Stream, dst: u64, n: usize) {
         )
     };
     println!(
-        "{KERNEL} writing {n} u32 at {dst:#x}: launch {launched:?}, then {:?}",
+        "{KERNEL} {what} {n} u32 at {at:#x}: launch {launched:?}, then {:?}",
         stream.synchronize()
     );
 }
@@ -1061,6 +1081,29 @@ fn sanitizer_write_into_an_arena_after_reset() {
     let ptr = arena.alloc::<u32>(SMALL).unwrap().device_ptr();
     arena.reset();
     write_with_kernel(&pool, &stream, ptr, SMALL);
+}
+
+// ---- initcheck: reads of pooled bytes no one wrote ---------------------------------------
+// Run by tools/gpu-nvtx-checks.sh under `--tool initcheck`, annotations on and off.
+
+#[test]
+fn initcheck_read_of_a_fresh_pooled_block() {
+    sanitizer_test!();
+    let (pool, stream) = (sanitizer_pool(Backing::DriverPool), Stream::new(0).unwrap());
+    let buf = pool.alloc::<u32>(SMALL, &stream).unwrap();
+    read_with_kernel(&pool, &stream, buf.device_ptr(), SMALL);
+}
+
+#[test]
+fn initcheck_read_of_a_recycled_block_its_last_owner_wrote() {
+    sanitizer_test!();
+    let (pool, stream) = (sanitizer_pool(Backing::DriverPool), Stream::new(0).unwrap());
+    let first = pool.alloc_zeroed::<u32>(SMALL, &stream).unwrap();
+    let ptr = first.device_ptr();
+    drop(first); // cached: the next buffer of its class on this stream is this block
+    let again = pool.alloc::<u32>(SMALL, &stream).unwrap();
+    assert_eq!(again.device_ptr(), ptr, "the cache hands the block out again");
+    read_with_kernel(&pool, &stream, ptr, SMALL);
 }
 
 // ---- The same for host memory: pinned and managed pools and arenas ----------------------
