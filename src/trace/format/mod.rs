@@ -6,6 +6,7 @@
 pub mod rmm;
 pub mod svg;
 pub mod torch;
+mod unpickle;
 
 use std::fmt;
 

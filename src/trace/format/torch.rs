@@ -33,8 +33,9 @@
 //! state, `device_free` of `oom` entries, `segment_pool_id`s other than `[0, 0]`,
 //! `compile_context` and `user_metadata`, and frames beyond what the trace recorded.
 //!
-//! Read: PyTorch's snapshots (any protocol serde-pickle reads, 0 to 5; any global such
-//! as a class or function is refused) and ours. Without our `cudalloc` key each device
+//! Read: PyTorch's snapshots (pickle protocols 2 to 5 and the numeric opcodes of 0 and 1,
+//! with CPython's memo semantics: `format/unpickle.rs` says why not serde-pickle's reader;
+//! any global such as a class or function is refused) and ours. Without our `cudalloc` key each device
 //! is one allocator named `CUDACachingAllocator(d)`, every event on thread 0; the
 //! `snapshot` entries PyTorch writes are skipped. A trace PyTorch's ring buffer cut
 //! may free blocks it never allocated: replay such a trace with
@@ -44,7 +45,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::io::{self, Write};
 
-use serde_pickle::{DeOptions, HashableValue, SerOptions, Value};
+use serde_pickle::{HashableValue, SerOptions, Value};
 
 use super::{Lenient, Location, TraceError};
 use crate::trace::{Action, Event, Frame, Trace, TraceMemory, TracedAllocator};
@@ -302,22 +303,6 @@ pub fn read_lenient(bytes: &[u8]) -> Result<Lenient, TraceError> {
     parse(bytes, true)
 }
 
-fn pickle_error(e: serde_pickle::Error, len: usize) -> TraceError {
-    match e {
-        serde_pickle::Error::Eval(serde_pickle::ErrorCode::EOFWhileParsing, at) => TraceError::new(
-            Location::Offset(at as u64),
-            "truncated pickle (ends inside an opcode)",
-        ),
-        serde_pickle::Error::Eval(code, at) => {
-            TraceError::new(Location::Offset(at as u64), format!("bad pickle: {code}"))
-        }
-        serde_pickle::Error::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
-            TraceError::new(Location::Offset(len as u64), "truncated pickle (no STOP opcode)")
-        }
-        e => TraceError::new(Location::Input, format!("bad pickle: {e}")),
-    }
-}
-
 fn type_name(v: &Value) -> &'static str {
     match v {
         Value::None => "None",
@@ -404,8 +389,7 @@ fn read_frames(v: Option<&Value>, what: &str) -> Result<Vec<Frame>, String> {
 }
 
 fn parse(bytes: &[u8], lenient: bool) -> Result<Lenient, TraceError> {
-    let root =
-        serde_pickle::value_from_slice(bytes, DeOptions::new()).map_err(|e| pickle_error(e, bytes.len()))?;
+    let root = super::unpickle::value_from_slice(bytes)?;
     let input = |msg: String| TraceError::new(Location::Input, msg);
     let top = as_dict(&root, "snapshot").map_err(input)?;
     let traces = get(top, "device_traces").ok_or_else(|| {
