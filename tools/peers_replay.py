@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Replays an RMM-format CSV trace against PyTorch's and CuPy's allocators (issue 23's
-peers), with the columns of `examples/replay.rs`, so their figures sit next to cudalloc's.
+"""Replays an RMM-format CSV trace or a PyTorch memory snapshot against PyTorch's and CuPy's
+allocators (issue 23's peers), with the columns of `examples/replay.rs`, so their figures sit
+next to cudalloc's.
 
-    python3 tools/peers_replay.py TRACE.csv [--allocators torch,torch-expandable,cupy,cupy-async]
+    python3 tools/peers_replay.py TRACE.csv|SNAPSHOT.pickle [--allocators torch,torch-expandable,cupy,cupy-async]
                                             [--json OUT] [--lenient] [--device N] [--torch-public]
     python3 tools/peers_replay.py --self-test
 
 TRACE is RMM's log (`Thread,Time,Action,Pointer,Size,Stream`, what the crate's `rmm::write`
 and `CUDALLOC_TRACE=run.csv` write), read and checked as the crate reads it: the same errors
-for the same bad lines and events, `--lenient` to skip them. PyTorch snapshots are not read
-here (replay them with `examples/replay.rs`).
+for the same bad lines and events, `--lenient` to skip them. A PyTorch snapshot (a pickle) is
+read with the standard library's unpickler, every global refused: its `device_traces`, `alloc`
+and `free_requested` entries as the crate's replay takes them (`read_snapshot`).
 
 The allocators, each in a fresh process of its own (this script run again with --child), so
 that each starts with an empty GPU and PYTORCH_CUDA_ALLOC_CONF applies before CUDA starts:
@@ -41,9 +43,11 @@ switch per call; --torch-public uses the public functions.
 
 import argparse
 import gc
+import io
 import json
 import math
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -247,14 +251,46 @@ class Plan:
         return peak
 
 
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"global {module}.{name} refused: a snapshot is plain data")
+
+
+def read_snapshot(data):
+    """The events of a PyTorch memory snapshot (`device_traces`), as the crate's
+    `trace::format::torch::read` takes them for a replay: `alloc` allocates, `free_requested`
+    frees (what the program did; `free_completed` is the allocator's own later step),
+    `oom` is a recorded failure, everything else (segments, snapshots) is skipped. Every
+    device's list in order, each entry on thread 0 (PyTorch records no thread)."""
+    try:
+        top = _NoGlobals(io.BytesIO(data)).load()
+    except Exception as e:  # a malformed pickle is the input's error, whatever it is
+        raise TraceError(f"input: bad pickle: {e}") from None
+    traces = top.get("device_traces") if isinstance(top, dict) else None
+    if not isinstance(traces, list):
+        raise TraceError("input: snapshot has no `device_traces` list")
+    events = []
+    for d, entries in enumerate(traces):
+        for i, e in enumerate(entries if isinstance(entries, list) else []):
+            if not isinstance(e, dict):
+                raise TraceError(f"input: device_traces[{d}][{i}]: expected a dict")
+            action = {"alloc": "alloc", "free_requested": "free", "oom": "failure"}.get(e.get("action"))
+            if action is None:
+                continue
+            addr, size = int(e.get("addr", 0) or 0), int(e.get("size", 0) or 0)
+            events.append((0, action, addr, size, (d, int(e.get("stream", 0) or 0))))
+    return events, []
+
+
 def load(path, lenient):
     with open(path, "rb") as f:
         data = f.read()
     if data[:1] == b"\x80":
-        raise TraceError(
-            "input: a pickle (PyTorch's snapshot?): this tool reads RMM's CSV log only; "
-            "replay snapshots with `cargo run --release --example replay`"
-        )
+        events, skipped = read_snapshot(data)
+        plan = Plan(events, lenient)
+        plan.skipped = skipped + plan.skipped
+        plan.events = len(events)
+        return plan
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -954,6 +990,29 @@ def self_test():
         (1, 1, 0),
     )
     check("percentiles: nearest rank, half away from zero", percentiles([4, 1, 3, 2]), (3, 4))
+
+    # A PyTorch snapshot: alloc / free_requested replayed, free_completed and segments not,
+    # an oom a recorded failure, a global refused.
+    snap = {"segments": [], "device_traces": [[
+        {"action": "segment_alloc", "addr": 0, "size": 2 << 20, "stream": 0},
+        {"action": "alloc", "addr": 16, "size": 100, "stream": 0},
+        {"action": "alloc", "addr": 32, "size": 50, "stream": 7},
+        {"action": "free_requested", "addr": 16, "size": 100, "stream": 0},
+        {"action": "free_completed", "addr": 16, "size": 100, "stream": 0},
+        {"action": "oom", "size": 1 << 40, "stream": 0},
+    ]]}
+    sp = Plan(read_snapshot(pickle.dumps(snap, protocol=4))[0])
+    check(
+        "snapshot: allocations, streams, peak, failures, never freed",
+        (sp.allocations(), sp.streams, sp.peak_requested(), sp.recorded_failures, sp.never_freed),
+        (2, 2, 150, 1, [(1, 50)]),
+    )
+    try:
+        read_snapshot(b"\x80\x02cos\nsystem\nq\x00.")
+        got = "no error"
+    except TraceError as e:
+        got = str(e).split(":")[0:2]
+    check("snapshot: a global is refused", got, ["input", " bad pickle"])
 
     # Every allocator's child process, on a random trace, against the rows' own figures:
     # the fake pool directly, and torch and cupy through the stand-ins in tools/peers_fakes
