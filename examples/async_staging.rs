@@ -15,8 +15,8 @@
 //! runs another task or parks. Each task times its own code (the fill, the issue of the
 //! copies, the check: "own work") and, apart, its two waits (for a buffer, for the copies).
 //! Busy minus own work is the time the workers spent inside polls *not* running the tasks'
-//! code, i.e. blocked (plus the runtime's own bookkeeping and the futures' first polls,
-//! which register the wake-up with the driver). With the futures it stays small while the
+//! code, i.e. blocked (plus the runtime's own bookkeeping and the making of the futures,
+//! which queue their wake-up on the driver). With the futures it stays small while the
 //! tasks' waits add up to seconds; with the blocking calls on the workers it is about the
 //! tasks' waits. The busy time is read once the runtime has been dropped, when every worker
 //! has published its last interval. `worker parks` (`worker_park_count`) is a second sign:
