@@ -57,7 +57,10 @@ struct Reader<'a> {
 }
 
 fn truncated(at: usize) -> TraceError {
-    TraceError::new(Location::Offset(at as u64), "truncated pickle (ends inside an opcode)")
+    TraceError::new(
+        Location::Offset(at as u64),
+        "truncated pickle (ends inside an opcode)",
+    )
 }
 
 impl<'a> Reader<'a> {
@@ -155,7 +158,10 @@ impl<'a> Reader<'a> {
     /// A text line up to `\n` (protocols 0 and 1), without it.
     fn line(&mut self) -> Result<&'a str, TraceError> {
         let rest = &self.bytes[self.at..];
-        let n = rest.iter().position(|&b| b == b'\n').ok_or_else(|| truncated(self.op_at))?;
+        let n = rest
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or_else(|| truncated(self.op_at))?;
         let line = &rest[..n];
         self.at += n + 1;
         std::str::from_utf8(line).map_err(|_| self.bad("a text opcode's line is not UTF-8"))
@@ -163,7 +169,9 @@ impl<'a> Reader<'a> {
 
     fn line_u64(&mut self) -> Result<u64, TraceError> {
         let l = self.line()?;
-        l.trim().parse().map_err(|_| self.bad(format!("`{l}` is not a memo index")))
+        l.trim()
+            .parse()
+            .map_err(|_| self.bad(format!("`{l}` is not a memo index")))
     }
 
     /// `INT` (`I01`/`I00` are `True`/`False`), `LONG` (`123L`) and `FLOAT` of protocol 0.
@@ -175,7 +183,9 @@ impl<'a> Reader<'a> {
             (b'F', _) => Value::F64(l.parse().map_err(|_| self.bad(format!("`{l}` is not a float")))?),
             _ => {
                 let digits = l.strip_suffix('L').unwrap_or(l);
-                let v: i128 = digits.parse().map_err(|_| self.bad(format!("`{l}` is not an integer")))?;
+                let v: i128 = digits
+                    .parse()
+                    .map_err(|_| self.bad(format!("`{l}` is not an integer")))?;
                 if let Ok(x) = i64::try_from(v) {
                     Value::I64(x)
                 } else if let Ok(x) = u64::try_from(v) {
@@ -247,7 +257,10 @@ impl<'a> Reader<'a> {
     }
 
     fn memo_get(&mut self, id: u64) -> Result<(), TraceError> {
-        let n = *self.memo.get(&id).ok_or_else(|| self.bad(format!("memo {id} never stored")))?;
+        let n = *self
+            .memo
+            .get(&id)
+            .ok_or_else(|| self.bad(format!("memo {id} never stored")))?;
         self.stack.push(Slot::Node(n));
         Ok(())
     }
