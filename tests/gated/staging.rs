@@ -5,7 +5,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
@@ -14,7 +14,7 @@ use allocator_api2::alloc::Allocator;
 use cudalloc::cuda::Stream;
 use cudalloc::device::DevicePool;
 use cudalloc::source::PinnedSource;
-use cudalloc::staging::StagingRing;
+use cudalloc::staging::{Staged, StagingRing};
 use cudalloc::{copy, Arena, Error, PinnedAlloc, Pool};
 
 use crate::gpu_support::Gate;
@@ -219,9 +219,11 @@ fn buffers_from_each_source_stage_intact_batches() {
 /// Four batches through a pipeline of one buffer with 4 batches in flight (more than the
 /// ring's buffers), its stream held by a gate from the start: the copy of batch 0 is queued
 /// behind the gate when batch 1 wants the buffer. The gate opens in `fill(3)` (after its
-/// write) and, if `opener` is set, from a thread after 100 ms. Returns the bytes that
-/// arrived wrong and whether `fill(1)` ran after the thread had opened the gate.
-fn pipeline_behind_a_gate(opener: bool) -> (usize, bool) {
+/// write) and, if `opener` is set, from a thread after 100 ms. With `fill_threads` > 0 the
+/// fills run on that many worker threads (`Pipeline::fill_threads`), else on the caller.
+/// Returns the bytes that arrived wrong and whether `fill(1)` ran after the thread had
+/// opened the gate.
+pub(crate) fn pipeline_behind_a_gate(opener: bool, fill_threads: usize) -> (usize, bool) {
     let len = 4 * MIB;
     let s = Stream::new(0).unwrap();
     let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, len).unwrap();
@@ -239,7 +241,7 @@ fn pipeline_behind_a_gate(opener: bool) -> (usize, bool) {
         .collect();
     s.synchronize().unwrap();
     let opened = AtomicUsize::new(0);
-    let mut fill1_after_open = false;
+    let fill1_after_open = AtomicBool::new(false);
     let mut wrong = 0;
     let gate = Gate::hold(&s);
     std::thread::scope(|scope| {
@@ -250,44 +252,48 @@ fn pipeline_behind_a_gate(opener: bool) -> (usize, bool) {
                 gate.open();
             });
         }
-        ring.pipeline()
-            .in_flight(4)
-            .run(
-                4,
-                |b, buf| {
-                    if b == 1 {
-                        fill1_after_open = opened.load(Ordering::SeqCst) == 1;
-                    }
-                    buf.fill(pattern(b));
-                    if b == 3 {
-                        gate.open();
-                    }
-                    Ok::<_, Error>(())
-                },
-                |_, buf| {
-                    let (mut dev, mut back) = values.pop().expect("a value per batch");
-                    // SAFETY: the pipeline and the ring keep `buf` from the next fill until
-                    // the copy has completed (the property under test).
-                    unsafe { copy::host_to_device_async(buf, &mut dev, 0) }?;
-                    // SAFETY: `back` is read by the drain only, after the batch completed.
-                    unsafe { copy::device_to_host_async(&dev, 0, &mut back) }?;
-                    Ok((dev, back))
-                },
-                |b, (_dev, back)| {
-                    wrong += back.iter().filter(|&&x| x != pattern(b)).count();
-                    Ok(())
-                },
-            )
-            .unwrap();
+        let fill = |b: usize, buf: &mut [u8]| {
+            if b == 1 {
+                fill1_after_open.store(opened.load(Ordering::SeqCst) == 1, Ordering::SeqCst);
+            }
+            buf.fill(pattern(b));
+            if b == 3 {
+                gate.open();
+            }
+            Ok::<_, Error>(())
+        };
+        let launch = |_, buf: &Staged<PinnedAlloc>| {
+            let (mut dev, mut back) = values.pop().expect("a value per batch");
+            // SAFETY: the pipeline and the ring keep `buf` from the next fill until the
+            // copy has completed (the property under test).
+            unsafe { copy::host_to_device_async(buf, &mut dev, 0) }?;
+            // SAFETY: `back` is read by the drain only, after the batch completed.
+            unsafe { copy::device_to_host_async(&dev, 0, &mut back) }?;
+            Ok((dev, back))
+        };
+        let drain = |b: usize, (_dev, back): (_, allocator_api2::vec::Vec<u8, PinnedAlloc>)| {
+            wrong += back.iter().filter(|&&x| x != pattern(b)).count();
+            Ok(())
+        };
+        let pipeline = ring.pipeline().in_flight(4);
+        if fill_threads > 0 {
+            pipeline
+                .fill_threads(fill_threads)
+                .run(4, fill, launch, drain)
+                .map(drop)
+        } else {
+            pipeline.run(4, fill, launch, drain).map(drop)
+        }
+        .unwrap();
     });
-    (wrong, fill1_after_open)
+    (wrong, fill1_after_open.load(Ordering::SeqCst))
 }
 
 #[test]
 fn a_pipeline_with_more_batches_in_flight_than_buffers_waits_for_the_gpu() {
     gpu!();
     let _one = crate::one_at_a_time();
-    let (wrong, fill1_after_open) = pipeline_behind_a_gate(true);
+    let (wrong, fill1_after_open) = pipeline_behind_a_gate(true, 0);
     assert!(
         fill1_after_open,
         "batch 1 refilled the buffer while batch 0's copy was held"
@@ -309,7 +315,7 @@ fn without_the_rings_events_a_pipeline_refills_buffers_the_gpu_still_reads() {
         return;
     }
     cudalloc::staging::hooks::skip_release_events(true);
-    let (wrong, _) = pipeline_behind_a_gate(false);
+    let (wrong, _) = pipeline_behind_a_gate(false, 0);
     cudalloc::staging::hooks::skip_release_events(false);
     assert_eq!(wrong, 3 * 4 * MIB, "the refills did not reach the held copies");
 }
