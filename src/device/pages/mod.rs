@@ -74,7 +74,7 @@
 //!   blocks come here, and in a steady state most of them map nothing.
 //!
 //! The algorithm is generic over [`Phys`] (the physical operations) and the cache's
-//! [`StreamOrder`] (its marks), so CPU tests drive it with `device/fake.rs`, whose fake
+//! [`StreamOrder`] (its marks), so CPU tests drive it with `device/fake/`, whose fake
 //! physical memory checks every mapping, unmapping and use against the simulated streams.
 //!
 //! # The parts
@@ -143,7 +143,8 @@ enum Reclaim {
 
 /// The heap's state, under its lock. The parts' invariants are on their files; across
 /// them: `stats.block_bytes` is the bytes of `live` (units times unit), and
-/// `stats.reserved` the bytes of the live handles (mapped, retired or spare).
+/// `stats.reserved` the bytes of the live handles (mapped or spare; a handle mapped anew
+/// while its old mapping is retired counts once).
 struct State<B: StreamOrder> {
     regions: Vec<Region>,
     /// The first unit index of the next region (regions are a chunk apart in the index
