@@ -1,0 +1,337 @@
+//! Simulated physical memory for the page heap (`FakePhys`): every handle, range,
+//! mapping and use is booked, and every breach of the VMM rules or of stream order is
+//! counted (see the type's docs).
+
+use std::collections::BTreeMap;
+
+use super::FakeStream;
+use crate::device::phys::Phys;
+use crate::error::{Error, Result};
+use crate::sync::{lock, Arc, Mutex};
+
+/// Simulated physical memory for the page heap, checking every operation: handles
+/// are power-of-two multiples of the granule, mapped whole into reserved ranges at
+/// unmapped places, released only when unmapped, ranges freed only when empty; a
+/// block's use ([`FakePhys::use_block`]) needs access set and a stream ordered after
+/// every earlier use of each handle under it (on any range); an unmapping needs every
+/// use of that mapping completed. Breaches are counted in `violations` (and printed),
+/// never panics: tests assert there are none. Clones share the state.
+#[derive(Clone, Debug)]
+pub(crate) struct FakePhys {
+    pub(crate) state: Arc<Mutex<PhysState>>,
+}
+
+/// A mapping: bytes, handle, the devices with access (bit d: device d; the fake's own
+/// device is 0), uses through it, its id (one per `map`).
+pub(crate) type Mapping = (usize, u64, u64, Vec<(FakeStream, u64)>, u64);
+
+/// The simulated physical memory's books.
+#[derive(Debug, Default)]
+pub(crate) struct PhysState {
+    pub(crate) granule: usize,
+    /// Bytes of handles that may exist at once (out of memory beyond).
+    pub(crate) limit: usize,
+    next_handle: u64,
+    next_va: u64,
+    /// Live handles: bytes, mappings.
+    pub(crate) handles: BTreeMap<u64, (usize, u32)>,
+    pub(crate) handle_bytes: usize,
+    /// Reserved ranges: start -> bytes.
+    pub(crate) ranges: BTreeMap<u64, usize>,
+    /// Mappings by start.
+    pub(crate) mappings: BTreeMap<u64, Mapping>,
+    /// Uses of each handle, through any mapping (by id), not known to have completed.
+    uses: BTreeMap<u64, Vec<(u64, FakeStream, u64)>>,
+    next_mapping: u64,
+    pub(crate) violations: Vec<String>,
+    /// Per handle, what happened to it (for the violations' messages).
+    history: BTreeMap<u64, Vec<String>>,
+    pub(crate) creates: u64,
+    pub(crate) maps: u64,
+}
+
+impl PhysState {
+    fn violation(&mut self, what: String) {
+        eprintln!("fake phys: {what}");
+        self.violations.push(what);
+    }
+
+    /// The starts of the mappings overlapping `va..end` (the first may start before it).
+    fn mappings_over(&self, va: u64, end: u64) -> Vec<u64> {
+        self.mappings
+            .range(..end)
+            .rev()
+            .take_while(|(&v, m)| v + m.0 as u64 > va)
+            .map(|(&v, _)| v)
+            .collect()
+    }
+
+    /// Books the use at `pos` of `stream` through the mapping at `v`, of the part there of
+    /// the block `va..end`: checks access and (with `check`) that `stream` is ordered after
+    /// the uses of the mapping's handle through other mappings. The bytes of the block the
+    /// mapping covers, and the breaches found.
+    fn book_use(
+        &mut self,
+        v: u64,
+        (va, end): (u64, u64),
+        stream: &FakeStream,
+        pos: u64,
+        check: bool,
+    ) -> (usize, Vec<String>) {
+        let mut problems = Vec::new();
+        let m = self.mappings.get_mut(&v).expect("found");
+        let covered = (v + m.0 as u64).min(end).saturating_sub(v.max(va)) as usize;
+        if m.2 & 1 == 0 {
+            problems.push(format!("use of {v:#x} without access"));
+        }
+        m.3.push((stream.clone(), pos));
+        let (h, id) = (m.1, m.4);
+        let uses = self.uses.entry(h).or_default();
+        uses.retain(|(_, s, p)| s.completed() < *p);
+        for (_, s, p) in uses.iter().filter(|u| check && u.0 != id) {
+            if !stream.covers(s, *p) {
+                let h_ = self
+                    .history
+                    .get(&h)
+                    .map(|v| v[v.len().saturating_sub(12)..].to_vec());
+                problems.push(format!(
+                    "handle {h} used on {} at {pos} unordered after its use on {} at {p} \
+                     ({} completed); history {h_:?}",
+                    stream.id,
+                    s.id,
+                    s.completed()
+                ));
+            }
+        }
+        uses.push((id, stream.clone(), pos));
+        self.history
+            .entry(h)
+            .or_default()
+            .push(format!("use of map {id} on {} at {pos}", stream.id));
+        (covered, problems)
+    }
+}
+
+impl FakePhys {
+    pub(crate) fn new(granule: usize, limit: usize) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(PhysState {
+                granule,
+                limit,
+                next_handle: 1,
+                next_va: 1 << 44,
+                ..PhysState::default()
+            })),
+        }
+    }
+
+    /// Work on `stream` uses the block at `[va, va + bytes)` (if it is on pages): checks
+    /// access and that `stream` is ordered after every earlier use of its handles
+    /// through other mappings (earlier blocks; uses of the same block on several
+    /// streams are the cache's business), then records the use. Returns whether the
+    /// block is on pages.
+    pub(crate) fn use_block(&self, va: u64, bytes: usize, stream: &FakeStream) -> bool {
+        self.record(va, bytes, stream, true)
+    }
+
+    /// Work on `stream` uses the live block at `[va, va + bytes)` besides its own
+    /// stream's (what `record_use` declares): recorded, not checked (ordering such a use
+    /// after the block's allocation is the program's business).
+    pub(crate) fn use_block_elsewhere(&self, va: u64, bytes: usize, stream: &FakeStream) -> bool {
+        self.record(va, bytes, stream, false)
+    }
+
+    fn record(&self, va: u64, bytes: usize, stream: &FakeStream, check: bool) -> bool {
+        let mut st = lock(&self.state);
+        let end = va + bytes as u64;
+        let found = st.mappings_over(va, end);
+        if found.is_empty() {
+            return false;
+        }
+        let pos = stream.enqueue();
+        let mut problems = Vec::new();
+        let mut covered = 0usize;
+        for v in found {
+            let (bytes_there, found_there) = st.book_use(v, (va, end), stream, pos, check);
+            covered += bytes_there;
+            problems.extend(found_there);
+        }
+        if covered < bytes {
+            problems.push(format!("block {va:#x} of {bytes} bytes only {covered} mapped"));
+        }
+        for p in problems {
+            st.violation(p);
+        }
+        true
+    }
+
+    /// Whether device `peer` may access the whole of `[va, va + bytes)`.
+    pub(crate) fn peer_reaches(&self, va: u64, bytes: usize, peer: usize) -> bool {
+        let st = lock(&self.state);
+        let end = va + bytes as u64;
+        let mut covered = 0u64;
+        for (&v, m) in st
+            .mappings
+            .range(..end)
+            .rev()
+            .take_while(|(&v, m)| v + m.0 as u64 > va)
+        {
+            if m.2 & (1 << peer) == 0 {
+                return false;
+            }
+            covered += (v + m.0 as u64).min(end) - v.max(va);
+        }
+        covered == bytes as u64
+    }
+
+    /// Breaches so far.
+    pub(crate) fn violations(&self) -> usize {
+        lock(&self.state).violations.len()
+    }
+
+    /// (live handles, their bytes, reserved ranges, mappings).
+    pub(crate) fn live(&self) -> (usize, usize, usize, usize) {
+        let st = lock(&self.state);
+        (
+            st.handles.len(),
+            st.handle_bytes,
+            st.ranges.len(),
+            st.mappings.len(),
+        )
+    }
+}
+
+impl Phys for FakePhys {
+    fn granule(&self) -> usize {
+        lock(&self.state).granule
+    }
+
+    fn create(&self, bytes: usize) -> Result<u64> {
+        let mut st = lock(&self.state);
+        let g = st.granule;
+        if bytes == 0 || bytes % g != 0 || !(bytes / g).is_power_of_two() {
+            st.violation(format!("create of {bytes} bytes"));
+        }
+        if st.handle_bytes + bytes > st.limit {
+            return Err(Error::OutOfMemory { requested: bytes });
+        }
+        let h = st.next_handle;
+        st.next_handle += 1;
+        st.handles.insert(h, (bytes, 0));
+        st.handle_bytes += bytes;
+        st.creates += 1;
+        Ok(h)
+    }
+
+    unsafe fn release(&self, handle: u64) -> Result<()> {
+        let mut st = lock(&self.state);
+        match st.handles.remove(&handle) {
+            Some((bytes, maps)) => {
+                st.handle_bytes -= bytes;
+                st.uses.remove(&handle);
+                if maps != 0 {
+                    st.violation(format!("release of handle {handle} mapped {maps} times"));
+                }
+            }
+            None => st.violation(format!("release of unknown handle {handle}")),
+        }
+        Ok(())
+    }
+
+    fn reserve(&self, bytes: usize) -> Result<u64> {
+        let mut st = lock(&self.state);
+        if bytes == 0 || bytes % st.granule != 0 {
+            st.violation(format!("reserve of {bytes} bytes"));
+        }
+        let va = st.next_va;
+        // A gap after each range, so that a mapping past its end is caught.
+        st.next_va += bytes as u64 + st.granule as u64;
+        st.ranges.insert(va, bytes);
+        Ok(va)
+    }
+
+    unsafe fn free_range(&self, va: u64, bytes: usize) -> Result<()> {
+        let mut st = lock(&self.state);
+        if st.ranges.remove(&va) != Some(bytes) {
+            st.violation(format!("free of unknown range {va:#x} ({bytes} bytes)"));
+        }
+        if st.mappings.range(va..va + bytes as u64).next().is_some() {
+            st.violation(format!("free of range {va:#x} with mappings"));
+        }
+        Ok(())
+    }
+
+    unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()> {
+        let mut st = lock(&self.state);
+        let inside = st
+            .ranges
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&r, &l)| va + bytes as u64 <= r + l as u64);
+        if !inside {
+            st.violation(format!("map at {va:#x} outside a reserved range"));
+        }
+        let overlap = st
+            .mappings
+            .range(..va + bytes as u64)
+            .next_back()
+            .is_some_and(|(&m, &(l, ..))| m + l as u64 > va);
+        if overlap {
+            st.violation(format!("map at {va:#x} over a mapping"));
+        }
+        match st.handles.get_mut(&handle) {
+            Some((b, maps)) if *b == bytes => *maps += 1,
+            _ => st.violation(format!("map of handle {handle} unknown or not of {bytes} bytes")),
+        }
+        st.next_mapping += 1;
+        let id = st.next_mapping;
+        st.mappings.insert(va, (bytes, handle, 0, Vec::new(), id));
+        st.history
+            .entry(handle)
+            .or_default()
+            .push(format!("map {id} at {va:#x}"));
+        st.maps += 1;
+        Ok(())
+    }
+
+    unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()> {
+        let mut st = lock(&self.state);
+        match st.mappings.remove(&va) {
+            Some((l, h, _, uses, _)) if l == bytes => {
+                if let Some((_, maps)) = st.handles.get_mut(&h) {
+                    *maps -= 1;
+                }
+                for (s, p) in uses {
+                    if s.completed() < p {
+                        st.violation(format!(
+                            "unmap of {va:#x} (handle {h}) before its use on {} at {p} completed",
+                            s.id
+                        ));
+                    }
+                }
+            }
+            _ => st.violation(format!("unmap of unknown mapping {va:#x} ({bytes} bytes)")),
+        }
+        Ok(())
+    }
+
+    unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()> {
+        let mask = peers.iter().fold(1u64, |m, &p| m | 1 << p);
+        let mut st = lock(&self.state);
+        let mut at = va;
+        let end = va + bytes as u64;
+        let keys: Vec<u64> = st.mappings.range(va..end).map(|(&k, _)| k).collect();
+        for k in keys {
+            let m = st.mappings.get_mut(&k).expect("listed");
+            if k != at {
+                break;
+            }
+            m.2 |= mask;
+            at += m.0 as u64;
+        }
+        if at != end {
+            st.violation(format!("access to {va:#x} ({bytes} bytes) not wholly mapped"));
+        }
+        Ok(())
+    }
+}

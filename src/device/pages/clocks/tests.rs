@@ -1,0 +1,286 @@
+//! Unit tests of the page heap's stream order, against a scripted [`StreamOrder`]: no
+//! physical memory, no simulator. The tests that change clocks check the invariant of
+//! `clocks.rs` as they go.
+
+use super::*;
+use crate::error::Error;
+use crate::sync::global::{Arc, AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use crate::trace::Tag;
+
+/// A scripted stream: work queued and completed so far, as positions.
+struct Lane {
+    id: StreamId,
+    queued: AtomicU64,
+    completed: AtomicU64,
+}
+
+#[derive(Clone)]
+struct S(Arc<Lane>);
+
+impl S {
+    fn new() -> Self {
+        S(Arc::new(Lane {
+            id: StreamId::fresh(),
+            queued: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+        }))
+    }
+    /// Queues work that does not complete until [`S::finish`].
+    fn busy(&self) -> &Self {
+        self.0.queued.fetch_add(1, Ordering::Relaxed);
+        self
+    }
+    fn finish(&self) {
+        let q = self.0.queued.load(Ordering::Relaxed);
+        self.0.completed.store(q, Ordering::Relaxed);
+    }
+}
+
+/// A stream order answering from the lanes, counting the questions, and failing
+/// every query and host wait while `failing`.
+#[derive(Default)]
+struct Script {
+    failing: AtomicBool,
+    queries: AtomicUsize,
+    trace: Tag,
+}
+
+impl Script {
+    fn queries(&self) -> usize {
+        self.queries.load(Ordering::Relaxed)
+    }
+    fn answer<T>(&self, v: T) -> Result<T> {
+        self.queries.fetch_add(1, Ordering::Relaxed);
+        if self.failing.load(Ordering::Relaxed) {
+            Err(Error::InvalidArgument("scripted driver failure"))
+        } else {
+            Ok(v)
+        }
+    }
+}
+
+impl StreamOrder for Script {
+    type Stream = S;
+    /// The lane and the position marked.
+    type Mark = (Arc<Lane>, u64);
+    fn stream_id(stream: &S) -> StreamId {
+        stream.0.id
+    }
+    fn mark(&self, stream: &S) -> Result<Self::Mark> {
+        Ok((stream.0.clone(), stream.0.queued.load(Ordering::Relaxed)))
+    }
+    fn wait(&self, _: &S, _: &Self::Mark) -> Result<()> {
+        Ok(())
+    }
+    fn is_complete(&self, (lane, at): &Self::Mark) -> Result<bool> {
+        self.answer(lane.completed.load(Ordering::Relaxed) >= *at)
+    }
+    fn wait_host(&self, (lane, at): &Self::Mark) -> Result<()> {
+        self.answer(())?;
+        lane.completed.fetch_max(*at, Ordering::Relaxed);
+        Ok(())
+    }
+    fn is_idle(&self, s: &S) -> Result<bool> {
+        self.answer(s.0.completed.load(Ordering::Relaxed) >= s.0.queued.load(Ordering::Relaxed))
+    }
+    fn synchronize(&self, s: &S) -> Result<()> {
+        self.answer(())?;
+        s.finish();
+        Ok(())
+    }
+    fn trace(&self) -> &Tag {
+        &self.trace
+    }
+}
+
+fn freed(stream: &S, seq: u64, lo: usize, hi: usize) -> Freed {
+    Freed {
+        stream: stream.0.id,
+        seq,
+        lo,
+        hi,
+    }
+}
+
+#[test]
+fn merge_keeps_the_latest_free_of_each_stream_with_the_hull() {
+    let (a, b) = (S::new(), S::new());
+    let mut clocks = Clocks::<Script>::default();
+    let f1 = clocks.number_free(&a, 0, 4);
+    let f2 = clocks.number_free(&b, 5, 6);
+    let f3 = clocks.number_free(&a, 10, 12);
+    let mut into = vec![f1];
+    clocks.merge(&mut into, vec![f3, f2]);
+    assert_eq!(into, vec![freed(&a, 3, 0, 12), freed(&b, 2, 5, 6)]);
+    clocks.check();
+}
+
+#[test]
+fn merge_drops_frees_known_complete() {
+    let (a, b) = (S::new(), S::new());
+    b.busy();
+    let order = Script::default();
+    let mut clocks = Clocks::<Script>::default();
+    let fa = clocks.number_free(&a, 0, 1);
+    let fb = clocks.number_free(&b, 1, 2);
+    clocks.begin_op();
+    assert!(clocks.settle(&order, &fa), "a is idle");
+    assert!(!clocks.settle(&order, &fb), "b is busy");
+    let mut into = vec![fa];
+    clocks.merge(&mut into, vec![fa, fb]);
+    assert_eq!(into, vec![fb]);
+    clocks.check();
+}
+
+#[test]
+fn touching_keeps_the_overlapping_and_retag_moves_them() {
+    let a = S::new();
+    let stamps = vec![freed(&a, 1, 0, 4), freed(&a, 2, 4, 8), freed(&a, 3, 8, 9)];
+    assert_eq!(touching(&stamps, 3, 5), stamps[..2].to_vec());
+    assert_eq!(touching(&stamps, 9, 12), Vec::new());
+    assert_eq!(retag(touching(&stamps, 8, 9), 16, 32), vec![freed(&a, 3, 16, 32)]);
+}
+
+#[test]
+fn settle_asks_about_a_stream_once_per_operation() {
+    let a = S::new();
+    a.busy();
+    let order = Script::default();
+    let mut clocks = Clocks::<Script>::default();
+    let f = clocks.number_free(&a, 0, 1);
+    clocks.begin_op();
+    assert!(!clocks.settle(&order, &f));
+    assert_eq!(order.queries(), 1);
+    a.finish();
+    assert!(
+        !clocks.settle(&order, &f),
+        "not asked again in the same operation"
+    );
+    assert_eq!(order.queries(), 1);
+    clocks.begin_op();
+    assert!(clocks.settle(&order, &f));
+    assert_eq!(order.queries(), 2);
+    assert!(clocks.settle(&order, &f), "known now, without asking");
+    assert_eq!(order.queries(), 2);
+    clocks.check();
+}
+
+#[test]
+fn a_failed_query_or_wait_counts_as_pending() {
+    let a = S::new();
+    let order = Script::default();
+    order.failing.store(true, Ordering::Relaxed);
+    let mut clocks = Clocks::<Script>::default();
+    let f = clocks.number_free(&a, 0, 1);
+    clocks.begin_op();
+    assert!(
+        !clocks.settle(&order, &f),
+        "the stream is idle, but the query failed"
+    );
+    let mut stats = PageStats::default();
+    clocks.begin_op();
+    clocks.order_after(&order, &S::new(), &f, &mut stats).unwrap();
+    assert_eq!((stats.marks, stats.waits), (1, 1), "ordered after the free");
+    clocks.begin_op();
+    assert!(
+        !clocks.wait_done(&order, &f),
+        "the mark's query and host wait failed"
+    );
+    assert!(!clocks.completed(&f));
+    order.failing.store(false, Ordering::Relaxed);
+    clocks.begin_op();
+    assert!(clocks.settle(&order, &f));
+    clocks.check();
+}
+
+#[test]
+fn one_mark_covers_every_free_of_its_stream_so_far() {
+    let (a, t) = (S::new(), S::new());
+    a.busy();
+    let order = Script::default();
+    let mut clocks = Clocks::<Script>::default();
+    let mut stats = PageStats::default();
+    let f1 = clocks.number_free(&a, 0, 1);
+    let f2 = clocks.number_free(&a, 1, 2);
+    clocks.begin_op();
+    clocks.order_after(&order, &t, &f1, &mut stats).unwrap();
+    clocks.begin_op();
+    clocks.order_after(&order, &t, &f2, &mut stats).unwrap();
+    assert_eq!((stats.marks, stats.waits), (1, 2), "f2 waits for the mark of f1");
+    clocks.check();
+    let f3 = clocks.number_free(&a, 2, 3);
+    clocks.begin_op();
+    clocks.order_after(&order, &t, &f3, &mut stats).unwrap();
+    assert_eq!(
+        (stats.marks, stats.waits),
+        (2, 3),
+        "a later free needs a new mark"
+    );
+    clocks.check();
+}
+
+#[test]
+fn order_after_completed_work_records_nothing() {
+    let (a, t) = (S::new(), S::new());
+    let order = Script::default();
+    let mut clocks = Clocks::<Script>::default();
+    let mut stats = PageStats::default();
+    let f = clocks.number_free(&a, 0, 1);
+    clocks.begin_op();
+    clocks.order_after(&order, &t, &f, &mut stats).unwrap();
+    assert_eq!((stats.marks, stats.waits), (0, 0));
+    clocks.check();
+}
+
+#[test]
+fn wait_done_waits_for_the_first_mark_after_the_free_else_the_stream() {
+    let (a, t) = (S::new(), S::new());
+    a.busy();
+    let order = Script::default();
+    let mut clocks = Clocks::<Script>::default();
+    let mut stats = PageStats::default();
+    let f1 = clocks.number_free(&a, 0, 1);
+    let f2 = clocks.number_free(&a, 1, 2);
+    clocks.begin_op();
+    clocks.order_after(&order, &t, &f1, &mut stats).unwrap();
+    a.busy();
+    let f3 = clocks.number_free(&a, 2, 3);
+    clocks.begin_op();
+    assert!(clocks.wait_done(&order, &f1));
+    assert!(clocks.completed(&f2), "the mark covered f2 too");
+    assert!(!clocks.completed(&f3), "f3 came after the mark");
+    assert!(a.0.completed.load(Ordering::Relaxed) < a.0.queued.load(Ordering::Relaxed));
+    clocks.check();
+    clocks.begin_op();
+    assert!(
+        clocks.wait_done(&order, &f3),
+        "no mark after f3: the stream is synchronized"
+    );
+    assert!(clocks.completed(&f3));
+    clocks.check();
+}
+
+#[test]
+fn forget_keeps_the_clocks_of_streams_with_pending_frees() {
+    let (a, b, c) = (S::new(), S::new(), S::new());
+    c.busy();
+    let order = Script::default();
+    let mut clocks = Clocks::<Script>::default();
+    let fs: Vec<Freed> = [&a, &b, &c].iter().map(|s| clocks.number_free(s, 0, 1)).collect();
+    clocks.begin_op();
+    for f in &fs {
+        clocks.settle(&order, f);
+    }
+    clocks.forget(3);
+    assert!(clocks.take_dead().is_empty(), "at most 3 clocks are kept");
+    clocks.forget(0);
+    assert_eq!(clocks.take_dead().len(), 2);
+    assert!(
+        fs[..2].iter().all(|f| clocks.completed(f)),
+        "no clock, nothing pending"
+    );
+    assert!(!clocks.completed(&fs[2]), "c's clock stays");
+    clocks.forget_all();
+    assert_eq!(clocks.take_dead().len(), 1);
+    clocks.check();
+}

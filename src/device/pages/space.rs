@@ -1,0 +1,188 @@
+//! The page heap's address space: regions of reserved virtual addresses cut into units,
+//! the chunks of physical memory over them, and the free runs of units (the index of
+//! `device/runs.rs`, each run with the stamps of the frees that touched it). Bookkeeping
+//! only, apart from reserving and freeing regions: mapping is in `map.rs`, unmapping in
+//! `reclaim.rs`.
+//!
+//! Invariants (under the heap's lock):
+//! - regions are in increasing order of first unit, a chunk apart in the index space, so
+//!   that no free run and no span of mapped chunks reaches from one region into the next;
+//! - every unit of a region is in exactly one of: a live block, a free run, a retired
+//!   chunk (or a chunk that stuck while retired: its unmap failed, and its units are
+//!   never used again);
+//! - free runs are maximal (two free runs never touch): a run is put back as it is only
+//!   where its neighbours are a block or a retired chunk, else through [`give_back`];
+//! - `chunks[c].used` is the number of units of chunk c in blocks (all of them while it
+//!   is retired), and `idle` holds exactly the chunks with a handle, none used, not stuck.
+//!
+//! [`give_back`]: super::PageHeap::give_back
+
+use super::clocks::{touching, Stamps};
+use super::{PageHeap, State};
+use crate::cuda::record_drop_error;
+use crate::device::order::StreamOrder;
+use crate::device::phys::Phys;
+use crate::error::{Error, Result};
+
+/// A maximal run of free units.
+pub(super) struct Run {
+    pub(super) len: usize,
+    pub(super) stamps: Stamps,
+}
+
+/// One chunk of a region's units.
+#[derive(Default)]
+pub(super) struct Chunk {
+    /// The handle mapped there.
+    pub(super) handle: Option<u64>,
+    /// Granules of the chunk in blocks.
+    pub(super) used: usize,
+    /// An unmap failed: the mapping stays, and the chunk is never unmapped again.
+    pub(super) stuck: bool,
+}
+
+/// A reserved range of virtual addresses: units `first..first + units` of the
+/// heap's index space.
+pub(super) struct Region {
+    pub(super) first: usize,
+    pub(super) units: usize,
+    pub(super) va: u64,
+}
+
+impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
+    pub(super) fn chunk_bytes(&self) -> usize {
+        self.chunk_units * self.unit
+    }
+
+    /// The address of unit `g` (in a region).
+    pub(super) fn va_of(&self, st: &State<B>, g: usize) -> u64 {
+        let i = st.regions.partition_point(|r| r.first <= g) - 1;
+        let r = &st.regions[i];
+        debug_assert!(g < r.first + r.units);
+        r.va + ((g - r.first) * self.unit) as u64
+    }
+
+    /// The chunks a run of `len` units from `start` touches, with the units of each
+    /// inside the run.
+    pub(super) fn chunks_of(&self, start: usize, len: usize) -> impl Iterator<Item = (usize, usize)> {
+        let cg = self.chunk_units;
+        let end = start + len;
+        (start / cg..end.div_ceil(cg)).map(move |c| (c, end.min((c + 1) * cg) - start.max(c * cg)))
+    }
+
+    /// Reserves a region for at least `n` units; returns its first unit (a free run
+    /// of the whole region).
+    pub(super) fn add_region(&self, st: &mut State<B>, n: usize) -> Result<usize> {
+        let cu = self.chunk_units;
+        let too_large = || Error::OutOfMemory {
+            requested: n.saturating_mul(self.unit),
+        };
+        let units = (self.region_bytes / self.unit)
+            .max(n)
+            .checked_next_multiple_of(cu)
+            .ok_or_else(too_large)?;
+        let bytes = units.checked_mul(self.unit).ok_or_else(too_large)?;
+        let va = self.phys.reserve(bytes)?;
+        st.stats.range_reserves += 1;
+        let first = st.next_index;
+        st.next_index = first + units + cu;
+        st.regions.push(Region { first, units, va });
+        st.chunks.resize_with(st.next_index / cu, Chunk::default);
+        self.put_run(st, first, units, Vec::new());
+        Ok(first)
+    }
+
+    /// Frees the regions with no block and no mapping.
+    pub(super) fn free_empty_regions(&self, st: &mut State<B>) {
+        let cu = self.chunk_units;
+        let mut i = 0;
+        while i < st.regions.len() {
+            let r = &st.regions[i];
+            let (first, units, va) = (r.first, r.units, r.va);
+            let empty = st.free.len_at(first) == Some(units)
+                && (first / cu..(first + units) / cu).all(|c| st.chunks[c].handle.is_none());
+            if !empty {
+                i += 1;
+                continue;
+            }
+            // SAFETY: the range came from reserve, nothing is mapped in it, and it is
+            // forgotten here.
+            if let Err(e) = unsafe { self.phys.free_range(va, units * self.unit) } {
+                record_drop_error("cuMemAddressFree", e);
+            }
+            let _ = self.take_run(st, first);
+            st.regions.remove(i);
+        }
+    }
+
+    /// Removes the free run starting at `start`.
+    /// `None` only if the index lost the run (an internal bug: debug builds stop here;
+    /// release builds fail the operation at hand instead of panicking on an allocation
+    /// path).
+    pub(super) fn take_run(&self, st: &mut State<B>, start: usize) -> Option<Run> {
+        let run = st.free.remove(start).map(|(len, stamps)| Run { len, stamps });
+        debug_assert!(
+            run.is_some(),
+            "page heap: unit {start} starts no free run of the index"
+        );
+        run
+    }
+
+    /// Inserts a free run as it is (its neighbours are not free).
+    pub(super) fn put_run(&self, st: &mut State<B>, start: usize, len: usize, stamps: Stamps) {
+        st.free.insert(start, len, stamps);
+    }
+
+    /// Adds `stamps` to the free runs overlapping units `lo..hi`.
+    pub(super) fn stamp_free(&self, st: &mut State<B>, lo: usize, hi: usize, stamps: &Stamps) {
+        for s in st.free.overlapping(lo, hi) {
+            if let Some(run) = st.free.payload_mut(s) {
+                st.clocks.merge(run, stamps.clone());
+            }
+        }
+    }
+
+    /// Takes units `start..start + n` for a block from the free run starting at `start`
+    /// (the rest of the run stays free) and marks them used in their chunks: the stamps of
+    /// the frees that touched them (`None` if the index lost the run: an internal bug).
+    pub(super) fn take_units(&self, st: &mut State<B>, start: usize, n: usize) -> Option<Stamps> {
+        let run = self.take_run(st, start)?;
+        if run.len > n {
+            // The rest of a maximal run: its neighbours are this block and a block.
+            let rest = touching(&run.stamps, start + n, start + run.len);
+            self.put_run(st, start + n, run.len - n, rest);
+        }
+        for (c, k) in self.chunks_of(start, n) {
+            st.chunks[c].used += k;
+            st.idle.remove(&c);
+        }
+        Some(touching(&run.stamps, start, start + n))
+    }
+
+    /// Frees units `start..start + n` (of a block or a failed allocation) with
+    /// `stamps`: coalesced with the free runs around them, their chunks idle if wholly free.
+    pub(super) fn give_back(&self, st: &mut State<B>, start: usize, n: usize, mut stamps: Stamps) {
+        for (c, k) in self.chunks_of(start, n) {
+            let ch = &mut st.chunks[c];
+            ch.used -= k;
+            if ch.used == 0 && ch.handle.is_some() && !ch.stuck {
+                st.idle.insert(c);
+            }
+        }
+        let (mut start, mut len) = (start, n);
+        if let Some((s, l)) = st.free.ending_at(start) {
+            if let Some(run) = self.take_run(st, s) {
+                st.clocks.merge(&mut stamps, run.stamps);
+                (start, len) = (s, len + l);
+            }
+        }
+        if st.free.len_at(start + len).is_some() {
+            if let Some(run) = self.take_run(st, start + len) {
+                len += run.len;
+                st.clocks.merge(&mut stamps, run.stamps);
+            }
+        }
+        st.clocks.merge(&mut stamps, Vec::new());
+        self.put_run(st, start, len, stamps);
+    }
+}

@@ -1,0 +1,54 @@
+//! What the page heap has done and holds: counters of its driver calls and the time they
+//! took, by name. Plain data, read under the heap's lock ([`PageHeap::stats`]).
+//!
+//! Invariant: `block_bytes <= peak_block_bytes` and `reserved <= peak_reserved` (a peak
+//! is raised wherever its value grows, and `reset_peak` sets it back to the value).
+//!
+//! [`PageHeap::stats`]: super::PageHeap::stats
+
+/// What the heap has done and holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PageStats {
+    /// Bytes of live handles (mapped or spare), now and at most.
+    pub(crate) reserved: usize,
+    pub(crate) peak_reserved: usize,
+    /// Bytes in live blocks, now and at most.
+    pub(crate) block_bytes: usize,
+    pub(crate) peak_block_bytes: usize,
+    pub(crate) creates: u64,
+    pub(crate) releases: u64,
+    pub(crate) maps: u64,
+    pub(crate) unmaps: u64,
+    pub(crate) range_reserves: u64,
+    pub(crate) waits: u64,
+    /// Marks recorded (for another stream taking units whose frees may be pending).
+    pub(crate) marks: u64,
+    /// `cuMemSetAccess` calls.
+    pub(crate) accesses: u64,
+    /// Nanoseconds in the driver's physical-memory calls, by call.
+    pub(crate) driver_ns: DriverNs,
+}
+
+/// Nanoseconds spent in each of the driver calls the heap times (the rollback of a
+/// mapping that failed its access call, and the calls on address ranges, are not timed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct DriverNs {
+    /// `cuMemCreate`.
+    pub(crate) create: u64,
+    /// `cuMemMap`.
+    pub(crate) map: u64,
+    /// `cuMemSetAccess`.
+    pub(crate) access: u64,
+    /// `cuMemUnmap`.
+    pub(crate) unmap: u64,
+    /// `cuMemRelease`.
+    pub(crate) release: u64,
+}
+
+/// Runs a driver call, adding its time to `ns` (a field of [`DriverNs`]).
+pub(super) fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
+    let t = std::time::Instant::now();
+    let r = f();
+    *ns += t.elapsed().as_nanos() as u64;
+    r
+}

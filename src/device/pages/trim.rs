@@ -1,0 +1,88 @@
+//! Giving memory back to the driver: trimming to a number of bytes (spare handles first,
+//! then idle chunks from the highest address, waiting on the host for their frees), and
+//! the shutdown at the backend's drop.
+//!
+//! Invariants: a handle is released only when it is mapped nowhere (spare, or just
+//! unmapped, and not still mapped at a retired chunk); every handle a trim releases
+//! leaves `stats.reserved` and the pool's reservations together (the shutdown releases
+//! the rest without counting: the pool is going).
+
+use super::stats::timed;
+use super::{PageHeap, Reclaim, MAX_CLOCKS};
+use crate::cuda::record_drop_error;
+use crate::device::order::StreamOrder;
+use crate::device::phys::Phys;
+use crate::sync::lock;
+
+impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
+    /// Trims this heap and says what the driver pool beside it (reserving `pool_reserved`
+    /// bytes) may keep, so that the two together keep less than `keep`.
+    pub(crate) fn trim_beside_pool(&self, b: &B, keep: usize, pool_reserved: usize) -> usize {
+        self.trim_to(b, keep.saturating_sub(pool_reserved));
+        keep.saturating_sub(self.reserved())
+    }
+
+    /// Releases spare handles, then idle chunks from the highest address (waiting on the
+    /// host for their marks), until the heap reserves less than `keep` bytes (0: all it
+    /// can, and the regions left empty are freed).
+    pub(crate) fn trim_to(&self, b: &B, keep: usize) {
+        let mut st = lock(&self.state);
+        st.clocks.begin_op();
+        let all = keep == 0;
+        let keep = keep.max(1);
+        self.poll(&mut st, b, usize::MAX, true);
+        while st.stats.reserved >= keep {
+            let h = match st.spare.pop() {
+                Some(h) => h,
+                None => match self.reclaim(&mut st, b, usize::MAX, Reclaim::Wait) {
+                    Some((h, _)) => h,
+                    None => break,
+                },
+            };
+            if st.retired.iter().any(|&(c, _)| st.chunks[c].handle == Some(h)) {
+                // Still mapped at a chunk whose work could not be waited for: kept.
+                st.spare.push(h);
+                break;
+            }
+            // SAFETY: the handle is mapped nowhere (spare, or just unmapped) and
+            // forgotten here.
+            match timed(&mut st.stats.driver_ns.release, || unsafe {
+                self.phys.release(h)
+            }) {
+                Ok(()) => {
+                    st.stats.reserved -= self.chunk_bytes();
+                    self.reservations.give(self.chunk_bytes());
+                    st.stats.releases += 1;
+                }
+                Err(e) => record_drop_error("cuMemRelease", e),
+            }
+        }
+        if all {
+            self.free_empty_regions(&mut st);
+        }
+        st.clocks.forget(if all { 0 } else { MAX_CLOCKS });
+        let dead = st.clocks.take_dead();
+        drop(st);
+        drop(dead);
+    }
+
+    /// Gives everything back, at the backend's drop: trims to 0, then releases the
+    /// handles of chunks still mapped (blocks still live, or stuck; the driver frees them
+    /// once unmapped).
+    pub(crate) fn shutdown(&self, b: &B) {
+        self.trim_to(b, 0);
+        let mut st = lock(&self.state);
+        let st = &mut *st;
+        st.clocks.forget_all();
+        // A handle may be mapped at two chunks (its own and a retired one): released once.
+        let mut handles: std::collections::BTreeSet<u64> = st.spare.drain(..).collect();
+        handles.extend(st.chunks.iter_mut().filter_map(|c| c.handle.take()));
+        for h in handles {
+            // SAFETY: the pool is being dropped: nothing allocates from it again; a
+            // handle released while mapped is freed by the driver at its unmap.
+            if let Err(e) = unsafe { self.phys.release(h) } {
+                record_drop_error("cuMemRelease", e);
+            }
+        }
+    }
+}
