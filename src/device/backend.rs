@@ -1,7 +1,7 @@
 //! What the device cache needs from below: stream-ordered allocation from a driver pool,
 //! and stream order itself ("mark a point on stream S", "make T wait for it", "has it
 //! completed?", the `StreamOrder` part). [`CudaBackend`] implements it with a `cuMemPool`
-//! and pooled events; the simulated GPU of `device/fake.rs` (tests and the `sim` feature)
+//! and pooled events; the simulated GPU of `device/fake/` (tests and the `sim` feature)
 //! simulates streams as counters so that the cache's algorithm runs in CPU tests and loom
 //! models, and checks every cross-stream hand-over it makes.
 

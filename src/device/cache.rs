@@ -41,7 +41,7 @@
 //!
 //! With [`Backing::PhysicalPages`](super::Backing::PhysicalPages) (the default where the
 //! device supports it) the backend puts blocks of 2 granules and more (4 MiB on the H200)
-//! on its page heap (`pages.rs`) instead: runs of one large virtual range over chunks of
+//! on its page heap (`pages/`) instead: runs of one large virtual range over chunks of
 //! physical memory (8 MiB by default), freed runs coalescing and staying mapped, so that
 //! what a released block held serves a miss of any size with no driver call when it fits
 //! (after a wait for the free's mark on the GPU when the miss is on another stream), and

@@ -5,7 +5,7 @@
 //!
 //! Generic over the pool handle type ([`PoolHandle`]) so that the simulated pool of
 //! `sim.rs` (CPU tests and the `device_hit_sim` benchmark) runs this very code on the
-//! simulated GPU of `device/fake.rs`: [`DevicePool`](super::DevicePool) and the simulation
+//! simulated GPU of `device/fake/`: [`DevicePool`](super::DevicePool) and the simulation
 //! differ only in their backend and in the thread-local table each declares.
 
 use core::mem::ManuallyDrop;

@@ -1,5 +1,5 @@
 //! Loom models of the device cache's concurrent parts, running the real code of
-//! `cache.rs` and `thread_cache.rs` against the simulated GPU of `device/fake.rs`. Run with
+//! `cache.rs` and `thread_cache.rs` against the simulated GPU of `device/fake/`. Run with
 //! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib loom`.
 //!
 //! Each model keeps to two or three threads and a handful of operations. Whenever a block

@@ -1,6 +1,6 @@
 //! Stream order, as the device cache and the page heap use it: "mark a point on stream
 //! S", "make T wait for it", "has it completed?". `CudaBackend` implements it with pooled
-//! CUDA events; the simulated GPU (`device/fake.rs`) with vector clocks. Split from the
+//! CUDA events; the simulated GPU (`device/fake/`) with vector clocks. Split from the
 //! memory side (`Backend`) so that the page heap and the thread caches, which only order,
 //! do not depend on the backends.
 

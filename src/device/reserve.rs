@@ -12,7 +12,7 @@ use crate::sync::{lock, AtomicUsize, Mutex, Ordering};
 const POOL_GRANULE: usize = 2 << 20;
 /// How much more than a request (rounded to the granule) the driver pool is first
 /// assumed to grow by when it grows: its smallest reservation measured on the H200 is
-/// 32 MiB (a 1 MiB block reserved 32 MiB; `fake.rs`'s `PoolModel` follows it).
+/// 32 MiB (a 1 MiB block reserved 32 MiB; `fake/`'s `PoolModel` follows it).
 /// Learned upward from what the driver does, never downward.
 const POOL_FIRST_EXTRA: usize = 30 << 20;
 

@@ -1,7 +1,7 @@
 //! A device pool on a simulated GPU, for benchmarks and tests on machines without one:
 //! the same cache, thread caches and hot path (`device::local`) as
 //! [`DevicePool`](super::DevicePool), over the simulated streams and memory of
-//! `device/fake.rs` instead of the driver. The `device_hit_sim` benchmark measures the hit
+//! `device/fake/` instead of the driver. The `device_hit_sim` benchmark measures the hit
 //! path with it.
 //!
 //! Hidden and outside the API's stability promise: scaffolding for measurements, not for

@@ -1,5 +1,5 @@
 //! CPU tests of the cache's algorithm (`cache.rs`, `thread_cache.rs`) on the simulated
-//! GPU of `device/fake.rs`: every hand-over of a block to a stream is checked against the
+//! GPU of `device/fake/`: every hand-over of a block to a stream is checked against the
 //! block's earlier uses on other streams.
 
 use std::collections::HashMap;
@@ -846,7 +846,7 @@ fn dropping_the_cache_frees_every_block() {
     );
 }
 
-// The page heap (`pages.rs`) on the simulated physical memory of `device/fake.rs`.
+// The page heap (`pages/`) on the simulated physical memory of `device/fake/`.
 
 use super::config::PageTuning;
 use super::fake::FakePhys;
