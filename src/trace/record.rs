@@ -168,6 +168,15 @@ pub fn is_recording() -> bool {
     STATE.load(Ordering::Relaxed) & ON != 0
 }
 
+/// The running recording's session (`None`: none runs), `CUDALLOC_TRACE` read first:
+/// what a hook that keeps state per recording compares (the driver pools' reservations,
+/// `trace::growth`).
+pub(crate) fn session() -> Option<u64> {
+    env::read_once();
+    let state = STATE.load(Ordering::Acquire);
+    (state & ON != 0).then_some(session_of(state))
+}
+
 fn session_of(state: u64) -> u64 {
     state >> SESSION_SHIFT
 }
