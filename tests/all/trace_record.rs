@@ -461,6 +461,47 @@ fn segments(events: &[&Event]) -> Vec<(&'static str, u64, u64, u64)> {
         .collect()
 }
 
+/// The snapshot the crate writes of `t`, read by the standard-library checker
+/// (`tools/check_snapshot.py`) and, where PyTorch is installed (the GPU machine),
+/// by `python3 -m torch.cuda._memory_viz stats` and `trace`: each must succeed. The
+/// checker's report (`None`: no python3 here).
+fn snapshot_opens(t: &Trace, what: &str) -> Option<String> {
+    let python = |args: &[&std::ffi::OsStr]| {
+        std::process::Command::new("python3")
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| {
+                let text =
+                    String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+                (o.status.success(), text)
+            })
+    };
+    python(&["--version".as_ref()])?;
+    let path = std::env::temp_dir().join(format!("cudalloc-{what}-{}.pickle", std::process::id()));
+    let mut bytes = Vec::new();
+    cudalloc::trace::format::torch::write(t, &mut bytes).unwrap();
+    std::fs::write(&path, bytes).unwrap();
+    let checker = concat!(env!("CARGO_MANIFEST_DIR"), "/tools/check_snapshot.py");
+    let (ok, report) = python(&[checker.as_ref(), path.as_os_str()]).unwrap();
+    assert!(ok, "check_snapshot.py on {what}:\n{report}");
+    if python(&["-c".as_ref(), "import torch.cuda._memory_viz".as_ref()]).is_some_and(|r| r.0) {
+        for cmd in ["stats", "trace"] {
+            let args = [
+                "-m".as_ref(),
+                "torch.cuda._memory_viz".as_ref(),
+                cmd.as_ref(),
+                path.as_os_str(),
+            ];
+            let (ok, text) = python(&args).unwrap();
+            assert!(ok, "_memory_viz {cmd} on {what}:\n{text}");
+            println!("_memory_viz {cmd} on {what}:\n{text}");
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+    Some(report)
+}
+
 /// Bytes of the `SegmentAlloc`s of `events`, less those of its `SegmentFree`s.
 fn segment_bytes(events: &[&Event]) -> (u64, u64) {
     let sum = |a: Action| events.iter().filter(|e| e.action == a).map(|e| e.size).sum();
@@ -598,6 +639,12 @@ fn a_simulated_driver_pool_records_its_growth_and_trim_as_segments() {
     cudalloc::trace::format::torch::write(&device_trace(&e), &mut snap).unwrap();
     let back = cudalloc::trace::format::torch::read(&snap[..]).unwrap();
     assert_eq!(segments(&back.events.iter().collect::<Vec<_>>()), segments(&e));
+    // Before the frees: the two growths live, with blocks in them.
+    let live = e.iter().position(|e| e.action == Action::FreeRequested).unwrap();
+    if let Some(report) = snapshot_opens(&device_trace(&e[..live]), "sim-segments") {
+        assert!(report.contains("segment_alloc: 2\n"), "{report}");
+        assert!(report.contains("blocks active_allocated: 3\n"), "{report}");
+    }
 }
 
 #[test]
@@ -814,6 +861,16 @@ fn a_device_pool_records_its_driver_pools_growth_and_trim_as_segments() {
             let next = e[i + 1..].iter().find(|n| n.action == Action::Alloc).unwrap();
             assert_eq!(next.addr, g.addr, "{g:?} then {next:?}");
         }
+        // The snapshot before the frees (growths live, blocks in them) and after opens.
+        let live = e.iter().position(|e| e.action == Action::FreeRequested).unwrap();
+        let growths = e.iter().filter(|e| e.action == Action::SegmentAlloc).count();
+        if let Some(report) = snapshot_opens(&device_trace(&e[..live]), "gpu-segments") {
+            assert!(
+                report.contains(&format!("segment_alloc: {growths}\n")),
+                "{report}"
+            );
+        }
+        snapshot_opens(&device_trace(&e), "gpu-segments-trimmed");
     }
 }
 
