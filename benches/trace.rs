@@ -110,20 +110,62 @@ fn hit_pair(c: &mut Criterion) {
         "  traced_system_on   {traced_on}   (+{:.1} ns per event, 3 events a pair)",
         (traced_on.median - sys.median) / 3.0
     );
-    // Filling: the first 2^20 events of a default recording write fresh memory (64 MiB
-    // of ring, a page fault per 64 events).
-    let pairs = (1 << 20) / 3;
-    let fill = recording(true, || {
-        let t0 = std::time::Instant::now();
-        for _ in 0..pairs {
-            pair(&traced, layout);
+    // Filling: the first events of a recording write the ring's fresh memory. `start`
+    // makes and faults in the calling thread's first 2^16 records (4 MiB); a ring of a
+    // default recording grows past them to 2^20 (64 MiB), each growth faulted in at once.
+    // Timed as the steady state is, in batches (of 1000 pairs: 47 pages of ring each,
+    // so every batch writes fresh memory), median and fastest over 5 recordings; and the
+    // mean, which counts the batches where a ring grows (and faults its growth in).
+    let fill = |config: TraceConfig, events: usize| {
+        let (batch, mut times) = (1000, Vec::new());
+        for _ in 0..5 {
+            recording_with(true, config, || {
+                for _ in 0..events / 3 / batch {
+                    let t0 = std::time::Instant::now();
+                    for _ in 0..batch {
+                        pair(&traced, layout);
+                    }
+                    times.push(t0.elapsed().as_secs_f64() * 1e9 / batch as f64);
+                }
+            });
         }
-        t0.elapsed().as_secs_f64() * 1e9 / pairs as f64
-    });
-    println!(
-        "  traced_system_on, the ring filling (first 2^20 events): {fill:.1} ns   (+{:.1} ns per event)",
-        (fill - sys.median) / 3.0
-    );
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
+        times.sort_by(f64::total_cmp);
+        (times[times.len() / 2], times[0], mean)
+    };
+    let steady_add = (traced_on.median - sys.median) / 3.0;
+    for (what, config, events) in [
+        ("first 2^16 events, a ring of 2^16", steady, 1 << 16),
+        (
+            "first 2^20 events, a ring of 2^20",
+            TraceConfig::default(),
+            1 << 20,
+        ),
+    ] {
+        let (median, fastest, mean) = fill(config, events);
+        println!(
+            "  traced_system_on, the ring filling ({what}): {median:.1} / {fastest:.1} ns, \
+             mean {mean:.1} ns   (+{:.1} ns per event; steady +{steady_add:.1})",
+            (median - sys.median) / 3.0,
+        );
+    }
+    // What a start costs the calling thread (its ring made and faulted in) with the stop
+    // of an empty recording, median of 21 (the allocator may hand the same ring memory,
+    // faulted in already, to every start after the first: `strace -T -e madvise` shows
+    // the first's prefault).
+    for (what, config) in [("2^16", steady), ("default", TraceConfig::default())] {
+        let mut t: Vec<f64> = (0..21)
+            .map(|_| {
+                let t0 = std::time::Instant::now();
+                trace::start(config).expect("no recording runs");
+                let dt = t0.elapsed().as_secs_f64() * 1e6;
+                black_box(trace::stop());
+                dt
+            })
+            .collect();
+        t.sort_by(f64::total_cmp);
+        println!("  trace::start, max_entries {what}: {:.0} us", t[10]);
+    }
 }
 
 /// A record as the recorder stores it: 64 bytes.

@@ -17,7 +17,7 @@ use crate::cuda::vmm::Vmm;
 use crate::cuda::{mem_info, PooledEvent, Stream, StreamId};
 use crate::error::{Error, Result};
 use crate::sync::{Arc, AtomicUsize, Ordering};
-use crate::trace::Tag;
+use crate::trace::{Code, Note, PoolReservation, Tag};
 
 /// Stream-ordered memory, as the cache uses it (stream order itself is its
 /// [`StreamOrder`] part).
@@ -53,6 +53,8 @@ pub(crate) struct CudaBackend {
     reservations: Arc<Reservations>,
     /// The pool's events, named `DevicePool(<ordinal>)`.
     trace: Tag,
+    /// The driver pool's reservation as recorded (`SegmentAlloc` / `SegmentFree`).
+    growth: PoolReservation,
     /// Whether its blocks are NVTX heaps (`DevicePoolConfig::nvtx`).
     nvtx: bool,
     /// Bytes of the blocks taken with `cuMemAlloc` because an NVTX tool is attached
@@ -167,6 +169,7 @@ impl CudaBackend {
         let device = u32::try_from(pool.device()).unwrap_or(u32::MAX);
         Self {
             trace: Tag::for_device(device_pool_name, device),
+            growth: PoolReservation::new(),
             pool,
             device_bytes,
             pages: pages.map(|p| {
@@ -198,11 +201,16 @@ impl CudaBackend {
 
     /// A block for the cache while an NVTX tool is attached: `cuMemAlloc`, under the
     /// pool's limit.
-    fn alloc_visible(&self, visible: &Visible, bytes: usize) -> Result<u64> {
+    fn alloc_visible(&self, visible: &Visible, bytes: usize, stream: &Stream) -> Result<u64> {
         self.reservations.take(bytes)?;
         match plain_alloc(self.pool.device(), bytes) {
             Ok(ptr) => {
                 visible.add(bytes);
+                // Each block is memory taken from the driver.
+                self.trace.event(|| Note {
+                    stream: stream.id().get(),
+                    ..Note::new(Code::SegmentAlloc, ptr as usize, bytes)
+                });
                 Ok(ptr)
             }
             Err(e) => {
@@ -380,18 +388,24 @@ impl Backend for CudaBackend {
         self.check_fits(bytes)?;
         if let Some(v) = &self.visible {
             return self
-                .alloc_visible(v, bytes)
+                .alloc_visible(v, bytes, stream)
                 .inspect(|&ptr| nvtx_heap(self.nvtx, ptr, bytes));
         }
         match PageHeap::serving(&self.pages, bytes) {
             Some(h) => h.alloc(self, bytes, stream),
-            None => self.reservations.pool_alloc(
-                bytes,
-                &DriverPool {
-                    pool: &self.pool,
-                    stream,
-                },
-            ),
+            None => {
+                let reserved = || self.pool.reserved().ok();
+                self.growth.before(reserved);
+                self.reservations
+                    .pool_alloc(
+                        bytes,
+                        &DriverPool {
+                            pool: &self.pool,
+                            stream,
+                        },
+                    )
+                    .inspect(|&ptr| self.growth.after(&self.trace, ptr, stream.id().get(), reserved))
+            }
         }
         .inspect(|&ptr| nvtx_heap(self.nvtx, ptr, bytes))
     }
@@ -406,6 +420,10 @@ impl Backend for CudaBackend {
             // SAFETY: obligation 1; with a tool attached every block came from
             // alloc_visible.
             unsafe { plain_free(self.pool.device(), ptr) };
+            self.trace.event(|| Note {
+                stream: stream.id().get(),
+                ..Note::new(Code::SegmentFree, ptr as usize, bytes)
+            });
             v.sub(bytes);
             self.reservations.give(bytes);
             return;
@@ -419,6 +437,9 @@ impl Backend for CudaBackend {
     }
 
     fn trim_to(&self, keep: usize) {
+        // A recording's first look at the pool may be its trim: what it gives back of
+        // what it reserved before the recording is recorded too.
+        self.growth.before(|| self.pool.reserved().ok());
         let keep_pool = self.pages.as_ref().map_or(keep, |h| {
             let pool = usize::try_from(self.pool.reserved().unwrap_or(0)).unwrap_or(usize::MAX);
             h.trim_beside_pool(self, keep, pool)
@@ -428,6 +449,7 @@ impl Backend for CudaBackend {
         }
         self.reservations
             .pool_trimmed(|| usize::try_from(self.pool.reserved().ok()?).ok());
+        self.growth.after(&self.trace, 0, 0, || self.pool.reserved().ok());
     }
 
     fn reserved(&self) -> Option<usize> {
@@ -442,5 +464,7 @@ impl Drop for CudaBackend {
         if let Some(h) = &self.pages {
             h.shutdown(self);
         }
+        // The driver pool goes with the backend (`MemPool`'s drop destroys it).
+        self.growth.destroyed(&self.trace);
     }
 }

@@ -57,8 +57,28 @@
 //! | `Arena<S>` | `Alloc`; `FreeRequested` and `FreeCompleted` at `deallocate` (the memory itself returns at `reset`); `Failure`; `SegmentAlloc` / `SegmentFree` per chunk |
 //! | `Direct<S>` | `Alloc`, `FreeRequested` + `FreeCompleted`, `Failure` (each block is its own source call: no segment events), named `Direct(pageable)`, `Direct(pinned)`, ... |
 //! | [`Traced<A>`] | `Alloc`, `FreeRequested` + `FreeCompleted`, `Failure` (`memory allocation failed`) |
-//! | `DevicePool` (`DevicePool(<ordinal>)`) | `Alloc` (`stream`: the stream's id; `given`: the class or granule size; `align` 256); `FreeRequested` at the buffer's drop; `FreeCompleted` at once when no other stream used the block (later work on its stream may reuse it, in stream order), else when the cache finds the recorded uses complete; `Failure` with the error's message, then `OutOfMemory` for `DeviceOutOfMemory`; `SegmentMap` / `SegmentUnmap` for each chunk the page heap maps or unmaps; `Trim` (`size`: bytes the driver pool and the page heap gave back) |
+//! | `DevicePool` (`DevicePool(<ordinal>)`) | `Alloc` (`stream`: the stream's id; `given`: the class or granule size; `align` 256); `FreeRequested` at the buffer's drop; `FreeCompleted` at once when no other stream used the block (later work on its stream may reuse it, in stream order), else when the cache finds the recorded uses complete; `Failure` with the error's message, then `OutOfMemory` for `DeviceOutOfMemory`; `SegmentAlloc` / `SegmentFree` for the driver pool's growth and shrinking (below); `SegmentMap` / `SegmentUnmap` for each chunk the page heap maps or unmaps; `Trim` (`size`: bytes the driver pool and the page heap gave back), after the trim's `SegmentFree`s and `SegmentUnmap`s; with an NVTX tool attached (every block a `cuMemAlloc`), `SegmentAlloc` / `SegmentFree` per block |
 //! | `DeviceArena` (`DeviceArena(<ordinal>)`) | `Alloc` per slice; `FreeRequested` + `FreeCompleted` for each slice at the `reset`, `rewind` or drop that makes it reusable; `SegmentAlloc` / `SegmentFree` per chunk (each chunk is also a `DevicePool` buffer); `Failure` |
+//!
+//! The driver pool (`cuMemPool`: every block of [`Backing::DriverPool`], the small ones
+//! of the default [`Backing::Auto`]) grows by chunks of the driver's choosing and says
+//! only how many bytes it reserves (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`). While a
+//! recording runs, the pool reads that figure after each allocation that reached the
+//! driver pool (a hit never does) and after each trim, and records the change: a growth
+//! is a `SegmentAlloc` of the bytes it grew by, at the address and on the stream of the
+//! allocation after which it was seen (the driver does not say where its chunk starts),
+//! recorded before that allocation's `Alloc`; a decrease, at a trim or by the driver
+//! itself (seen at the next reading), gives back the newest recorded growths first, a
+//! `SegmentFree` with each one's address, size and stream (a decrease that ends inside a
+//! growth frees it and records its remainder again, so that segments pair by address);
+//! what the pool reserved before the recording is given back last, a `SegmentFree` at
+//! address 0 on stream 0. When the pool is dropped, its growths still reserved are
+//! freed. The `SegmentAlloc`s less the `SegmentFree`s add up to the driver pool's
+//! reservation at its last reading less its reservation when the recording first read
+//! it. Off, the hooks are the recorder's one load and branch, and nothing is read.
+//!
+//! [`Backing::DriverPool`]: crate::device::Backing::DriverPool
+//! [`Backing::Auto`]: crate::device::Backing::Auto
 //!
 //! A grow or shrink in place is the old block's free and the new block's allocation
 //! at the same address; a move by copy is the new block's allocation, then the old
@@ -66,6 +86,7 @@
 //! a move from a resize in place). Zero-size blocks are not recorded.
 
 mod event;
+mod growth;
 mod record;
 mod traced;
 
@@ -73,6 +94,8 @@ pub use event::{Action, Event, Frame, Trace, TraceMemory, TracedAllocator};
 pub use record::{is_recording, start, stop, TraceConfig};
 pub use traced::Traced;
 
+#[allow(unused_imports)]
+pub(crate) use growth::PoolReservation;
 #[allow(unused_imports)]
 pub(crate) use record::{arena_name, direct, fallback, on, pinned_name, pool_name, Code, Note, Tag};
 

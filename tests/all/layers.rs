@@ -131,6 +131,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "trace/format/rmm.rs",
     "trace/format/svg.rs",
     "trace/format/torch.rs",
+    "trace/growth.rs",
     "trace/mod.rs",
     "trace/record.rs",
     "trace/record/env.rs",

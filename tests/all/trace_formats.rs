@@ -593,6 +593,32 @@ mod svg {
         let top = lines[2].1.iter().map(|p| p.1).fold(f64::MAX, f64::min);
         assert!(lines.iter().all(|l| l.1.iter().all(|p| p.1 >= top)));
         assert!(doc.contains("(peak 12.0 KiB)"), "{doc}");
+        // A page heap's mapped chunks are reserved too.
+        let mut paged = Trace::default();
+        paged
+            .allocators
+            .push(TracedAllocator::new("DevicePool(0)", TraceMemory::Device, 0));
+        for (i, (action, addr)) in [
+            (Action::SegmentMap, 0x20_0000),
+            (Action::Alloc, 0x20_0000),
+            (Action::SegmentMap, 0x40_0000),
+            (Action::SegmentUnmap, 0x20_0000),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut e = Event::new(action, addr, 2 << 20);
+            e.time_ns = i as u64 * 1000;
+            paged.events.push(e);
+        }
+        let lines = polylines(&svg::timeline(&paged));
+        let reserved = lines
+            .iter()
+            .find(|l| l.0 == "DevicePool(0): reserved")
+            .expect("a reserved line of the mapped chunks");
+        let ys: Vec<f64> = reserved.1.iter().map(|p| p.1).collect();
+        let (top, last) = (ys.iter().copied().fold(f64::MAX, f64::min), *ys.last().unwrap());
+        assert!(last > top, "two chunks at the peak, one at the end: {ys:?}");
         // No allocations: still a document, saying so.
         assert!(polylines(&svg::timeline(&Trace::default())).is_empty());
         assert!(svg::timeline(&Trace::default()).contains("no allocations"));

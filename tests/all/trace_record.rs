@@ -414,7 +414,7 @@ fn sites_without_the_backtrace_feature_are_refused() {
 
 use cudalloc::cuda::Stream;
 use cudalloc::device::sim::{SimPool, SimStream};
-use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
+use cudalloc::device::{Backing, DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::trace::replay::{self, DevicePoolTarget, Plan, ReplayOptions, SimTarget};
 use cudalloc::trace::{TraceMemory, TracedAllocator};
 
@@ -441,6 +441,84 @@ fn device_trace(events: &[&Event]) -> Trace {
         })
         .collect();
     t
+}
+
+/// `events` without the segment events (the driver pool's growths and trims, which
+/// `a_simulated_driver_pool_records_its_growth_and_trim_as_segments` tests).
+fn without_segments(events: Vec<&Event>) -> Vec<&Event> {
+    events
+        .into_iter()
+        .filter(|e| !matches!(e.action, Action::SegmentAlloc | Action::SegmentFree))
+        .collect()
+}
+
+/// The segment events of `events`, as (action, address, size, stream).
+fn segments(events: &[&Event]) -> Vec<(&'static str, u64, u64, u64)> {
+    events
+        .iter()
+        .filter(|e| matches!(e.action, Action::SegmentAlloc | Action::SegmentFree))
+        .map(|e| (e.action.torch_name(), e.addr, e.size, e.stream))
+        .collect()
+}
+
+/// The snapshot the crate writes of `t`, read by the standard-library checker
+/// (`tools/check_snapshot.py`) and, where PyTorch is installed (the GPU machine),
+/// by `python3 -m torch.cuda._memory_viz stats` and `trace`: each must succeed. The
+/// checker's report (`None`: no python3 or no checker here).
+fn snapshot_opens(t: &Trace, what: &str) -> Option<String> {
+    let python = |args: &[&std::ffi::OsStr]| {
+        std::process::Command::new("python3")
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| {
+                let text =
+                    String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+                (o.status.success(), text)
+            })
+    };
+    python(&["--version".as_ref()])?;
+    let path = std::env::temp_dir().join(format!("cudalloc-{what}-{}.pickle", std::process::id()));
+    let mut bytes = Vec::new();
+    cudalloc::trace::format::torch::write(t, &mut bytes).unwrap();
+    std::fs::write(&path, bytes).unwrap();
+    // The checker where the crate was built, or in the working directory (a binary
+    // staged on the GPU machine runs at the root of a copy of the tree).
+    let checker = [
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tools/check_snapshot.py"),
+        "tools/check_snapshot.py",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).is_file());
+    let report = checker.map(|checker| {
+        let (ok, report) = python(&[checker.as_ref(), path.as_os_str()]).unwrap();
+        assert!(ok, "check_snapshot.py on {what}:\n{report}");
+        report
+    });
+    if report.is_none() {
+        println!("check_snapshot.py not found: {what} not checked by it");
+    }
+    if python(&["-c".as_ref(), "import torch.cuda._memory_viz".as_ref()]).is_some_and(|r| r.0) {
+        for cmd in ["stats", "trace"] {
+            let args = [
+                "-m".as_ref(),
+                "torch.cuda._memory_viz".as_ref(),
+                cmd.as_ref(),
+                path.as_os_str(),
+            ];
+            let (ok, text) = python(&args).unwrap();
+            assert!(ok, "_memory_viz {cmd} on {what}:\n{text}");
+            println!("_memory_viz {cmd} on {what}:\n{text}");
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+    report
+}
+
+/// Bytes of the `SegmentAlloc`s of `events`, less those of its `SegmentFree`s.
+fn segment_bytes(events: &[&Event]) -> (u64, u64) {
+    let sum = |a: Action| events.iter().filter(|e| e.action == a).map(|e| e.size).sum();
+    (sum(Action::SegmentAlloc), sum(Action::SegmentFree))
 }
 
 /// The most bytes live at once by the allocations and frees requested of `events`.
@@ -475,7 +553,7 @@ fn a_simulated_device_pool_records_streams_sizes_hits_and_failures() {
     drop(b);
     drop(c);
     let t = trace::stop();
-    let e = events_of(&t, name);
+    let e = without_segments(events_of(&t, name));
     assert_eq!(
         actions(&e),
         [
@@ -522,6 +600,64 @@ fn a_simulated_device_pool_records_streams_sizes_hits_and_failures() {
     assert_eq!((e[5].size, e[5].stream), ((usize::MAX - 10) as u64, two));
     assert_eq!((e[6].addr, e[6].size, e[6].stream), (addr, 1000, one));
     assert_eq!((e[8].size, e[8].stream), (5000, two));
+}
+
+#[test]
+fn a_simulated_driver_pool_records_its_growth_and_trim_as_segments() {
+    let Some(_g) = serial() else { return };
+    let name = "SimPool(trace_record segments)";
+    const MIB: u64 = 1 << 20;
+    let pool = SimPool::new(0).traced_as(name);
+    let s = SimStream::new();
+    // Reserved before the recording (a chunk of its own): its release is recorded at
+    // address 0.
+    let early = pool.alloc(128 << 20, &s).unwrap();
+    trace::start(TraceConfig::default()).unwrap();
+    let a = pool.alloc(1000, &s).unwrap(); // the model grows by a 32 MiB chunk
+    let b = pool.alloc(64 << 20, &s).unwrap(); // by a chunk of its own
+    let c = pool.alloc(1 << 20, &s).unwrap(); // in a's chunk: no growth
+    let (pa, pb) = (a.device_ptr(), b.device_ptr());
+    let peak = pool.peak_reserved();
+    drop((early, a, b, c));
+    pool.trim();
+    let t = trace::stop();
+    let e = events_of(&t, name);
+    let id = e[0].stream;
+    assert_eq!(
+        segments(&e),
+        [
+            ("segment_alloc", pa, 32 * MIB, id),
+            ("segment_alloc", pb, 64 * MIB, id),
+            // The newest growths go back first, then what was reserved before.
+            ("segment_free", pb, 64 * MIB, id),
+            ("segment_free", pa, 32 * MIB, id),
+            ("segment_free", 0, 128 * MIB, 0),
+        ],
+        "{e:#?}"
+    );
+    assert_eq!(peak, 224 * MIB, "the model's reservation at its peak");
+    // Each growth comes before the allocation it was seen after.
+    let names = actions(&e);
+    assert_eq!(
+        &names[..4],
+        ["segment_alloc", "alloc", "segment_alloc", "alloc"],
+        "{e:#?}"
+    );
+    assert_eq!((e[1].addr, e[3].addr), (pa, pb));
+    let trim = e.iter().find(|e| e.action == Action::Trim).expect("the trim");
+    assert_eq!(segment_bytes(&e), (96 * MIB, 224 * MIB));
+    assert_eq!(trim.size, 224 * MIB, "the trim gave back what the segments say");
+    // The snapshot holds the segments: none live at the end.
+    let mut snap = Vec::new();
+    cudalloc::trace::format::torch::write(&device_trace(&e), &mut snap).unwrap();
+    let back = cudalloc::trace::format::torch::read(&snap[..]).unwrap();
+    assert_eq!(segments(&back.events.iter().collect::<Vec<_>>()), segments(&e));
+    // Before the frees: the two growths live, with blocks in them.
+    let live = e.iter().position(|e| e.action == Action::FreeRequested).unwrap();
+    if let Some(report) = snapshot_opens(&device_trace(&e[..live]), "sim-segments") {
+        assert!(report.contains("segment_alloc: 2\n"), "{report}");
+        assert!(report.contains("blocks active_allocated: 3\n"), "{report}");
+    }
 }
 
 #[test]
@@ -582,7 +718,7 @@ fn a_device_pool_records_allocs_and_frees_on_two_streams() {
     s2.synchronize().unwrap();
     pool.trim();
     let t = trace::stop();
-    let e = on_streams(&t, "DevicePool(0)", &ids);
+    let e = without_segments(on_streams(&t, "DevicePool(0)", &ids));
     let brief: Vec<(&str, u64, u64, u64)> = e
         .iter()
         .map(|e| (e.action.torch_name(), e.addr, e.size, e.stream))
@@ -681,9 +817,74 @@ fn a_device_arena_records_its_slices_chunks_and_resets() {
     );
     assert_eq!((e[1].given, e[1].align), (1024, 256));
     // The chunk itself is a buffer of the pool.
-    let p = on_streams(&t, "DevicePool(0)", &[id]);
+    let p = without_segments(on_streams(&t, "DevicePool(0)", &[id]));
     assert_eq!(actions(&p)[..1], ["alloc"]);
     assert_eq!((p[0].addr, p[0].size), (x, chunk));
+}
+
+#[test]
+fn a_device_pool_records_its_driver_pools_growth_and_trim_as_segments() {
+    gpu!();
+    backings_in_use!();
+    let Some(_g) = serial() else { return };
+    // With `Auto`, blocks below the page heap's threshold (the large ones map pages:
+    // `SegmentMap`s, apart), so that the stats' reservation is the driver pool's.
+    let small = [1000usize, 1 << 20, 5000, 300 << 10];
+    let large = [1000usize, 1 << 20, 3 << 20, 64 << 20, 200 << 20, 5000];
+    for (backing, sizes) in [(Backing::DriverPool, &large[..]), (Backing::Auto, &small[..])] {
+        let pool = DevicePool::new(0, DevicePoolConfig::default().with_backing(backing)).unwrap();
+        let s = Stream::new(0).unwrap();
+        let id = s.id().get();
+        trace::start(TraceConfig::default()).unwrap();
+        let before = pool.stats().reserved_bytes;
+        let blocks: Vec<_> = sizes.iter().map(|&n| pool.alloc::<u8>(n, &s).unwrap()).collect();
+        let grown = pool.stats().reserved_bytes;
+        drop(blocks);
+        s.synchronize().unwrap();
+        pool.trim();
+        let after = pool.stats().reserved_bytes;
+        let t = trace::stop();
+        // Other tests' pools share the name: this stream's events alone (a release of what
+        // the pool reserved before the recording would be at stream 0).
+        let e = on_streams(&t, "DevicePool(0)", &[id]);
+        let (alloc, free) = segment_bytes(&e);
+        println!(
+            "{backing:?}: reserved {before} -> {grown} -> {after}; segments {:?}",
+            segments(&e)
+        );
+        assert!(alloc > 0, "{backing:?}: the driver pool grew: {e:#?}");
+        assert_eq!(
+            alloc,
+            grown - before,
+            "{backing:?}: the growth the pool's stats report"
+        );
+        // The growths go back first.
+        assert_eq!(
+            free,
+            (grown - after).min(alloc),
+            "{backing:?}: the trim gave back what the stats say"
+        );
+        // Each growth was seen after an allocation of this stream: at its block.
+        for (i, g) in e
+            .iter()
+            .enumerate()
+            .filter(|(_, g)| g.action == Action::SegmentAlloc)
+        {
+            assert_eq!(g.stream, id, "{g:?}");
+            let next = e[i + 1..].iter().find(|n| n.action == Action::Alloc).unwrap();
+            assert_eq!(next.addr, g.addr, "{g:?} then {next:?}");
+        }
+        // The snapshot before the frees (growths live, blocks in them) and after opens.
+        let live = e.iter().position(|e| e.action == Action::FreeRequested).unwrap();
+        let growths = e.iter().filter(|e| e.action == Action::SegmentAlloc).count();
+        if let Some(report) = snapshot_opens(&device_trace(&e[..live]), "gpu-segments") {
+            assert!(
+                report.contains(&format!("segment_alloc: {growths}\n")),
+                "{report}"
+            );
+        }
+        snapshot_opens(&device_trace(&e), "gpu-segments-trimmed");
+    }
 }
 
 #[test]

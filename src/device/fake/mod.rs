@@ -23,7 +23,7 @@ use super::reserve::{PoolSide, Reservations};
 use crate::cuda::StreamId;
 use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
-use crate::trace::Tag;
+use crate::trace::{PoolReservation, Tag};
 
 /// One simulated stream's queue.
 #[derive(Debug, Default)]
@@ -167,6 +167,8 @@ pub(crate) struct FakeBackend {
     pub(crate) trims: AtomicU64,
     /// The simulated pool's events, named `SimPool(0)`.
     trace: Tag,
+    /// The driver-pool model's reservation as recorded, as a `DevicePool`'s.
+    growth: PoolReservation,
     /// Whether its blocks are NVTX heaps (off by default: the simulator's addresses are
     /// not memory a real tool could check; tests of the annotations with a fake tool
     /// turn it on).
@@ -196,6 +198,7 @@ impl FakeBackend {
             idle_queries: AtomicU64::new(0),
             trims: AtomicU64::new(0),
             trace: Tag::for_device(sim_pool_name, 0),
+            growth: PoolReservation::new(),
             nvtx: false,
         }
     }
@@ -354,6 +357,9 @@ impl Backend for FakeBackend {
                 Err(now) => held = now,
             }
         }
+        if PageHeap::serving(&self.pages, bytes).is_none() {
+            self.growth.before(|| Some(lock(&self.pool).reserved));
+        }
         let ptr = match PageHeap::serving(&self.pages, bytes) {
             Some(h) => match h.alloc(self, bytes, stream) {
                 Ok(p) => p,
@@ -362,7 +368,14 @@ impl Backend for FakeBackend {
                     return Err(e);
                 }
             },
-            None => match self.reservations.pool_alloc(bytes, &ModelPool(self)) {
+            None => match self
+                .reservations
+                .pool_alloc(bytes, &ModelPool(self))
+                .inspect(|&p| {
+                    self.growth.after(&self.trace, p, stream.id.get(), || {
+                        Some(lock(&self.pool).reserved)
+                    })
+                }) {
                 Ok(p) => p,
                 Err(e) => {
                     self.held.fetch_sub(b, Ordering::SeqCst);
@@ -400,6 +413,7 @@ impl Backend for FakeBackend {
 
     fn trim_to(&self, keep: usize) {
         self.trims.fetch_add(1, Ordering::SeqCst);
+        self.growth.before(|| Some(lock(&self.pool).reserved));
         let keep_pool = self.pages.as_ref().map_or(keep, |h| {
             let pool = lock(&self.pool).reserved as usize;
             h.trim_beside_pool(self, keep, pool)
@@ -407,6 +421,8 @@ impl Backend for FakeBackend {
         lock(&self.pool).trim_to(keep_pool as u64);
         self.reservations
             .pool_trimmed(|| Some(lock(&self.pool).reserved as usize));
+        self.growth
+            .after(&self.trace, 0, 0, || Some(lock(&self.pool).reserved));
     }
 
     fn reserved(&self) -> Option<usize> {
@@ -451,5 +467,6 @@ impl Drop for FakeBackend {
         if let Some(h) = &self.pages {
             h.shutdown(self);
         }
+        self.growth.destroyed(&self.trace);
     }
 }

@@ -1,5 +1,6 @@
 //! A self-contained SVG timeline of a trace: the bytes live (requested, of blocks not yet
-//! freed) and reserved (segments taken from the driver and not given back) over time,
+//! freed) and reserved (segments taken from the driver, and chunks of physical pages
+//! mapped, not given back or unmapped) over time,
 //! per allocator, and for device memory per stream. One file, no script, no external
 //! font or style: it opens in any browser and on GitHub.
 //!
@@ -117,11 +118,12 @@ fn series_of(trace: &Trace) -> (Vec<Series>, bool) {
                     }
                 }
             }
-            Action::SegmentAlloc => {
+            // A page heap's chunks are its reservation (`DevicePool` on physical pages).
+            Action::SegmentAlloc | Action::SegmentMap => {
                 segs.insert(key, e.size);
                 bump(&mut reserved[a], t, true, e.size);
             }
-            Action::SegmentFree => {
+            Action::SegmentFree | Action::SegmentUnmap => {
                 if let Some(size) = segs.remove(&key) {
                     bump(&mut reserved[a], t, false, size);
                 }
