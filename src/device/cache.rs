@@ -55,6 +55,7 @@
 //! the allocation is retried; then the streams involved are synchronized, the driver pool
 //! trimmed, and retried once more.
 
+mod idle;
 mod lists;
 mod release;
 mod settings;
@@ -70,6 +71,7 @@ use crate::error::{Error, Result};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 use crate::thread_registry::ThreadRegistry;
 use crate::trace::{Code, Note};
+use idle::IdleAllowance;
 use lists::{Gated, SharedLists};
 pub(crate) use settings::Settings;
 use stats::Counters;
@@ -89,6 +91,8 @@ pub(crate) struct Cache<B: Backend> {
     // and thread caches) + pending + in transit between them; held <= settings.limit
     held: Tally,
     held_blocks: AtomicUsize,
+    /// The idle bytes a miss keeps beyond 1/32 of the live ones, learned from the misses.
+    idle: IdleAllowance,
     pub(crate) counters: Counters,
     /// Every thread cache's published counters.
     threads: ThreadRegistry<ThreadStats>,
@@ -105,6 +109,7 @@ impl<B: Backend> Cache<B> {
             shared: SharedLists::new(),
             held: Tally::new(Some(settings.limit).filter(|&l| l != usize::MAX)),
             held_blocks: AtomicUsize::new(0),
+            idle: IdleAllowance::new(settings.idle_start, settings.idle_cap, settings.max_cached_bytes),
             counters: Counters::default(),
             threads: ThreadRegistry::new(),
             guard: AtomicBool::new(true),
@@ -301,6 +306,7 @@ impl<B: Backend> Cache<B> {
         if let Some(p) = self.steal(tc.as_deref_mut(), class, stream) {
             return Ok(p);
         }
+        self.idle.missed(class);
         self.alloc_backend(tc, class_size(class), stream)
     }
 
@@ -428,6 +434,9 @@ impl<B: Backend> Cache<B> {
         self.held.reserve(bytes)?;
         match self.backend.alloc(bytes, stream) {
             Ok(p) => {
+                if bytes <= self.settings.max_cached_bytes {
+                    self.idle.held(bytes, true);
+                }
                 self.held_blocks.fetch_add(1, Ordering::Relaxed);
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 Ok(p)
