@@ -4,8 +4,6 @@
 
 use cudalloc::device::sim::{SimBuffer, SimPool, SimStream};
 
-const MIB: usize = 1 << 20;
-
 /// A small deterministic generator (xorshift).
 struct Rng(u64);
 

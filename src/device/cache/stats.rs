@@ -117,12 +117,6 @@ impl<B: Backend> Cache<B> {
         self.idle.misses()
     }
 
-    /// The idle bytes a miss keeps when 1/32 of the live bytes is less (learned).
-    #[cfg_attr(not(any(test, feature = "sim")), allow(dead_code))]
-    pub(crate) fn idle_allowance(&self) -> usize {
-        self.idle.allowance()
-    }
-
     /// Resets the peak of held bytes to the current value.
     pub(crate) fn reset_peak(&self) {
         self.held.reset_peak();
