@@ -34,8 +34,10 @@
 //! pool does the splitting and merging of large extents, in stream order. A miss that must
 //! allocate first releases idle blocks (largest first, freed in their home stream's order,
 //! where the driver pool can reuse them for any size) while idle bytes exceed 1/32 of live
-//! bytes (at least 64 MiB): a workload that changes sizes keeps its memory near what it
-//! uses, one that repeats never misses. The driver pool keeps what it gets back and carves
+//! bytes (at least the allowance learned in `cache/idle.rs`, which grows only when the
+//! cache misses classes it gave back, up to twice the live class bytes and 64 MiB): a
+//! workload that changes sizes keeps its memory near what it uses, one that repeats stops
+//! missing once it has learned. The driver pool keeps what it gets back and carves
 //! it for later requests, so its reservations drift above what the cache holds (trimming
 //! the driver pool after each release was measured and rejected: BENCHMARKS.md).
 //!
