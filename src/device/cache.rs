@@ -34,8 +34,10 @@
 //! pool does the splitting and merging of large extents, in stream order. A miss that must
 //! allocate first releases idle blocks (largest first, freed in their home stream's order,
 //! where the driver pool can reuse them for any size) while idle bytes exceed 1/32 of live
-//! bytes (at least 64 MiB): a workload that changes sizes keeps its memory near what it
-//! uses, one that repeats never misses. The driver pool keeps what it gets back and carves
+//! bytes (at least the allowance learned in `cache/idle.rs`, which grows only when the
+//! cache misses classes it gave back, up to twice the live class bytes and 64 MiB): a
+//! workload that changes sizes keeps its memory near what it uses, one that repeats stops
+//! missing once it has learned. The driver pool keeps what it gets back and carves
 //! it for later requests, so its reservations drift above what the cache holds (trimming
 //! the driver pool after each release was measured and rejected: BENCHMARKS.md).
 //!
@@ -55,6 +57,7 @@
 //! the allocation is retried; then the streams involved are synchronized, the driver pool
 //! trimmed, and retried once more.
 
+mod idle;
 mod lists;
 mod release;
 mod settings;
@@ -70,6 +73,7 @@ use crate::error::{Error, Result};
 use crate::sync::{AtomicBool, AtomicUsize, Ordering};
 use crate::thread_registry::ThreadRegistry;
 use crate::trace::{Code, Note};
+use idle::IdleAllowance;
 use lists::{Gated, SharedLists};
 pub(crate) use settings::Settings;
 use stats::Counters;
@@ -89,6 +93,8 @@ pub(crate) struct Cache<B: Backend> {
     // and thread caches) + pending + in transit between them; held <= settings.limit
     held: Tally,
     held_blocks: AtomicUsize,
+    /// The idle bytes a miss keeps beyond 1/32 of the live ones, learned from the misses.
+    idle: IdleAllowance,
     pub(crate) counters: Counters,
     /// Every thread cache's published counters.
     threads: ThreadRegistry<ThreadStats>,
@@ -105,6 +111,7 @@ impl<B: Backend> Cache<B> {
             shared: SharedLists::new(),
             held: Tally::new(Some(settings.limit).filter(|&l| l != usize::MAX)),
             held_blocks: AtomicUsize::new(0),
+            idle: IdleAllowance::new(settings.idle_start, settings.idle_cap, settings.max_cached_bytes),
             counters: Counters::default(),
             threads: ThreadRegistry::new(),
             guard: AtomicBool::new(true),
@@ -301,6 +308,7 @@ impl<B: Backend> Cache<B> {
         if let Some(p) = self.steal(tc.as_deref_mut(), class, stream) {
             return Ok(p);
         }
+        self.idle.missed(class);
         self.alloc_backend(tc, class_size(class), stream)
     }
 
@@ -428,6 +436,9 @@ impl<B: Backend> Cache<B> {
         self.held.reserve(bytes)?;
         match self.backend.alloc(bytes, stream) {
             Ok(p) => {
+                if bytes <= self.settings.max_cached_bytes {
+                    self.idle.held(bytes, true);
+                }
                 self.held_blocks.fetch_add(1, Ordering::Relaxed);
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 Ok(p)

@@ -14,11 +14,12 @@ use crate::sync::{thread, Arc};
 
 type Tc = ThreadCache<FakeBackend, ()>;
 
+/// A cache whose idle allowance starts at its cap, as if learned: the models race the
+/// lists and the marks, and a miss keeps the idle blocks they count.
 fn cache(thread_cache_bytes: usize) -> Arc<Cache<FakeBackend>> {
-    Arc::new(Cache::new(
-        FakeBackend::new(u64::MAX),
-        Settings::new(1 << 20, thread_cache_bytes, None),
-    ))
+    let mut settings = Settings::new(1 << 20, thread_cache_bytes, None);
+    settings.idle_start = settings.idle_cap;
+    Arc::new(Cache::new(FakeBackend::new(u64::MAX), settings))
 }
 
 /// A block used on S and freed there races with an allocation on T: T gets it only

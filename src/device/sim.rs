@@ -139,6 +139,39 @@ impl SimPool {
         Self::on_pages(Settings::new(0, 0, None))
     }
 
+    /// The pool without its cache, on the simulated driver pool alone: every block from
+    /// the backend, as [`DevicePool::uncached`](super::DevicePool::uncached) (the driver
+    /// pool in effect, whose reservation the issue's targets compare against).
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let pool = SimPool::uncached();
+    /// drop(pool.alloc(1 << 20, &SimStream::new()).unwrap());
+    /// assert_eq!(pool.peak_reserved(), 32 << 20, "the driver pool's first chunk");
+    /// ```
+    pub fn uncached() -> Self {
+        let settings = Settings::new(0, 0, None);
+        Self {
+            core: Arc::new(Core::new::<SimPool>(Cache::new(
+                FakeBackend::new(u64::MAX),
+                settings,
+            ))),
+        }
+    }
+
+    /// Misses of cached classes so far: those of a class the cache had given back lately
+    /// (its idle allowance grew), and the others.
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let pool = SimPool::new(0);
+    /// drop(pool.alloc(4096, &SimStream::new()).unwrap());
+    /// assert_eq!(pool.class_misses(), (0, 1));
+    /// ```
+    pub fn class_misses(&self) -> (u64, u64) {
+        self.core.cache.class_misses()
+    }
+
     /// The most memory the simulated driver pool and page heap reserved together so far
     /// (the simulated counterpart of `DevicePoolStats::peak_reserved_bytes`).
     ///

@@ -53,6 +53,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "device/backend.rs",
     "device/buffer.rs",
     "device/cache.rs",
+    "device/cache/idle.rs",
     "device/cache/lists.rs",
     "device/cache/release.rs",
     "device/cache/settings.rs",

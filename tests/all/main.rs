@@ -30,6 +30,7 @@ mod defects_21;
 mod device;
 mod device_conformance;
 mod device_pages;
+mod device_policy;
 mod device_stats;
 mod faults;
 mod gpu;

@@ -11,17 +11,23 @@ use crate::trace::{Code, Note};
 
 impl<B: Backend> Cache<B> {
     /// The release policy of a miss: idle blocks (this thread's and the shared ones)
-    /// beyond 1/32 of the live bytes (at least the floor), or beyond the limit, go back
-    /// to the backend, largest first.
+    /// beyond 1/32 of the live bytes (at least the learned allowance, `idle.rs`), or beyond
+    /// the limit, go back to the backend, largest first.
     pub(super) fn make_room<P>(&self, tc: Option<&mut ThreadCache<B, P>>, need: usize) {
         let own = tc.as_ref().map_or(0, |t| t.bytes());
         let idle = own + self.shared.idle_bytes();
+        let held = self.held.held();
+        let live = held.saturating_sub(idle).saturating_add(need);
+        let class_need = if need <= self.settings.max_cached_bytes {
+            need
+        } else {
+            0
+        };
+        self.idle.saw_idle(idle, class_need);
         if idle == 0 {
             return;
         }
-        let held = self.held.held();
-        let live = held.saturating_sub(idle);
-        let bound = (live.saturating_add(need) >> IDLE_SHIFT).max(self.settings.idle_floor);
+        let bound = (live >> IDLE_SHIFT).max(self.idle.allowance());
         let over_limit = held.saturating_add(need).saturating_sub(self.settings.limit);
         let excess = idle.saturating_sub(bound).max(over_limit);
         if excess > 0 {
@@ -41,6 +47,7 @@ impl<B: Backend> Cache<B> {
             drop(sh);
             drop(pruned);
         }
+        self.idle.released(out.iter().map(|&(_, c, _)| c));
         let mut released = 0;
         for (stream, class, ptr) in out {
             self.give_back(ptr, class_size(class), &stream);
@@ -57,6 +64,9 @@ impl<B: Backend> Cache<B> {
         // home stream (the protocol in the module docs).
         unsafe { self.backend.free(ptr, bytes, stream) };
         self.held.release(bytes);
+        if bytes <= self.settings.max_cached_bytes {
+            self.idle.held(bytes, false);
+        }
         self.held_blocks.fetch_sub(1, Ordering::Relaxed);
         self.counters.released.fetch_add(1, Ordering::Relaxed);
     }

@@ -16,8 +16,12 @@ pub(crate) struct Settings {
     /// The most bytes held from the backend (`usize::MAX` for no limit: the arithmetic
     /// needs no branch).
     pub(crate) limit: usize,
-    /// Idle bytes a miss always tolerates (64 MiB by default).
-    pub(crate) idle_floor: usize,
+    /// The most idle bytes beyond 1/32 of the live bytes that a miss learns to tolerate
+    /// (64 MiB by default; the allowance itself is learned: `cache/idle.rs`).
+    pub(crate) idle_cap: usize,
+    /// The learned allowance's starting value (0 by default: nothing is kept idle until
+    /// the program shows that it re-requests what was given back).
+    pub(crate) idle_start: usize,
     /// Blocks not cached by class up to this many bytes are kept in the thread caches'
     /// large slots for reuse at the same size (0, the default: none; the page heap's
     /// blocks on a pool with physical pages).
@@ -59,7 +63,8 @@ impl Settings {
             thread_max_class,
             thread_cache_bytes,
             limit: limit.unwrap_or(usize::MAX),
-            idle_floor: 64 << 20,
+            idle_cap: 64 << 20,
+            idle_start: 0,
             max_large_bytes: 0,
         }
     }

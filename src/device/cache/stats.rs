@@ -111,6 +111,12 @@ impl<B: Backend> Cache<B> {
         self.held_blocks.load(Ordering::Relaxed)
     }
 
+    /// Misses of cached classes: regrets (a class given back lately) and the others.
+    #[cfg_attr(not(any(test, feature = "sim")), allow(dead_code))]
+    pub(crate) fn class_misses(&self) -> (u64, u64) {
+        self.idle.misses()
+    }
+
     /// Resets the peak of held bytes to the current value.
     pub(crate) fn reset_peak(&self) {
         self.held.reset_peak();

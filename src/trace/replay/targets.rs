@@ -252,6 +252,26 @@ impl SimTarget {
         }
     }
 
+    /// The simulated pool without its cache, on the simulated driver pool alone
+    /// ([`SimPool::uncached`]: `DevicePool::uncached` in effect), with its reservation.
+    ///
+    /// ```
+    /// use cudalloc::trace::replay::{self, SimTarget};
+    /// use cudalloc::trace::{Action, Event, Trace};
+    /// let mut t = Trace::default();
+    /// t.events.push(Event::new(Action::Alloc, 0x10, 1 << 20));
+    /// let r = replay::replay(&t, SimTarget::uncached(), &Default::default()).unwrap();
+    /// assert_eq!(r.peak_reserved, Some(32 << 20));
+    /// ```
+    pub fn uncached() -> Self {
+        Self {
+            name: "DevicePool::uncached (simulated GPU, driver pool)".into(),
+            pool: SimPool::uncached(),
+            streams: Vec::new(),
+            reserved: true,
+        }
+    }
+
     /// A simulated pool with thread caches of `thread_cache_bytes` (0: none).
     pub fn new(thread_cache_bytes: usize) -> Self {
         Self {
@@ -604,6 +624,11 @@ pub fn targets(memory: TraceMemory) -> Vec<Target> {
                 "DevicePool (simulated GPU, pages, no cache)",
                 false,
                 |p, _| p.replay(SimTarget::paged(false)),
+            ));
+            v.push(Target::new(
+                "DevicePool::uncached (simulated GPU, driver pool)",
+                false,
+                |p, _| p.replay(SimTarget::uncached()),
             ));
         }
         #[cfg(not(any(test, feature = "sim")))]
