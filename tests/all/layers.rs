@@ -132,6 +132,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "trace/format/rmm.rs",
     "trace/format/svg.rs",
     "trace/format/torch.rs",
+    "trace/format/unpickle.rs",
     "trace/growth.rs",
     "trace/mod.rs",
     "trace/record.rs",
