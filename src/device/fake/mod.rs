@@ -340,23 +340,32 @@ impl StreamOrder for FakeBackend {
     }
 }
 
-impl Backend for FakeBackend {
-    fn alloc(&self, bytes: usize, stream: &FakeStream) -> Result<u64> {
-        assert!(bytes > 0 && bytes % 256 == 0, "fake: bad request {bytes}");
-        let b = bytes as u64;
+impl FakeBackend {
+    /// Counts `b` more bytes held, or fails as the device does beyond its limit.
+    fn charge(&self, b: u64) -> Result<()> {
         let mut held = self.held.load(Ordering::SeqCst);
         loop {
             if held + b > self.limit {
-                return Err(Error::OutOfMemory { requested: bytes });
+                return Err(Error::OutOfMemory {
+                    requested: b as usize,
+                });
             }
             match self
                 .held
                 .compare_exchange(held, held + b, Ordering::SeqCst, Ordering::SeqCst)
             {
-                Ok(_) => break,
+                Ok(_) => return Ok(()),
                 Err(now) => held = now,
             }
         }
+    }
+}
+
+impl Backend for FakeBackend {
+    fn alloc(&self, bytes: usize, stream: &FakeStream) -> Result<u64> {
+        assert!(bytes > 0 && bytes % 256 == 0, "fake: bad request {bytes}");
+        let b = bytes as u64;
+        self.charge(b)?;
         if PageHeap::serving(&self.pages, bytes).is_none() {
             self.growth.before(|| Some(lock(&self.pool).reserved));
         }
