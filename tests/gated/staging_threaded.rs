@@ -3,7 +3,6 @@
 //! negative control that skips the ring's events and the drain before a refill.
 
 use crate::staging::pipeline_behind_a_gate;
-use crate::MIB;
 
 /// The pipeline of `staging::pipeline_behind_a_gate` with its fills on 2 worker threads.
 fn threaded_pipeline_behind_a_gate(opener: bool) -> (usize, bool) {
@@ -38,5 +37,9 @@ fn without_the_rings_events_a_threaded_pipeline_refills_buffers_the_gpu_still_re
     cudalloc::staging::hooks::skip_release_events(true);
     let (wrong, _) = threaded_pipeline_behind_a_gate(false);
     cudalloc::staging::hooks::skip_release_events(false);
-    assert_eq!(wrong, 3 * 4 * MIB, "the refills did not reach the held copies");
+    assert_eq!(
+        wrong,
+        3 * 4 * crate::MIB,
+        "the refills did not reach the held copies"
+    );
 }
