@@ -4,17 +4,7 @@
 
 use cudalloc::device::sim::{SimBuffer, SimPool, SimStream};
 
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
+use crate::conformance::Rng;
 
 /// A training-like step, repeated: the forward pass allocates one activation per layer
 /// (and a workspace, freed at once), the backward pass allocates each layer's gradient
@@ -45,9 +35,9 @@ fn training_loop(pool: &SimPool, sizes: &[usize], steps: usize) -> Vec<u64> {
 }
 
 /// `n` sizes from 1 KiB to `max`.
-fn mixed_sizes(seed: u64, n: usize, max: u64) -> Vec<usize> {
-    let mut rng = Rng(seed);
-    (0..n).map(|_| 1024 + rng.below(max - 1024) as usize).collect()
+fn mixed_sizes(seed: u64, n: usize, max: usize) -> Vec<usize> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| 1024 + rng.below(max - 1024)).collect()
 }
 
 #[test]
@@ -82,13 +72,13 @@ fn a_training_loop_is_all_hits_after_its_first_steps() {
 /// from 64 B to 1 MiB, at most two live at once. Returns its peak reservation.
 fn small_program(pool: &SimPool) -> u64 {
     let s = SimStream::new();
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let mut live: Vec<SimBuffer> = Vec::new();
     for _ in 0..5000 {
         if live.len() == 2 {
             live.remove(0);
         }
-        live.push(pool.alloc(64 + rng.below(1 << 20) as usize, &s).unwrap());
+        live.push(pool.alloc(64 + rng.below(1 << 20), &s).unwrap());
     }
     drop(live);
     pool.peak_reserved()
