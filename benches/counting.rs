@@ -17,7 +17,10 @@
 //! latency table), at 256 B, 64 KiB, 1 MiB and 16 MiB, on one thread and on 8 at once,
 //! against `Global` and stats_alloc, and (row `Counting<Global>, window open`) what it
 //! costs while a leak-check `Window` is open on the thread. Rows on 8 threads time one
-//! pair on each thread.
+//! pair on each thread. The `Global` and `Counting<Global>` rows are timed interleaved
+//! (`workload::alloc_free_interleaved`: batches of 256 pairs alternating between the two,
+//! each row timing its own), so that their ratio compares the allocators under the same
+//! conditions rather than two stretches of a machine's time.
 //!
 //! Run: `cargo bench --bench counting -- --warm-up-time 1 --measurement-time 3`.
 
@@ -32,7 +35,7 @@ use std::time::{Duration, Instant};
 use allocator_api2::alloc::{AllocError, Allocator, Global};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use cudalloc::count::{Counting, Window};
-use cudalloc::testing::workload::alloc_free;
+use cudalloc::testing::workload::{alloc_free, alloc_free_interleaved};
 use stats_alloc::StatsAlloc;
 
 const SYSTEM: u8 = 0;
@@ -213,9 +216,11 @@ unsafe impl Allocator for ViaGlobalAlloc {
 const PAIR_SIZES: [usize; 4] = [256, 64 << 10, 1 << 20, 16 << 20];
 
 /// `iters` pairs of `size` on each of `threads` threads at once (with a window open on
-/// each if `window`); the time of the slowest thread.
+/// each if `window`; interleaved in batches with untimed pairs on `other`, if given:
+/// `alloc_free_interleaved`); the time of the slowest thread.
 fn pairs_on_threads<A: Allocator + Sync>(
     a: &A,
+    other: Option<&(dyn Allocator + Sync)>,
     size: usize,
     iters: u64,
     threads: usize,
@@ -225,11 +230,16 @@ fn pairs_on_threads<A: Allocator + Sync>(
     let run = || {
         let w = window.then(Window::open);
         start.wait();
-        let t = Instant::now();
-        for _ in 0..iters {
-            black_box(alloc_free(a, black_box(size)));
-        }
-        let elapsed = t.elapsed();
+        let elapsed = match other {
+            Some(other) => alloc_free_interleaved(a, &other, size, iters).unwrap_or_default(),
+            None => {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    black_box(alloc_free(a, black_box(size)));
+                }
+                t.elapsed()
+            }
+        };
         if let Some(w) = w {
             w.assert_no_leaks();
         }
@@ -258,15 +268,17 @@ fn pair_group(c: &mut Criterion, threads: usize) {
     let stats = ViaGlobalAlloc(&STATS_ALLOC);
     for size in PAIR_SIZES {
         let rows: [(&str, &dyn Fn(u64) -> Duration); 4] = [
-            ("Global", &|n| pairs_on_threads(&Global, size, n, threads, false)),
+            ("Global", &|n| {
+                pairs_on_threads(&Global, Some(&COUNTED_GLOBAL), size, n, threads, false)
+            }),
             ("Counting<Global>", &|n| {
-                pairs_on_threads(&COUNTED_GLOBAL, size, n, threads, false)
+                pairs_on_threads(&COUNTED_GLOBAL, Some(&Global), size, n, threads, false)
             }),
             ("stats_alloc::StatsAlloc<System>", &|n| {
-                pairs_on_threads(&stats, size, n, threads, false)
+                pairs_on_threads(&stats, None, size, n, threads, false)
             }),
             ("Counting<Global>, window open", &|n| {
-                pairs_on_threads(&COUNTED_GLOBAL, size, n, threads, true)
+                pairs_on_threads(&COUNTED_GLOBAL, None, size, n, threads, true)
             }),
         ];
         for (row, run) in rows {

@@ -262,6 +262,35 @@ fn stats_alloc_pair(size: usize) -> bool {
     true
 }
 
+/// stats_alloc's `StatsAlloc<System>` (a `GlobalAlloc` only) as an `Allocator`, for the
+/// interleaved rows.
+struct StatsAllocator;
+
+// SAFETY: blocks come from `STATS_ALLOC` (System's) and go back to it with their layout;
+// a null result becomes an error.
+unsafe impl Allocator for StatsAllocator {
+    fn allocate(
+        &self,
+        layout: std::alloc::Layout,
+    ) -> Result<std::ptr::NonNull<[u8]>, allocator_api2::alloc::AllocError> {
+        use std::alloc::GlobalAlloc;
+        if layout.size() == 0 {
+            return Err(allocator_api2::alloc::AllocError);
+        }
+        // SAFETY: nonzero size, checked above.
+        let p = unsafe { STATS_ALLOC.alloc(layout) };
+        std::ptr::NonNull::new(p)
+            .map(|p| std::ptr::NonNull::slice_from_raw_parts(p, layout.size()))
+            .ok_or(allocator_api2::alloc::AllocError)
+    }
+
+    unsafe fn deallocate(&self, ptr: std::ptr::NonNull<u8>, layout: std::alloc::Layout) {
+        use std::alloc::GlobalAlloc;
+        // SAFETY: the caller passes a block `allocate` returned, with its layout.
+        unsafe { STATS_ALLOC.dealloc(ptr.as_ptr(), layout) }
+    }
+}
+
 /// `x` against `base`, where both were measured and the base is not zero.
 fn ratio(x: Option<f64>, base: Option<f64>) -> Option<f64> {
     match (x, base) {
@@ -372,60 +401,92 @@ fn latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String> {
     Ok(vec![table, counting_threads(&sizes, opts.budget(300), progress)])
 }
 
-/// Threads of the multi-threaded counting table (issue 22 item 1: one and 8 threads).
-const COUNTING_THREADS: usize = 8;
+/// Threads of the multi-threaded rows of the counting table (issue 22 item 1: one and 8).
+const COUNTING_THREADS: [usize; 2] = [1, 8];
 
-/// The counting allocators with `COUNTING_THREADS` threads running the pair at once, each
-/// its own blocks: the median of the threads' medians per pair. Shared counters (a
-/// contended cache line) show here and not on one thread.
+/// Median ns per pair of `a` and of `b` on each of `threads` threads at once (the median
+/// of the threads' medians), timed in alternating batches over the same stretch of time
+/// (`workload::alloc_free_ab`, static calls of both) for about `budget`.
+fn ab_medians<A: Allocator + Sync, B: Allocator + Sync>(
+    a: &A,
+    b: &B,
+    size: usize,
+    threads: usize,
+    budget: Duration,
+) -> (Option<f64>, Option<f64>) {
+    let batch = 4 * workload::INTERLEAVED_BATCH;
+    let one = || {
+        let deadline = Instant::now() + budget;
+        let (mut sa, mut sb) = (Vec::new(), Vec::new());
+        while sa.len() < 5 || (Instant::now() < deadline && sa.len() < 400) {
+            let (ta, tb) = workload::alloc_free_ab(a, b, size, batch)?;
+            sa.push(ns(ta) / batch as f64);
+            sb.push(ns(tb) / batch as f64);
+        }
+        sa.sort_by(f64::total_cmp);
+        sb.sort_by(f64::total_cmp);
+        Some((sa[sa.len() / 2], sb[sb.len() / 2]))
+    };
+    let per_thread: Vec<(f64, f64)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads).map(|_| scope.spawn(one)).collect();
+        handles
+            .into_iter()
+            .filter_map(|h| h.join().ok().flatten())
+            .collect()
+    });
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    };
+    (
+        median(per_thread.iter().map(|p| p.0).collect()),
+        median(per_thread.iter().map(|p| p.1).collect()),
+    )
+}
+
+/// The counting allocators on 1 and 8 threads at once, each thread its own blocks:
+/// `Global` and `Counting<Global>` timed interleaved (each with the other as the
+/// untimed half), stats_alloc alone. Shared counters (a contended cache line) show on
+/// 8 threads and not on one.
 fn counting_threads(sizes: &[usize], budget: Duration, progress: &Progress) -> Table {
     let section = "latency";
     let counting = Counting::new(Global);
-    let global = |size| workload::alloc_free(&Global, size);
-    let counted = |size| workload::alloc_free(&counting, size);
-    let contenders: [(&'static str, &(dyn Fn(usize) -> bool + Sync)); 3] = [
-        ("Global", &global),
-        ("Counting<Global>", &counted),
-        ("stats_alloc::StatsAlloc<System>", &stats_alloc_pair),
-    ];
+    let stats = StatsAllocator;
     let mut table = by_size_table(
         "latency_threads",
         section,
-        "Counting allocators, 8 threads at once: allocate + touch first and last byte + free, median per pair",
+        "Counting allocators on 1 and 8 threads at once: allocate + touch first and last byte + free, median per pair",
         ("allocator", "allocator"),
         ("median_ns", "median", Unit::Nanos),
         "vs Global",
         true,
     );
-    for &size in sizes {
-        let mut base = None;
-        for (name, run) in contenders {
-            progress.step(
-                section,
-                format_args!("{name} {} x{COUNTING_THREADS}", fmt_size(size)),
-            );
-            let t = run(size).then(|| {
-                let mut per_thread: Vec<f64> = std::thread::scope(|scope| {
-                    let handles: Vec<_> = (0..COUNTING_THREADS)
-                        .map(|_| {
-                            scope.spawn(move || {
-                                ns(median_per_call(budget, || {
-                                    black_box(run(size));
-                                }))
-                            })
-                        })
-                        .collect();
-                    handles.into_iter().filter_map(|h| h.join().ok()).collect()
-                });
-                per_thread.sort_by(f64::total_cmp);
-                per_thread.get(per_thread.len() / 2).copied()
-            });
-            let t = t.flatten();
-            let base = *base.get_or_insert(t);
-            table.push(vec![size.into(), name.into(), t.into(), ratio(t, base).into()]);
+    for threads in COUNTING_THREADS {
+        let on = if threads == 1 {
+            "1 thread".to_owned()
+        } else {
+            format!("{threads} threads")
+        };
+        for &size in sizes {
+            progress.step(section, format_args!("counting {} x{threads}", fmt_size(size)));
+            let (global, counted) = ab_medians(&Global, &counting, size, threads, budget);
+            let (stats, _) = ab_medians(&stats, &stats, size, threads, budget / 2);
+            for (name, t) in [
+                ("Global", global),
+                ("Counting<Global>", counted),
+                ("stats_alloc::StatsAlloc<System>", stats),
+            ] {
+                let row = format!("{name}, {on}");
+                table.push(vec![size.into(), row.into(), t.into(), ratio(t, global).into()]);
+            }
         }
     }
-    table.note("Each thread allocates and frees its own blocks; ratios are against Global at the same size.");
+    table.note(
+        "Each thread allocates and frees its own blocks; ratios are against Global at the same size \
+         and thread count. Global and Counting<Global> are timed in alternating batches of 256 \
+         pairs over the same stretch of time, so their ratio compares them under the same \
+         conditions; stats_alloc is timed alone.",
+    );
     table
 }
 

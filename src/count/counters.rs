@@ -44,6 +44,8 @@ struct Shard {
     /// How far `pending` may stray from 0: `PEAK_SLACK`, raised (up to `MAX_SLACK`) to
     /// the size of any larger single change this shard committed.
     slack: AtomicU64,
+    /// `-slack` (an `i64`), kept beside it so that a free's fast path is one comparison.
+    floor: AtomicU64,
 }
 
 macro_rules! shard_new {
@@ -58,6 +60,7 @@ macro_rules! shard_new {
                 bytes_grown: AtomicU64::new(0),
                 pending: AtomicU64::new(0),
                 slack: AtomicU64::new(PEAK_SLACK),
+                floor: AtomicU64::new(PEAK_SLACK.wrapping_neg()),
             }
         }
     };
@@ -95,8 +98,19 @@ pub(crate) struct Counters {
     committed: AtomicU64,
     /// The highest `committed + pending` any allocation saw.
     peak: AtomicU64,
+    /// `peak - committed`, less [`BLOCKED`] for each [`Counters::block_fast_path`] in
+    /// force (an `i64`): how far a thread's `pending` may rise before its estimate of
+    /// live bytes (`committed + pending`) sets a new peak. Kept by the same deltas that
+    /// change `committed` and `peak` (so it converges to the exact value whatever the
+    /// interleaving), so that an allocation's fast path reads one shared word, in a line
+    /// written only at commits and new peaks, instead of two and a sum.
+    room: AtomicU64,
     failures: AtomicU64,
 }
+
+/// What [`Counters::block_fast_path`] takes off [`Counters::room`]: more than any byte
+/// count can make up, so that while it is in force every allocation takes the full path.
+const BLOCKED: u64 = 1 << 62;
 
 macro_rules! counters_new {
     ($($kw:ident)?, $shards:expr) => {
@@ -107,6 +121,7 @@ macro_rules! counters_new {
                 shared: Shard::new(),
                 committed: AtomicU64::new(0),
                 peak: AtomicU64::new(0),
+                room: AtomicU64::new(0),
                 failures: AtomicU64::new(0),
             }
         }
@@ -146,6 +161,18 @@ impl Counters {
         s
     }
 
+    /// The fast path's room, and what it must equal once the threads are joined
+    /// (`peak - committed`, less [`BLOCKED`] per block): tests.
+    #[cfg(test)]
+    pub(crate) fn room_now(&self) -> i64 {
+        self.room.load(Relaxed) as i64
+    }
+
+    #[cfg(test)]
+    pub(crate) fn room_exact(&self) -> i64 {
+        (self.peak.load(Relaxed) as i64).wrapping_sub(self.committed.load(Relaxed) as i64)
+    }
+
     /// Allocations counted on private shards (tests of the slot handoff).
     #[cfg(all(test, not(loom)))]
     pub(crate) fn shards_written(&self) -> u64 {
@@ -169,8 +196,9 @@ impl Counters {
 
     /// The common case of [`Counters::record_alloc`], all or nothing: counts the
     /// allocation and returns `true` if the thread holds private shard `slot`, its
-    /// pending bytes stay within its slack and its estimate of live bytes sets no new
-    /// peak (nothing to commit, no shared line to write); otherwise writes nothing and
+    /// pending bytes stay within its slack, its estimate of live bytes sets no new
+    /// peak (nothing to commit, no shared line to write) and no `ProcessWindow` is open
+    /// (both read from the room); otherwise writes nothing and
     /// returns `false`, for the caller to take [`Counters::record_alloc`].
     ///
     /// What it writes (four plain stores to the thread's own shard) is what
@@ -180,10 +208,10 @@ impl Counters {
         let Some(shard) = self.shards.get(slot) else {
             return false;
         };
-        // `size` is a live block's (below 2^63 less the slack): no overflow.
+        // `size` is a live block's (below 2^63 less the slack): no overflow. Within the
+        // room, `committed + pending <= peak`: no new peak.
         let pending = (shard.pending.load(Relaxed) as i64).wrapping_add(size as i64);
-        let live = (self.committed.load(Relaxed) as i64).wrapping_add(pending);
-        if pending > shard.slack.load(Relaxed) as i64 || live > self.peak.load(Relaxed) as i64 {
+        if pending > shard.slack.load(Relaxed) as i64 || pending > self.room.load(Relaxed) as i64 {
             return false;
         }
         shard.pending.store(pending as u64, Relaxed);
@@ -201,7 +229,7 @@ impl Counters {
             return false;
         };
         let pending = (shard.pending.load(Relaxed) as i64).wrapping_sub(size as i64);
-        if pending.wrapping_add(shard.slack.load(Relaxed) as i64) < 0 {
+        if pending < shard.floor.load(Relaxed) as i64 {
             return false;
         }
         shard.pending.store(pending as u64, Relaxed);
@@ -282,9 +310,30 @@ impl Counters {
         let size = delta.unsigned_abs().min(MAX_SLACK);
         if size > shard.slack.load(Relaxed) {
             shard.slack.store(size, Relaxed);
+            shard.floor.store(size.wrapping_neg(), Relaxed);
         }
         shard.pending.store(0, Relaxed);
-        (self.committed.fetch_add(pending as u64, Relaxed) as i64).wrapping_add(pending)
+        self.add_committed(pending)
+    }
+
+    /// Adds `delta` to `committed` (and takes it off the room); returns the new total.
+    #[inline(always)]
+    fn add_committed(&self, delta: i64) -> i64 {
+        let d = delta as u64;
+        self.room.fetch_sub(d, Relaxed);
+        (self.committed.fetch_add(d, Relaxed) as i64).wrapping_add(delta)
+    }
+
+    /// Sends every allocation down the full path (through [`Counters::try_record_alloc`]
+    /// failing) until the matching [`Counters::unblock_fast_path`]: for a `ProcessWindow`,
+    /// which must see every allocation of every thread.
+    pub(crate) fn block_fast_path(&self) {
+        self.room.fetch_sub(BLOCKED, Relaxed);
+    }
+
+    /// Ends one [`Counters::block_fast_path`].
+    pub(crate) fn unblock_fast_path(&self) {
+        self.room.fetch_add(BLOCKED, Relaxed);
     }
 
     /// Raises the peak to `live`; the load first keeps the common case (no new peak) free
@@ -292,7 +341,12 @@ impl Counters {
     #[inline(always)]
     fn note_peak(&self, live: i64) {
         if live > 0 && live as u64 > self.peak.load(Relaxed) {
-            self.peak.fetch_max(live as u64, Relaxed);
+            let before = self.peak.fetch_max(live as u64, Relaxed);
+            if live as u64 > before {
+                // Each raise adds exactly what it raised by: the raises of racing threads
+                // sum to the final peak's rise.
+                self.room.fetch_add(live as u64 - before, Relaxed);
+            }
         }
     }
 
@@ -301,8 +355,8 @@ impl Counters {
     fn record_alloc_shared(&self, size: u64) {
         self.shared.allocs.fetch_add(1, Relaxed);
         self.shared.bytes_allocated.fetch_add(size, Relaxed);
-        let live = self.committed.fetch_add(size, Relaxed).wrapping_add(size);
-        self.note_peak(live as i64);
+        let live = self.add_committed(size as i64);
+        self.note_peak(live);
     }
 
     #[cold]
@@ -310,7 +364,7 @@ impl Counters {
     fn record_free_shared(&self, size: u64) {
         self.shared.frees.fetch_add(1, Relaxed);
         self.shared.bytes_freed.fetch_add(size, Relaxed);
-        self.committed.fetch_sub(size, Relaxed);
+        self.add_committed((size as i64).wrapping_neg());
     }
 
     #[cold]
@@ -320,10 +374,10 @@ impl Counters {
         self.shared.bytes_allocated.fetch_add(new, Relaxed);
         self.shared.bytes_freed.fetch_add(old, Relaxed);
         let delta = new.wrapping_sub(old);
-        let live = self.committed.fetch_add(delta, Relaxed).wrapping_add(delta);
+        let live = self.add_committed(delta as i64);
         if new > old {
             self.shared.bytes_grown.fetch_add(new - old, Relaxed);
-            self.note_peak(live as i64);
+            self.note_peak(live);
         }
     }
 }
@@ -581,6 +635,8 @@ mod loom_tests {
             assert_eq!((s.live_count(), s.live_bytes()), (2, 10));
             // Thread a alone had 16 live; all together at most 16 + 12 + 2.
             assert!((16..=30).contains(&s.peak_bytes), "peak {}", s.peak_bytes);
+            // The fast path's room converged to the exact value, whatever the interleaving.
+            assert_eq!(c.room_now(), c.room_exact());
         });
     }
 

@@ -215,14 +215,12 @@ impl<A> Counting<A> {
     }
 
     /// Counts an allocation: the fast path (one thread-local load, the thread's own
-    /// shard, two loads of lines no thread writes in the common case) where nothing
+    /// shard, one load of a line no thread writes in the common case) where nothing
     /// else is needed; everything else in [`Counting::count_alloc_slow`].
     #[inline(always)]
     fn count_alloc(&self, ptr: *mut u8, size: usize) {
-        let slot = thread::fast_slot();
-        if self.process_windows.load(Ordering::Relaxed) != 0
-            || !self.counters.try_record_alloc(slot, size as u64)
-        {
+        // An open `ProcessWindow` blocks the fast path (`Counters::block_fast_path`).
+        if !self.counters.try_record_alloc(thread::fast_slot(), size as u64) {
             self.count_alloc_slow(ptr, size);
         }
     }
@@ -618,6 +616,45 @@ mod tests {
         drop(held);
         let s = c.snapshot();
         assert_eq!((s.live_count(), s.live_bytes(), s.frees), (0, 0, allocs));
+        assert_eq!(
+            c.counters.room_now(),
+            c.counters.room_exact(),
+            "the fast path's room"
+        );
+    }
+
+    /// Threads beyond the private shards (the shared one) and private ones, commits and
+    /// new peaks on both, a process window opened and closed meanwhile: once joined,
+    /// the fast path's room is exactly `peak - committed` again, and the next
+    /// allocation on a private shard is counted with the exact peak.
+    #[test]
+    fn the_fast_paths_room_converges_under_threads() {
+        let c = Counting::new(System);
+        std::thread::scope(|s| {
+            for t in 0..SHARDS + 4 {
+                let c = &c;
+                s.spawn(move || {
+                    let mut held = std::vec::Vec::new();
+                    for i in 0..200usize {
+                        let _w = (t == 3 && i == 50).then(|| c.process_window());
+                        held.push(Vec::<u8, _>::with_capacity_in(64 + (i * 37 + t) % 9000, c));
+                        if i % 3 == 0 {
+                            held.swap_remove(i % held.len());
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(c.counters.room_now(), c.counters.room_exact());
+        let before = c.snapshot();
+        assert_eq!(before.live_bytes(), 0);
+        let big = Vec::<u8, _>::with_capacity_in((before.peak_bytes + 1) as usize, &c);
+        assert_eq!(
+            c.snapshot().peak_bytes,
+            before.peak_bytes + 1,
+            "a new peak, exact"
+        );
+        drop(big);
     }
 
     /// The crate's own helper work (`uncounted`, `uncounted_thread`) stays out of the

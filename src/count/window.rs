@@ -228,6 +228,7 @@ impl<'a, A> ProcessWindow<'a, A> {
     /// Opens a window on `counting`. Allocates nothing.
     pub fn open(counting: &'a Counting<A>) -> Self {
         counting.process_windows.fetch_add(1, Ordering::Relaxed);
+        counting.counters.block_fast_path();
         Self {
             counting,
             start: counting.snapshot(),
@@ -281,6 +282,7 @@ impl<'a, A> ProcessWindow<'a, A> {
 
 impl<A> Drop for ProcessWindow<'_, A> {
     fn drop(&mut self) {
+        self.counting.counters.unblock_fast_path();
         self.counting.process_windows.fetch_sub(1, Ordering::Relaxed);
     }
 }

@@ -40,6 +40,100 @@ pub fn alloc_free<A: Allocator>(a: &A, size: usize) -> bool {
     }
 }
 
+/// Pairs per batch of [`alloc_free_interleaved`].
+pub const INTERLEAVED_BATCH: u64 = 256;
+
+/// Times `pairs` calls of [`alloc_free`] on `timed`, in batches of
+/// [`INTERLEAVED_BATCH`] alternating with as many untimed calls on `other` (same size):
+/// the total time of `timed`'s batches. Two allocators compared this way, each timed
+/// with the other as `other`, run under the same conditions (caches, the inner
+/// allocator's state, the machine's frequency and neighbours) to within one batch,
+/// so their ratio holds to a nanosecond where timing one after the other moves by more
+/// on a shared machine. Returns `None` if an allocation failed.
+///
+/// ```
+/// use allocator_api2::alloc::Global;
+/// use cudalloc::count::Counting;
+/// use cudalloc::testing::workload::alloc_free_interleaved;
+/// let counting = Counting::new(Global);
+/// let t = alloc_free_interleaved(&counting, &Global, 256, 1000).unwrap();
+/// assert!(t.as_nanos() > 0);
+/// assert_eq!(counting.snapshot().allocs, 1000);
+/// ```
+pub fn alloc_free_interleaved<A: Allocator, O: Allocator>(
+    timed: &A,
+    other: &O,
+    size: usize,
+    pairs: u64,
+) -> Option<std::time::Duration> {
+    let mut total = std::time::Duration::ZERO;
+    let mut left = pairs;
+    let mut ok = true;
+    while left > 0 {
+        let n = left.min(INTERLEAVED_BATCH);
+        for _ in 0..n {
+            ok &= alloc_free(other, black_box(size));
+        }
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            ok &= alloc_free(timed, black_box(size));
+        }
+        total += t.elapsed();
+        left -= n;
+    }
+    ok.then_some(total)
+}
+
+/// Times `pairs` calls of [`alloc_free`] on each of `a` and `b`, in alternating batches
+/// of [`INTERLEAVED_BATCH`] (`a` first in odd batches, `b` first in even ones): the total
+/// time of each, measured over the same stretch of the machine's time, so that their
+/// ratio holds where two runs one after the other would drift apart. `None` if an
+/// allocation failed.
+///
+/// ```
+/// use allocator_api2::alloc::Global;
+/// use cudalloc::count::Counting;
+/// use cudalloc::testing::workload::alloc_free_ab;
+/// let counting = Counting::new(Global);
+/// let (global, counted) = alloc_free_ab(&Global, &counting, 256, 1000).unwrap();
+/// assert!(global.as_nanos() > 0 && counted.as_nanos() > 0);
+/// assert_eq!(counting.snapshot().allocs, 1000);
+/// ```
+pub fn alloc_free_ab<A: Allocator, B: Allocator>(
+    a: &A,
+    b: &B,
+    size: usize,
+    pairs: u64,
+) -> Option<(std::time::Duration, std::time::Duration)> {
+    let (mut ta, mut tb) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
+    let mut left = pairs;
+    let mut round = 0u64;
+    while left > 0 {
+        let n = left.min(INTERLEAVED_BATCH);
+        if round % 2 == 0 {
+            ta += time_pairs(a, size, n)?;
+            tb += time_pairs(b, size, n)?;
+        } else {
+            tb += time_pairs(b, size, n)?;
+            ta += time_pairs(a, size, n)?;
+        }
+        left -= n;
+        round += 1;
+    }
+    Some((ta, tb))
+}
+
+/// The time of `n` calls of [`alloc_free`] on `a`; `None` if one failed.
+fn time_pairs<A: Allocator>(a: &A, size: usize, n: u64) -> Option<std::time::Duration> {
+    let t = std::time::Instant::now();
+    let mut ok = true;
+    for _ in 0..n {
+        ok &= alloc_free(a, black_box(size));
+    }
+    let elapsed = t.elapsed();
+    ok.then_some(elapsed)
+}
+
 /// Pushes `0..n` as `u64` one at a time into a `Vec` in `a` (growth by doubling,
 /// through `grow`), and returns their sum.
 pub fn vec_push<A: Allocator>(a: A, n: usize) -> u64 {

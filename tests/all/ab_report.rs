@@ -30,10 +30,10 @@ fn the_json_output_parses_and_carries_every_row() {
         latency.rows.len() >= 2 * 4,
         "two sizes x at least four host allocators"
     );
-    // The counting allocators on 8 threads at once (issue 22 item 1): Global, Counting
-    // and stats_alloc at every size, each measured.
+    // The counting allocators on 1 and 8 threads at once (issue 22 item 1): Global,
+    // Counting and stats_alloc at every size and thread count, each measured.
     let threads = sections::find(&report, "latency_threads").unwrap();
-    assert_eq!(threads.rows.len(), 2 * 3, "{:?}", threads.rows);
+    assert_eq!(threads.rows.len(), 2 * 2 * 3, "{:?}", threads.rows);
     assert!(
         threads
             .rows
