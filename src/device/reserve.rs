@@ -205,10 +205,6 @@ impl Reservations {
         let (before, _) = pool.usage()?;
         growth.before(|| Some(before as u64));
         self.recharge(&mut pc, before);
-        // Head room even when the pool's idle bytes would hold the request: they may be
-        // fragmented, and the driver then grows the pool by a whole step (32 MiB on the
-        // H200) all the same; charged nothing, that growth passed the limit (the
-        // simulated stress test saw 96 MiB under 64 on the H200's 16 cores).
         let room = self.head_room(&pc, bytes, before)?;
         let ptr = match pool.alloc(bytes) {
             Ok(p) => p,
@@ -219,16 +215,7 @@ impl Reservations {
         };
         let after = pool.usage().map_or(before, |(r, _)| r);
         let grew = after.saturating_sub(before);
-        if grew > 0 {
-            pc.extra = pc.extra.max(grew.saturating_sub(granules(bytes)));
-        }
-        let charged = if grew <= room {
-            self.tally.release(room - grew);
-            true
-        } else {
-            self.tally.reserve(grew - room).is_ok()
-        };
-        if charged {
+        if self.charge_growth(&mut pc, bytes, room, grew) {
             pc.charged = after;
             growth.after(tag, ptr, stream, || Some(after as u64));
             return Ok(ptr);
@@ -247,10 +234,28 @@ impl Reservations {
         })
     }
 
+    /// Charges a growth of `grew` bytes of the driver pool at an allocation of `bytes` that
+    /// took `room` bytes of head room (learning the most the driver adds to a request);
+    /// false when the growth does not fit under the limit (nothing more is charged).
+    fn charge_growth(&self, pc: &mut PoolCharge, bytes: usize, room: usize, grew: usize) -> bool {
+        if grew > 0 {
+            pc.extra = pc.extra.max(grew.saturating_sub(granules(bytes)));
+        }
+        if grew <= room {
+            self.tally.release(room - grew);
+            true
+        } else {
+            self.tally.reserve(grew - room).is_ok()
+        }
+    }
+
     /// Head room for a driver-pool allocation of `bytes` that may make the pool grow, the
     /// pool reserving `before` bytes: the request rounded to the granule plus the most the
     /// driver added to a request so far, but no more than the driver pool may still grow
-    /// by (its maximum size is the limit).
+    /// by (its maximum size is the limit). Taken even when the pool's idle bytes would hold
+    /// the request: they may be fragmented, and the driver then grows the pool by a whole
+    /// step (32 MiB on the H200) all the same; charged nothing, that growth passed the limit
+    /// (the simulated stress test saw 96 MiB under 64 on the H200's 16 cores).
     fn head_room(&self, pc: &PoolCharge, bytes: usize, before: usize) -> Result<usize> {
         let need = granules(bytes);
         let cap = self.tally.limit().saturating_sub(before);
