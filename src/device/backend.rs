@@ -124,6 +124,10 @@ impl PoolSide for DriverPool<'_> {
         Ok((bytes(u.reserved), bytes(u.used)))
     }
 
+    fn reserved(&self) -> Result<usize> {
+        Ok(usize::try_from(self.pool.reserved()?).unwrap_or(usize::MAX))
+    }
+
     fn alloc(&self, bytes: usize) -> Result<u64> {
         self.pool.alloc_async(bytes, self.stream)
     }
@@ -393,19 +397,16 @@ impl Backend for CudaBackend {
         }
         match PageHeap::serving(&self.pages, bytes) {
             Some(h) => h.alloc(self, bytes, stream),
-            None => {
-                let reserved = || self.pool.reserved().ok();
-                self.growth.before(reserved);
-                self.reservations
-                    .pool_alloc(
-                        bytes,
-                        &DriverPool {
-                            pool: &self.pool,
-                            stream,
-                        },
-                    )
-                    .inspect(|&ptr| self.growth.after(&self.trace, ptr, stream.id().get(), reserved))
-            }
+            None => self.reservations.pool_alloc(
+                bytes,
+                &DriverPool {
+                    pool: &self.pool,
+                    stream,
+                },
+                &self.growth,
+                &self.trace,
+                stream.id().get(),
+            ),
         }
         .inspect(|&ptr| nvtx_heap(self.nvtx, ptr, bytes))
     }

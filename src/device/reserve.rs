@@ -6,6 +6,7 @@
 use crate::budget::Budget;
 use crate::error::{Error, Result};
 use crate::sync::{lock, AtomicUsize, Mutex, Ordering};
+use crate::trace::{PoolReservation, Tag};
 
 /// The granule of the driver pool's reservations: a request that may make it grow is
 /// charged at least its size rounded up to this before the driver is asked.
@@ -89,6 +90,11 @@ struct PoolCharge {
 pub(crate) trait PoolSide {
     /// Bytes the driver pool reserves from the device now, and bytes of its live blocks.
     fn usage(&self) -> Result<(usize, usize)>;
+    /// Bytes the driver pool reserves from the device now (the first half of
+    /// [`usage`](Self::usage), where the driver can read it alone).
+    fn reserved(&self) -> Result<usize> {
+        self.usage().map(|(r, _)| r)
+    }
     /// Allocates from the driver pool.
     fn alloc(&self, bytes: usize) -> Result<u64>;
     /// Frees `ptr` (just allocated by [`alloc`](Self::alloc), never used), waits for the
@@ -173,20 +179,32 @@ impl Reservations {
         self.tally.release(n);
     }
 
-    /// Allocates `bytes` from the driver pool `pool`, keeping the driver pool's and the
-    /// page heap's reservations together under the limit.
-    pub(crate) fn pool_alloc(&self, bytes: usize, pool: &impl PoolSide) -> Result<u64> {
+    /// Allocates `bytes` from the driver pool `pool` for work on stream `stream` (its id),
+    /// keeping the driver pool's and the page heap's reservations together under the
+    /// limit, and telling `growth` (a recording's view of the pool, events on `tag`) what
+    /// the driver pool reserves before and after: under a limit the readings the limit
+    /// takes anyway, else (only while a recording runs) readings of their own. Both
+    /// backends allocate from their driver pool through here, so the trace's growth and
+    /// the limit's charge come from one reading.
+    pub(crate) fn pool_alloc(
+        &self,
+        bytes: usize,
+        pool: &impl PoolSide,
+        growth: &PoolReservation,
+        tag: &Tag,
+        stream: u64,
+    ) -> Result<u64> {
+        let reserved = || pool.reserved().ok().map(|r| r as u64);
         if !self.limited() {
-            return pool.alloc(bytes);
+            growth.before(reserved);
+            let ptr = pool.alloc(bytes)?;
+            growth.after(tag, ptr, stream, reserved);
+            return Ok(ptr);
         }
         let mut pc = lock(&self.pool);
-        let (before, used) = pool.usage()?;
+        let (before, _) = pool.usage()?;
+        growth.before(|| Some(before as u64));
         self.recharge(&mut pc, before);
-        // Head room even when the pool's idle bytes would hold the request: they may be
-        // fragmented, and the driver then grows the pool by a whole step (32 MiB on the
-        // H200) all the same; charged nothing, that growth passed the limit (the
-        // simulated stress test saw 96 MiB under 64 on the H200's 16 cores).
-        let _ = used;
         let room = self.head_room(&pc, bytes, before)?;
         let ptr = match pool.alloc(bytes) {
             Ok(p) => p,
@@ -197,16 +215,9 @@ impl Reservations {
         };
         let after = pool.usage().map_or(before, |(r, _)| r);
         let grew = after.saturating_sub(before);
-        if grew > 0 {
-            pc.extra = pc.extra.max(grew.saturating_sub(granules(bytes)));
-        }
-        if grew <= room {
-            self.tally.release(room - grew);
+        if self.charge_growth(&mut pc, bytes, room, grew) {
             pc.charged = after;
-            return Ok(ptr);
-        }
-        if self.tally.reserve(grew - room).is_ok() {
-            pc.charged = after;
+            growth.after(tag, ptr, stream, || Some(after as u64));
             return Ok(ptr);
         }
         // The driver grew past the limit: count it, give the block and the growth back.
@@ -223,10 +234,28 @@ impl Reservations {
         })
     }
 
+    /// Charges a growth of `grew` bytes of the driver pool at an allocation of `bytes` that
+    /// took `room` bytes of head room (learning the most the driver adds to a request);
+    /// false when the growth does not fit under the limit (nothing more is charged).
+    fn charge_growth(&self, pc: &mut PoolCharge, bytes: usize, room: usize, grew: usize) -> bool {
+        if grew > 0 {
+            pc.extra = pc.extra.max(grew.saturating_sub(granules(bytes)));
+        }
+        if grew <= room {
+            self.tally.release(room - grew);
+            true
+        } else {
+            self.tally.reserve(grew - room).is_ok()
+        }
+    }
+
     /// Head room for a driver-pool allocation of `bytes` that may make the pool grow, the
     /// pool reserving `before` bytes: the request rounded to the granule plus the most the
     /// driver added to a request so far, but no more than the driver pool may still grow
-    /// by (its maximum size is the limit).
+    /// by (its maximum size is the limit). Taken even when the pool's idle bytes would hold
+    /// the request: they may be fragmented, and the driver then grows the pool by a whole
+    /// step (32 MiB on the H200) all the same; charged nothing, that growth passed the limit
+    /// (the simulated stress test saw 96 MiB under 64 on the H200's 16 cores).
     fn head_room(&self, pc: &PoolCharge, bytes: usize, before: usize) -> Result<usize> {
         let need = granules(bytes);
         let cap = self.tally.limit().saturating_sub(before);
@@ -269,6 +298,9 @@ impl Reservations {
 mod tests {
     use super::*;
     use crate::sync::global::AtomicU64;
+
+    /// The recorder's tag of the tests' allocations (no recording runs in them).
+    static TAG: Tag = Tag::new(String::new);
 
     /// A driver pool that grows by `step` bytes when its idle bytes do not fit a request.
     struct Steps {
@@ -319,21 +351,21 @@ mod tests {
         let r = Reservations::new(Some(64 * MIB));
         let pool = steps(2 * MIB);
         r.take(20 * MIB).unwrap();
-        assert!(r.pool_alloc(MIB, &pool).is_ok());
+        assert!(r.pool_alloc(MIB, &pool, &PoolReservation::new(), &TAG, 0).is_ok());
         assert_eq!(
             r.held(),
             22 * MIB,
             "the driver pool's growth is charged, the room given back"
         );
         assert!(
-            r.pool_alloc(MIB, &pool).is_ok(),
+            r.pool_alloc(MIB, &pool, &PoolReservation::new(), &TAG, 0).is_ok(),
             "idle driver memory needs no room"
         );
         assert_eq!(r.held(), 22 * MIB);
         r.take(40 * MIB).unwrap();
         // 2 MiB of room are left; a growth may take 4 + 30 MiB.
         assert!(matches!(
-            r.pool_alloc(4 * MIB, &pool),
+            r.pool_alloc(4 * MIB, &pool, &PoolReservation::new(), &TAG, 0),
             Err(Error::LimitExceeded { .. })
         ));
         assert_eq!(
@@ -358,7 +390,7 @@ mod tests {
         let pool = steps(48 * MIB);
         r.take(20 * MIB).unwrap();
         assert!(matches!(
-            r.pool_alloc(MIB, &pool),
+            r.pool_alloc(MIB, &pool, &PoolReservation::new(), &TAG, 0),
             Err(Error::LimitExceeded { .. })
         ));
         assert_eq!(
@@ -369,10 +401,12 @@ mod tests {
         assert_eq!(r.held(), 20 * MIB);
         assert_eq!(r.peak(), 68 * MIB, "the breach is counted");
         // Learned: the next allocation asks for 48 MiB of room first, and fails cleanly.
-        assert!(r.pool_alloc(MIB, &pool).is_err());
+        assert!(r
+            .pool_alloc(MIB, &pool, &PoolReservation::new(), &TAG, 0)
+            .is_err());
         assert_eq!(pool.usage().unwrap(), (0, 0));
         r.give(20 * MIB);
-        assert!(r.pool_alloc(MIB, &pool).is_ok());
+        assert!(r.pool_alloc(MIB, &pool, &PoolReservation::new(), &TAG, 0).is_ok());
         assert_eq!(r.held(), 48 * MIB);
     }
 
@@ -382,7 +416,7 @@ mod tests {
         // most 16 MiB: the room asked for is no more.
         let r = Reservations::new(Some(16 * MIB));
         let pool = steps(16 * MIB);
-        assert!(r.pool_alloc(MIB, &pool).is_ok());
+        assert!(r.pool_alloc(MIB, &pool, &PoolReservation::new(), &TAG, 0).is_ok());
         assert_eq!(r.held(), 16 * MIB);
     }
 
@@ -390,7 +424,7 @@ mod tests {
     fn without_a_limit_the_driver_pool_is_not_read() {
         let r = Reservations::new(None);
         let pool = steps(32 * MIB);
-        assert!(r.pool_alloc(MIB, &pool).is_ok());
+        assert!(r.pool_alloc(MIB, &pool, &PoolReservation::new(), &TAG, 0).is_ok());
         assert_eq!(r.held(), 0);
         r.take(8 * MIB).unwrap();
         assert_eq!((r.held(), r.peak()), (8 * MIB, 8 * MIB));

@@ -366,9 +366,6 @@ impl Backend for FakeBackend {
         assert!(bytes > 0 && bytes % 256 == 0, "fake: bad request {bytes}");
         let b = bytes as u64;
         self.charge(b)?;
-        if PageHeap::serving(&self.pages, bytes).is_none() {
-            self.growth.before(|| Some(lock(&self.pool).reserved));
-        }
         let ptr = match PageHeap::serving(&self.pages, bytes) {
             Some(h) => match h.alloc(self, bytes, stream) {
                 Ok(p) => p,
@@ -377,14 +374,13 @@ impl Backend for FakeBackend {
                     return Err(e);
                 }
             },
-            None => match self
-                .reservations
-                .pool_alloc(bytes, &ModelPool(self))
-                .inspect(|&p| {
-                    self.growth.after(&self.trace, p, stream.id.get(), || {
-                        Some(lock(&self.pool).reserved)
-                    })
-                }) {
+            None => match self.reservations.pool_alloc(
+                bytes,
+                &ModelPool(self),
+                &self.growth,
+                &self.trace,
+                stream.id.get(),
+            ) {
                 Ok(p) => p,
                 Err(e) => {
                     self.held.fetch_sub(b, Ordering::SeqCst);
