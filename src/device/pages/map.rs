@@ -1,11 +1,12 @@
 //! Placement and mapping: where a block goes among the free runs, and the handles mapped
 //! under it (a spare one, one taken from an idle chunk by `reclaim.rs`, or a new one),
 //! with one access call per span of chunks mapped together; and access for peers.
-//! Where a span of at least `group_min` unmapped chunks would be filled with new handles
-//! only (no spare one, idle chunks within the allowance), it is mapped as one *group*:
-//! one handle of the span's bytes, one map, one access call (on the H200 a 256 MiB span
-//! costs 97 us so instead of 919 us in 16 MiB handles). A failed create of a group's
-//! handle falls back to one handle per chunk (out-of-memory behaviour unchanged).
+//! Where the unmapped chunks wholly inside a block, at least `group_min` of them (64 MiB:
+//! `GROUP_MIN_BYTES`), would be filled with new handles only (no spare one, idle chunks
+//! within the allowance), they are mapped as one *group*: one handle of their bytes, one
+//! map, one access call (on the H200 a 256 MiB span costs 97 us instead of 919 us in
+//! 16 MiB handles). A failed create of a group's handle falls back to one handle per
+//! chunk (out-of-memory behaviour unchanged).
 //!
 //! Invariants (under the heap's lock):
 //! - a chunk has a handle exactly while it is mapped, and every mapping a block may use
@@ -84,22 +85,32 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                     grouping = false;
                 }
             }
-            // A span of unmapped chunks: a handle mapped at each, one access call.
-            let from = i;
-            let failed;
-            (i, failed) = self.map_span(st, b, from, to, after);
-            let granted = if from < i {
-                self.grant_span(st, b, from, i)
-            } else {
-                Ok(())
-            };
-            // The first error is the one reported.
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            granted?;
+            i = self.map_each(st, b, i, to, after)?;
         }
         Ok(())
+    }
+
+    /// Maps unmapped chunks `from..to` one handle each, with one access call for those
+    /// mapped: how far it got (to `to`, or the first chunk that is mapped).
+    fn map_each(
+        &self,
+        st: &mut State<B>,
+        b: &B,
+        from: usize,
+        to: usize,
+        after: &mut Stamps,
+    ) -> Result<usize> {
+        let (i, failed) = self.map_span(st, b, from, to, after);
+        let granted = if from < i {
+            self.grant_span(st, b, from, i)
+        } else {
+            Ok(())
+        };
+        // The first error is the one reported.
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        granted.map(|()| i)
     }
 
     /// Whether a span of `k` unmapped chunks (wholly inside a block) would be filled with
@@ -158,7 +169,19 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             return Ok(true);
         };
         st.stats.access_failures += 1;
-        // SAFETY: mapped just above, as one mapping; no work was queued on it.
+        // SAFETY: mapped just above as one mapping of h, with no work queued on it.
+        unsafe { self.undo_group(st, b, (from, to), h, va) };
+        Err(e)
+    }
+
+    /// Unmaps group `from..to` (at `va`, handle `h`) whose access call failed and releases
+    /// its handle; where the unmap fails too, its chunks are lost (never used again).
+    ///
+    /// # Safety
+    /// 1. The group is one mapping of `h` at `va`, and no work was queued on it.
+    unsafe fn undo_group(&self, st: &mut State<B>, b: &B, (from, to): (usize, usize), h: u64, va: u64) {
+        let bytes = (to - from) * self.chunk_bytes();
+        // SAFETY: obligation 1.
         match unsafe { self.phys.unmap(va, bytes) } {
             Ok(()) => {
                 st.stats.unmaps += 1;
@@ -171,12 +194,11 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 unsafe { self.release_handle(st, h, bytes) };
                 st.stats.group_releases += 1;
             }
-            Err(ue) => {
-                record_drop_error("cuMemUnmap", ue);
+            Err(e) => {
+                record_drop_error("cuMemUnmap", e);
                 self.lose_chunks(st, from, to);
             }
         }
-        Err(e)
     }
 
     /// Maps a handle at each chunk from `from` on, up to `end` or the first chunk that is

@@ -25,6 +25,14 @@
 //!   block of one size serves a block of another); or `cuMemCreate`. One
 //!   `cuMemSetAccess` per span of chunks mapped together. So the heap reserves what its
 //!   blocks touch plus at most the allowance of idle chunks.
+//! - **Groups**: where the new chunks wholly inside a block would all be `cuMemCreate`d
+//!   (no spare handle, idle chunks within the allowance) and make at least
+//!   `GROUP_MIN_BYTES` (64 MiB), they are ONE handle, one map and one access call (on the
+//!   H200 a cold 256 MiB block: 97 us instead of 919 us in 16 MiB chunks; a handle cannot
+//!   be mapped in parts nor unmapped in parts). Its chunks are used and idle one by one,
+//!   but a group is unmapped and released only whole, when all of them are idle and
+//!   their frees completed (`reclaim.rs`; the minimum, measured on the simulated pool, is
+//!   in `GROUP_MIN_BYTES`'s docs).
 //! - **Placement**: a block takes the smallest free run that fits and is mapped over
 //!   the block's length, among the [`PLACE_TRIES`] smallest that fit; else the one of
 //!   those with the fewest chunks to map (on the H200 this halved the moves of RMM's
