@@ -266,12 +266,12 @@ const GRANULE: usize = 2 * MIB;
 
 type Heap = PageHeap<FakePhys, FakeBackend>;
 
-/// A page heap over fake physical memory of at most `limit` bytes, and a fake backend for
-/// its marks.
+/// A page heap over fake physical memory of at most `limit` bytes, one handle per chunk
+/// (no groups: `pages/tests.rs` tests those), and a fake backend for its marks.
 fn heap(limit: usize) -> (Heap, FakeBackend, FakePhys) {
     let phys = FakePhys::new(GRANULE, limit);
     (
-        PageHeap::new(phys.clone(), HEAP_TUNING),
+        PageHeap::new(phys.clone(), HEAP_TUNING).with_group_min(usize::MAX),
         FakeBackend::new(u64::MAX),
         phys,
     )

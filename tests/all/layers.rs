@@ -75,6 +75,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "device/pages/reclaim.rs",
     "device/pages/space.rs",
     "device/pages/stats.rs",
+    "device/pages/tests.rs",
     "device/pages/trim.rs",
     "device/phys.rs",
     "device/pool.rs",

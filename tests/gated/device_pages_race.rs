@@ -44,3 +44,43 @@ fn a_page_freed_on_one_stream_serves_another_only_after_its_work() {
     pool.trim();
     assert_eq!(pool.stats().reserved_bytes, 0);
 }
+
+/// Issue 23's groups on the H200: a cold 256 MiB block on a fresh default pool (pages,
+/// 16 MiB chunks) is one handle, one map and one access call (not 16 of each), its
+/// memory reads back what was written, and a trim gives it all back.
+#[test]
+fn a_cold_256_mib_block_on_a_fresh_default_pool_is_one_group() {
+    gpu!();
+    backings_in_use!();
+    let _one = crate::one_at_a_time();
+    const BIG: usize = 256 << 20;
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
+    let Some(before) = cudalloc::testing::page_heap_counters(&pool) else {
+        println!("skipped: the device has no virtual memory management (the default pool is not on pages)");
+        return;
+    };
+    assert!(before.contains("group_creates: 0,"), "{before}");
+    let s = crate::gpu_support::stream();
+    let mut x = pool.alloc::<u8>(BIG, &s).unwrap();
+    let counters = cudalloc::testing::page_heap_counters(&pool).unwrap();
+    println!("page heap after a cold 256 MiB block: {counters}");
+    for want in [
+        ", creates: 1,",
+        ", group_creates: 1,",
+        ", maps: 1,",
+        ", accesses: 1,",
+    ] {
+        assert!(counters.contains(want), "{want} in {counters}");
+    }
+    let data: std::vec::Vec<u8> = (0..BIG).map(|i| (i % 251) as u8).collect();
+    x.copy_from_host(&data).unwrap();
+    let back = x.to_vec().unwrap();
+    let bad = back.iter().zip(&data).filter(|(a, b)| a != b).count();
+    assert_eq!(bad, 0, "bytes read back differ");
+    drop(x);
+    s.synchronize().unwrap();
+    pool.trim();
+    assert_eq!(pool.stats().reserved_bytes, 0);
+    let after = cudalloc::testing::page_heap_counters(&pool).unwrap();
+    assert!(after.contains("group_releases: 1,"), "{after}");
+}

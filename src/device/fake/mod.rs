@@ -14,6 +14,8 @@ mod pool_model;
 use std::collections::BTreeMap;
 
 pub(crate) use self::physical::FakePhys;
+#[cfg(test)]
+pub(crate) use self::physical::PhysOp;
 use self::pool_model::PoolModel;
 use super::backend::{nvtx_heap, Backend};
 use super::config::PageTuning;

@@ -10,12 +10,16 @@ use crate::error::{Error, Result};
 use crate::sync::{lock, Arc, Mutex};
 
 /// Simulated physical memory for the page heap, checking every operation: handles
-/// are power-of-two multiples of the granule, mapped whole into reserved ranges at
-/// unmapped places, released only when unmapped, ranges freed only when empty; a
+/// are multiples of the granule (a chunk's, or a group's of several chunks), mapped
+/// whole into reserved ranges at unmapped places (never at an offset), unmapped only as
+/// the whole mapping one map made, released only when unmapped, ranges freed only when
+/// empty; access set only over whole mappings; a
 /// block's use ([`FakePhys::use_block`]) needs access set and a stream ordered after
 /// every earlier use of each handle under it (on any range); an unmapping needs every
 /// use of that mapping completed. Breaches are counted in `violations` (and printed),
-/// never panics: tests assert there are none. Clones share the state.
+/// never panics: tests assert there are none. Clones share the state. Failures can be
+/// injected ([`FakePhys::fail_next`]): the next calls of an operation then fail, changing
+/// nothing.
 #[derive(Clone, Debug)]
 pub(crate) struct FakePhys {
     pub(crate) state: Arc<Mutex<PhysState>>,
@@ -48,9 +52,31 @@ pub(crate) struct PhysState {
     history: BTreeMap<u64, Vec<String>>,
     pub(crate) creates: u64,
     pub(crate) maps: u64,
+    /// Injected failures: how many of the next calls of each operation fail.
+    fail: BTreeMap<PhysOp, u32>,
+}
+
+/// An operation of [`FakePhys`] that can be made to fail ([`FakePhys::fail_next`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum PhysOp {
+    Create,
+    Map,
+    Unmap,
+    SetAccess,
 }
 
 impl PhysState {
+    /// Whether this call of `op` is to fail (an injected failure, used up).
+    fn fails(&mut self, op: PhysOp) -> bool {
+        match self.fail.get_mut(&op) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     fn violation(&mut self, what: String) {
         eprintln!("fake phys: {what}");
         self.violations.push(what);
@@ -111,6 +137,9 @@ impl PhysState {
         (covered, problems)
     }
 }
+
+/// The error of an injected failure.
+const INJECTED: Error = Error::InvalidArgument("fake phys: injected failure");
 
 impl FakePhys {
     pub(crate) fn new(granule: usize, limit: usize) -> Self {
@@ -184,6 +213,23 @@ impl FakePhys {
         covered == bytes as u64
     }
 
+    /// Makes the next `n` calls of `op` fail (with a CUDA-like error that is not out of
+    /// memory), changing nothing.
+    #[cfg(test)]
+    pub(crate) fn fail_next(&self, op: PhysOp, n: u32) {
+        lock(&self.state).fail.insert(op, n);
+    }
+
+    /// The live mappings: (start, bytes), by start.
+    #[cfg(test)]
+    pub(crate) fn mappings(&self) -> Vec<(u64, usize)> {
+        lock(&self.state)
+            .mappings
+            .iter()
+            .map(|(&v, m)| (v, m.0))
+            .collect()
+    }
+
     /// Breaches so far.
     pub(crate) fn violations(&self) -> usize {
         lock(&self.state).violations.len()
@@ -209,8 +255,11 @@ impl Phys for FakePhys {
     fn create(&self, bytes: usize) -> Result<u64> {
         let mut st = lock(&self.state);
         let g = st.granule;
-        if bytes == 0 || bytes % g != 0 || !(bytes / g).is_power_of_two() {
+        if bytes == 0 || bytes % g != 0 {
             st.violation(format!("create of {bytes} bytes"));
+        }
+        if st.fails(PhysOp::Create) {
+            return Err(INJECTED);
         }
         if st.handle_bytes + bytes > st.limit {
             return Err(Error::OutOfMemory { requested: bytes });
@@ -263,6 +312,9 @@ impl Phys for FakePhys {
 
     unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()> {
         let mut st = lock(&self.state);
+        if st.fails(PhysOp::Map) {
+            return Err(INJECTED);
+        }
         let inside = st
             .ranges
             .range(..=va)
@@ -296,6 +348,9 @@ impl Phys for FakePhys {
 
     unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()> {
         let mut st = lock(&self.state);
+        if st.fails(PhysOp::Unmap) {
+            return Err(INJECTED);
+        }
         match st.mappings.remove(&va) {
             Some((l, h, _, uses, _)) if l == bytes => {
                 if let Some((_, maps)) = st.handles.get_mut(&h) {
@@ -318,6 +373,9 @@ impl Phys for FakePhys {
     unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()> {
         let mask = peers.iter().fold(1u64, |m, &p| m | 1 << p);
         let mut st = lock(&self.state);
+        if st.fails(PhysOp::SetAccess) {
+            return Err(INJECTED);
+        }
         let mut at = va;
         let end = va + bytes as u64;
         let keys: Vec<u64> = st.mappings.range(va..end).map(|(&k, _)| k).collect();

@@ -1,7 +1,9 @@
 //! Taking handles back from idle chunks, and the retired chunks: an idle chunk whose
 //! frees completed is unmapped and its handle taken; one whose frees may be pending is
 //! *retired* (carved out of its free run, its old mapping kept) while its handle is
-//! mapped elsewhere, and [`poll`](PageHeap::poll) unmaps it once they complete.
+//! mapped elsewhere, and [`poll`](PageHeap::poll) unmaps it once they complete. A group
+//! (one handle over several chunks) is taken only whole: unmapped and its handle
+//! released, once all its chunks are idle and their frees completed.
 //!
 //! Invariants (under the heap's lock):
 //! - a chunk is unmapped only once the work of every free that touched its units is
@@ -9,13 +11,17 @@
 //!   one of its units;
 //! - a retired chunk has no unit in a free run or a block (`used` is all of them), keeps
 //!   its handle recorded until its old mapping goes, and holds the stamps of its frees;
-//!   an allocation that maps its handle elsewhere is ordered after those stamps.
+//!   an allocation that maps its handle elsewhere is ordered after those stamps;
+//! - a group is never retired and its handle never taken: it is unmapped as one mapping
+//!   (all of its chunks idle, the frees of all its units complete) and released at once,
+//!   so `stats.reserved` and the reservations drop by its bytes; one whose frees may be
+//!   pending is skipped (a 1-chunk user cannot take a k-chunk handle).
 
 use std::ops::ControlFlow;
 
 use super::clocks::{touching, Freed, Stamps};
 use super::stats::timed;
-use super::{PageHeap, Reclaim, State};
+use super::{PageHeap, Reclaim, Reclaimed, State};
 use crate::cuda::record_drop_error;
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
@@ -24,32 +30,28 @@ use crate::trace::Code;
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Takes the handle of an idle chunk (trying at most `tries`, from the highest
     /// address), as `how` says, with the marks to order its next use after.
-    pub(super) fn reclaim(
-        &self,
-        st: &mut State<B>,
-        b: &B,
-        tries: usize,
-        how: Reclaim,
-    ) -> Option<(u64, Stamps)> {
+    pub(super) fn reclaim(&self, st: &mut State<B>, b: &B, tries: usize, how: Reclaim) -> Option<Reclaimed> {
         let pending = match self.take_idle(st, b, tries, how) {
-            ControlFlow::Break(taken) => return taken.map(|h| (h, Vec::new())),
+            ControlFlow::Break(taken) => return taken,
             ControlFlow::Continue(pending) => pending,
         };
         let (c, rs) = pending.filter(|_| how == Reclaim::Retire)?;
-        self.retire_pending(st, c, rs)
+        let (h, stamps) = self.retire_pending(st, c, rs)?;
+        Some(Reclaimed::Handle(h, stamps))
     }
 
     /// Unmaps the first idle chunk (of at most `tries`, from the highest address) whose
     /// frees completed (`how`: settled, or waited for on the host) and breaks with its
-    /// handle (`None` if it had none); else continues with the first chunk found pending
-    /// and the first unit of its free run.
+    /// handle (`None` if it had none), or with `Released` where that chunk is of a group
+    /// (wholly idle: unmapped and released whole); else continues with the first chunk
+    /// (not of a group) found pending and the first unit of its free run.
     fn take_idle(
         &self,
         st: &mut State<B>,
         b: &B,
         tries: usize,
         how: Reclaim,
-    ) -> ControlFlow<Option<u64>, Option<(usize, usize)>> {
+    ) -> ControlFlow<Option<Reclaimed>, Option<(usize, usize)>> {
         let mut below = usize::MAX;
         let mut pending = None;
         for _ in 0..tries {
@@ -57,6 +59,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 break;
             };
             below = c;
+            if let Some((g, k)) = st.chunks[c].group {
+                below = g;
+                if self.release_idle_group(st, b, g, k, how == Reclaim::Wait) {
+                    return ControlFlow::Break(Some(Reclaimed::Released));
+                }
+                continue;
+            }
             let first = c * self.chunk_units;
             let Some((rs, _, stamps)) = st.free.at_or_before(first) else {
                 continue;
@@ -70,11 +79,70 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             // SAFETY: the chunk was mapped by `map_chunks` with a chunk's bytes; no block
             // holds a unit of it, and the marks of every free of its units completed (a
             // run keeps the latest mark of each stream until it completes).
-            if unsafe { self.unmap_chunk(st, b, c) } {
-                return ControlFlow::Break(st.chunks[c].handle.take());
+            if unsafe { self.unmap_chunks(st, b, c, 1) } {
+                let h = st.chunks[c].handle.take();
+                return ControlFlow::Break(h.map(|h| Reclaimed::Handle(h, Vec::new())));
             }
         }
         ControlFlow::Continue(pending)
+    }
+
+    /// Unmaps and releases group `g..g + k` if all of its chunks are idle and the frees of
+    /// all its units completed (settled, or with `wait` waited for on the host): whether it
+    /// did. A group that fails its unmap stays mapped, its chunks stuck.
+    fn release_idle_group(&self, st: &mut State<B>, b: &B, g: usize, k: usize, wait: bool) -> bool {
+        if !(g..g + k).all(|c| st.idle.contains(&c)) {
+            return false;
+        }
+        let (first, end) = (g * self.chunk_units, (g + k) * self.chunk_units);
+        // All its units are free, so one maximal run holds them.
+        let Some((rs, len, stamps)) = st.free.at_or_before(first) else {
+            return false;
+        };
+        debug_assert!(rs + len >= end, "page heap: an idle group's units in two runs");
+        let frees = touching(stamps, first, end);
+        if !self.frees_done(st, b, &frees, wait) {
+            return false;
+        }
+        for c in g..g + k {
+            st.idle.remove(&c);
+        }
+        let Some(h) = st.chunks[g].handle else {
+            return false;
+        };
+        // SAFETY: the group was mapped whole by `map_group` (k chunks' bytes, one handle);
+        // no block holds a unit of it and the marks of every free of its units completed.
+        if !unsafe { self.unmap_chunks(st, b, g, k) } {
+            return false;
+        }
+        for c in g..g + k {
+            st.chunks[c].handle = None;
+            st.chunks[c].group = None;
+        }
+        // SAFETY: its only mapping just went (a group's handle is mapped nowhere else),
+        // and it is forgotten here.
+        unsafe { self.release_handle(st, h, k * self.chunk_bytes()) };
+        st.stats.group_releases += 1;
+        true
+    }
+
+    /// Releases `h`, of `bytes`, mapped nowhere: `stats.reserved` and the reservations
+    /// drop by its bytes (a failed release is counted, and they do not).
+    ///
+    /// # Safety
+    /// 1. `h` is live, of `bytes`, mapped nowhere, and forgotten by the caller.
+    pub(super) unsafe fn release_handle(&self, st: &mut State<B>, h: u64, bytes: usize) {
+        // SAFETY: obligation 1.
+        match timed(&mut st.stats.driver_ns.release, || unsafe {
+            self.phys.release(h)
+        }) {
+            Ok(()) => {
+                st.stats.reserved -= bytes;
+                self.reservations.give(bytes);
+                st.stats.releases += 1;
+            }
+            Err(e) => record_drop_error("cuMemRelease", e),
+        }
     }
 
     /// Carves idle chunk `c` out of its free run (from unit `rs`): its units stay mapped,
@@ -115,9 +183,10 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 continue;
             }
             let (c, _) = st.retired.swap_remove(i);
-            // SAFETY: the chunk's old mapping (a chunk's bytes, by `map_chunks`); no block
-            // holds its units, and the marks of their last frees completed.
-            if unsafe { self.unmap_chunk(st, b, c) } {
+            // SAFETY: the chunk's old mapping (a chunk's bytes, by `map_chunks`; a group is
+            // never retired); no block holds its units, and the marks of their last frees
+            // completed.
+            if unsafe { self.unmap_chunks(st, b, c, 1) } {
                 // The handle lives on in its new mapping.
                 st.chunks[c].handle = None;
                 self.give_back(st, c * self.chunk_units, self.chunk_units, Vec::new());
@@ -139,15 +208,15 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         })
     }
 
-    /// Unmaps chunk `c` (its handle stays recorded for the caller): whether it did; a
-    /// failed unmap is counted and leaves the chunk stuck.
+    /// Unmaps the mapping of chunks `c..c + k` (their handle stays recorded for the
+    /// caller): whether it did; a failed unmap is counted and leaves the chunks stuck.
     ///
     /// # Safety
-    /// 1. Chunk `c` is mapped with a chunk's bytes (by `map_chunks`).
+    /// 1. Chunks `c..c + k` are one mapping (by `map_chunks`: one chunk, or a group).
     /// 2. No block holds a unit of it, and the work of every free of its units completed.
-    unsafe fn unmap_chunk(&self, st: &mut State<B>, b: &B, c: usize) -> bool {
+    unsafe fn unmap_chunks(&self, st: &mut State<B>, b: &B, c: usize, k: usize) -> bool {
         let va = self.va_of(st, c * self.chunk_units);
-        let cb = self.chunk_bytes();
+        let cb = k * self.chunk_bytes();
         // SAFETY: 1 and 2 are the caller's: the range is a whole mapping, and no work
         // can touch it any more.
         match timed(&mut st.stats.driver_ns.unmap, || unsafe {
@@ -160,7 +229,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }
             Err(e) => {
                 record_drop_error("cuMemUnmap", e);
-                st.chunks[c].stuck = true;
+                for ch in &mut st.chunks[c..c + k] {
+                    ch.stuck = true;
+                }
                 false
             }
         }

@@ -9,11 +9,20 @@
 //!   that no free run and no span of mapped chunks reaches from one region into the next;
 //! - every unit of a region is in exactly one of: a live block, a free run, a retired
 //!   chunk (or a chunk that stuck while retired: its unmap failed, and its units are
-//!   never used again);
+//!   never used again), a *lost* chunk (mapped without access: its access call and then
+//!   its unmap failed; its units are never used again);
 //! - free runs are maximal (two free runs never touch): a run is put back as it is only
 //!   where its neighbours are a block or a retired chunk, else through [`give_back`];
 //! - `chunks[c].used` is the number of units of chunk c in blocks (all of them while it
-//!   is retired), and `idle` holds exactly the chunks with a handle, none used, not stuck.
+//!   is retired or lost), and `idle` holds exactly the chunks with a handle, none used,
+//!   not stuck;
+//! - a *group* is a span of chunks `g..g + k` (k >= 2, in one region) mapped with ONE
+//!   handle of k chunks (`map.rs`): each of its chunks records `group == Some((g, k))`
+//!   and the same handle, and is used and idle on its own like any chunk (a block placed
+//!   there maps nothing). A group is unmapped only as a whole (one mapping), when all of
+//!   its chunks are idle and the frees of all its units completed, and its handle is
+//!   then released, never spare, never mapped elsewhere, never retired (`reclaim.rs`).
+//!   A group whose unmap fails stays mapped whole (its chunks stuck, or lost).
 //!
 //! [`give_back`]: super::PageHeap::give_back
 
@@ -39,6 +48,12 @@ pub(super) struct Chunk {
     pub(super) used: usize,
     /// An unmap failed: the mapping stays, and the chunk is never unmapped again.
     pub(super) stuck: bool,
+    /// Stuck without access (a span's access call failed, then this chunk's unmap): its
+    /// units are out of the free runs for good (`used` is all of them).
+    pub(super) lost: bool,
+    /// The group this chunk is part of: (its first chunk, its chunks), all mapped with
+    /// one handle (see the module docs).
+    pub(super) group: Option<(usize, usize)>,
 }
 
 /// A reserved range of virtual addresses: units `first..first + units` of the
@@ -160,8 +175,36 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Frees units `start..start + n` (of a block or a failed allocation) with
-    /// `stamps`: coalesced with the free runs around them, their chunks idle if wholly free.
-    pub(super) fn give_back(&self, st: &mut State<B>, start: usize, n: usize, mut stamps: Stamps) {
+    /// `stamps`: coalesced with the free runs around them, their chunks idle if wholly
+    /// free. The units of lost chunks stay out (never used again).
+    pub(super) fn give_back(&self, st: &mut State<B>, start: usize, n: usize, stamps: Stamps) {
+        let cu = self.chunk_units;
+        let end = start + n;
+        let mut at = start;
+        while at < end {
+            // The next piece: up to the next lost chunk, or past it.
+            let c = at / cu;
+            let piece_end = end.min((c + 1) * cu);
+            if st.chunks[c].lost {
+                at = piece_end;
+                continue;
+            }
+            let mut to = piece_end;
+            while to < end && !st.chunks[to / cu].lost {
+                to = end.min((to / cu + 1) * cu);
+            }
+            let part = if (at, to) == (start, end) {
+                stamps.clone()
+            } else {
+                touching(&stamps, at, to)
+            };
+            self.give_back_run(st, at, to - at, part);
+            at = to;
+        }
+    }
+
+    /// [`give_back`](Self::give_back) of units in no lost chunk.
+    fn give_back_run(&self, st: &mut State<B>, start: usize, n: usize, mut stamps: Stamps) {
         for (c, k) in self.chunks_of(start, n) {
             let ch = &mut st.chunks[c];
             ch.used -= k;
@@ -184,5 +227,33 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
         st.clocks.merge(&mut stamps, Vec::new());
         self.put_run(st, start, len, stamps);
+    }
+}
+
+impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
+    /// Marks chunks `from..to` lost (mapped without access, never unmapped again) and
+    /// takes their free units out of the free runs for good; the units of the
+    /// allocation at hand in them stay out when it gives its run back.
+    pub(super) fn lose_chunks(&self, st: &mut State<B>, from: usize, to: usize) {
+        let (first, end) = (from * self.chunk_units, to * self.chunk_units);
+        for c in from..to {
+            let ch = &mut st.chunks[c];
+            ch.stuck = true;
+            ch.lost = true;
+            ch.used = self.chunk_units;
+            st.idle.remove(&c);
+        }
+        for rs in st.free.overlapping(first, end) {
+            let Some(run) = self.take_run(st, rs) else {
+                continue;
+            };
+            if rs < first {
+                self.put_run(st, rs, first - rs, touching(&run.stamps, rs, first));
+            }
+            if rs + run.len > end {
+                let stamps = touching(&run.stamps, end, rs + run.len);
+                self.put_run(st, end, rs + run.len - end, stamps);
+            }
+        }
     }
 }

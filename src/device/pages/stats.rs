@@ -15,8 +15,13 @@ pub(crate) struct PageStats {
     /// Bytes in live blocks, now and at most.
     pub(crate) block_bytes: usize,
     pub(crate) peak_block_bytes: usize,
+    /// Handles created and released (a group's handle counts once).
     pub(crate) creates: u64,
     pub(crate) releases: u64,
+    /// Of those, the handles of groups (one handle for a span of chunks).
+    pub(crate) group_creates: u64,
+    pub(crate) group_releases: u64,
+    /// Mappings made and unmapped (a group is one mapping).
     pub(crate) maps: u64,
     pub(crate) unmaps: u64,
     pub(crate) range_reserves: u64,
@@ -25,6 +30,8 @@ pub(crate) struct PageStats {
     pub(crate) marks: u64,
     /// `cuMemSetAccess` calls.
     pub(crate) accesses: u64,
+    /// Of those, the ones that failed on a span just mapped (the span was unmapped again).
+    pub(crate) access_failures: u64,
     /// Nanoseconds in the driver's physical-memory calls, by call.
     pub(crate) driver_ns: DriverNs,
 }

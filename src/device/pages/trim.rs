@@ -4,11 +4,11 @@
 //!
 //! Invariants: a handle is released only when it is mapped nowhere (spare, or just
 //! unmapped, and not still mapped at a retired chunk); every handle a trim releases
-//! leaves `stats.reserved` and the pool's reservations together (the shutdown releases
-//! the rest without counting: the pool is going).
+//! leaves `stats.reserved` and the pool's reservations together, a group's with all its
+//! bytes (the shutdown releases the rest without counting: the pool is going, and a
+//! group's handle, recorded at each of its chunks, once).
 
-use super::stats::timed;
-use super::{PageHeap, Reclaim, MAX_CLOCKS};
+use super::{PageHeap, Reclaim, Reclaimed, MAX_CLOCKS};
 use crate::cuda::record_drop_error;
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
@@ -23,8 +23,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Releases spare handles, then idle chunks from the highest address (waiting on the
-    /// host for their marks), until the heap reserves less than `keep` bytes (0: all it
-    /// can, and the regions left empty are freed).
+    /// host for their marks; a group when all of its chunks are idle, whole), until the
+    /// heap reserves less than `keep` bytes (0: all it can, and the regions left empty
+    /// are freed).
     pub(crate) fn trim_to(&self, b: &B, keep: usize) {
         let mut st = lock(&self.state);
         st.clocks.begin_op();
@@ -35,7 +36,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             let h = match st.spare.pop() {
                 Some(h) => h,
                 None => match self.reclaim(&mut st, b, usize::MAX, Reclaim::Wait) {
-                    Some((h, _)) => h,
+                    Some(Reclaimed::Handle(h, _)) => h,
+                    // A group, unmapped and released whole.
+                    Some(Reclaimed::Released) => continue,
                     None => break,
                 },
             };
@@ -44,18 +47,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 st.spare.push(h);
                 break;
             }
-            // SAFETY: the handle is mapped nowhere (spare, or just unmapped) and
-            // forgotten here.
-            match timed(&mut st.stats.driver_ns.release, || unsafe {
-                self.phys.release(h)
-            }) {
-                Ok(()) => {
-                    st.stats.reserved -= self.chunk_bytes();
-                    self.reservations.give(self.chunk_bytes());
-                    st.stats.releases += 1;
-                }
-                Err(e) => record_drop_error("cuMemRelease", e),
-            }
+            // SAFETY: the handle (a chunk's) is mapped nowhere (spare, or just unmapped)
+            // and forgotten here.
+            unsafe { self.release_handle(&mut st, h, self.chunk_bytes()) };
         }
         if all {
             self.free_empty_regions(&mut st);

@@ -1,0 +1,310 @@
+//! Groups (one handle for a span of chunks) and lost chunks, on the simulated physical
+//! memory of `device/fake/`, which checks that a group is mapped whole, unmapped whole,
+//! released only unmapped, and never mapped elsewhere.
+
+use super::PageHeap;
+use crate::device::backend::Backend;
+use crate::device::config::PageTuning;
+use crate::device::fake::{FakeBackend, FakePhys, FakeStream, PhysOp};
+use crate::device::phys::Phys;
+use crate::sync::lock;
+
+const MIB: usize = 1 << 20;
+const GRANULE: usize = 2 * MIB;
+/// 4 MiB chunks, idle memory up to 1/32 (as `device::tests`).
+const TUNING: PageTuning = PageTuning::new(4 * MIB, 32);
+const CHUNK: usize = TUNING.chunk_bytes;
+
+type Heap = PageHeap<FakePhys, FakeBackend>;
+
+/// A heap of `tuning` over fake physical memory of at most `limit` bytes, groups from
+/// `group_min` chunks (`None`: the crate's rule), and a fake backend for its marks.
+fn heap(limit: usize, tuning: PageTuning, group_min: Option<usize>) -> (Heap, FakeBackend, FakePhys) {
+    let phys = FakePhys::new(GRANULE, limit);
+    let mut h = PageHeap::new(phys.clone(), tuning);
+    if let Some(k) = group_min {
+        h = h.with_group_min(k);
+    }
+    (h, FakeBackend::new(u64::MAX), phys)
+}
+
+/// Frees `ptr` (of `h`) on `s`.
+fn free(h: &Heap, b: &FakeBackend, ptr: u64, s: &FakeStream) {
+    // SAFETY: the tests free each block of `h` once, after queuing its uses on `s`.
+    unsafe { h.free(b, ptr, s) };
+}
+
+/// Trims `h` to nothing (every block freed) and checks that nothing is left and that no
+/// operation broke the fake's rules.
+fn trim_clean(h: &Heap, b: &FakeBackend, phys: &FakePhys) {
+    h.trim_to(b, 0);
+    assert_eq!(h.stats().reserved, 0);
+    assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
+    assert_eq!(phys.violations(), 0);
+}
+
+#[test]
+fn a_cold_large_block_is_one_create_one_map_and_one_access() {
+    // The crate's rule: 64 MiB of new chunks wholly inside the block (16 of 4 MiB here).
+    let (h, b, phys) = heap(usize::MAX, TUNING, None);
+    let s = FakeStream::new();
+    let a = h.alloc(&b, 64 * MIB, &s).unwrap();
+    let st = h.stats();
+    assert_eq!(
+        (st.creates, st.group_creates, st.maps, st.accesses),
+        (1, 1, 1, 1),
+        "{st:?}"
+    );
+    assert_eq!(st.reserved, 64 * MIB);
+    assert_eq!(
+        phys.mappings(),
+        vec![(a, 64 * MIB)],
+        "one mapping of the whole handle"
+    );
+    assert!(phys.use_block(a, 64 * MIB, &s));
+    // A peer gets access to the group as to any span (one call).
+    h.enable_peer(1).unwrap();
+    assert_eq!(h.stats().accesses, 2);
+    assert!(phys.peer_reaches(a, 64 * MIB, 1));
+    // Below the rule's bytes (12 inner chunks): one handle per chunk, one access call.
+    let c = h.alloc(&b, 48 * MIB, &s).unwrap();
+    let st = h.stats();
+    assert_eq!(
+        (st.creates, st.group_creates, st.maps, st.accesses),
+        (13, 1, 13, 3)
+    );
+    assert!(phys.use_block(c, 48 * MIB, &s));
+    // Freed, its chunks serve smaller blocks with no driver call.
+    free(&h, &b, a, &s);
+    let d = h.alloc(&b, 8 * MIB, &s).unwrap();
+    assert_eq!((d, h.stats().maps), (a, 13));
+    assert!(phys.use_block(d, 8 * MIB, &s));
+    free(&h, &b, d, &s);
+    free(&h, &b, c, &s);
+    assert_eq!(phys.violations(), 0);
+    // Trim releases the group whole: one unmap, one release, its bytes.
+    h.trim_to(&b, 0);
+    let st = h.stats();
+    assert_eq!((st.group_releases, st.releases, st.unmaps), (1, 13, 13), "{st:?}");
+    trim_clean(&h, &b, &phys);
+}
+
+#[test]
+fn a_group_goes_only_whole_when_idle_and_done_and_is_never_mapped_elsewhere() {
+    let (h, b, phys) = heap(usize::MAX, TUNING, Some(2));
+    let (s1, s2) = (FakeStream::new(), FakeStream::new());
+    // A group of 8 chunks, a block after it (so that its hole is bounded); a 4 MiB
+    // block stays in the group's first chunk.
+    let a = h.alloc(&b, 32 * MIB, &s1).unwrap();
+    let keep = h.alloc(&b, 4 * MIB, &s1).unwrap();
+    assert!(phys.use_block(a, 32 * MIB, &s1));
+    free(&h, &b, a, &s1);
+    let small = h.alloc(&b, 4 * MIB, &s1).unwrap();
+    assert_eq!(small, a);
+    assert!(phys.use_block(small, 4 * MIB, &s1));
+    // 28 MiB idle, over the allowance: a block that does not fit there would move an
+    // idle chunk, but no chunk of a group moves alone: new memory is made instead.
+    let c = h.alloc(&b, 40 * MIB, &s2).unwrap();
+    let st = h.stats();
+    assert_eq!((st.unmaps, st.group_releases, st.creates), (0, 0, 12), "{st:?}");
+    assert!(
+        phys.mappings().contains(&(a, 32 * MIB)),
+        "the group stays mapped whole"
+    );
+    assert!(phys.use_block(c, 40 * MIB, &s2));
+    // All of the group idle, but its frees pending on s1 (not run): skipped, never
+    // retired (its handle would have to be mapped at one chunk).
+    free(&h, &b, small, &s1);
+    free(&h, &b, c, &s2);
+    let d = h.alloc(&b, 72 * MIB, &s2).unwrap();
+    let st = h.stats();
+    assert_eq!((st.unmaps, st.group_releases, st.creates), (0, 0, 20), "{st:?}");
+    assert!(lock(&h.state).retired.is_empty(), "a group is never retired");
+    assert!(phys.mappings().contains(&(a, 32 * MIB)));
+    assert!(phys.use_block(d, 72 * MIB, &s2));
+    free(&h, &b, d, &s2);
+    // Once s1's work completed, the next block that would move an idle chunk releases
+    // the group instead (one unmap of all of it) and creates: the heap reserves less.
+    s1.complete_all();
+    s2.complete_all();
+    assert_eq!(h.stats().reserved, (4 + 32 + 72) * MIB);
+    let e = h.alloc(&b, 80 * MIB, &s2).unwrap();
+    let st = h.stats();
+    assert_eq!((st.group_releases, st.unmaps), (1, 1), "{st:?}");
+    assert!(!phys.mappings().contains(&(a, 32 * MIB)), "unmapped whole");
+    assert_eq!(st.reserved, (4 + 80) * MIB, "{st:?}");
+    assert!(phys.use_block(e, 80 * MIB, &s2));
+    free(&h, &b, e, &s2);
+    free(&h, &b, keep, &s1);
+    s2.complete_all();
+    assert_eq!(phys.violations(), 0);
+    trim_clean(&h, &b, &phys);
+}
+
+#[test]
+fn trim_releases_idle_groups_whole_and_no_more_than_needed() {
+    let (h, b, phys) = heap(usize::MAX, TUNING, Some(2));
+    let s = FakeStream::new();
+    let a = h.alloc(&b, 32 * MIB, &s).unwrap();
+    let c = h.alloc(&b, 32 * MIB, &s).unwrap();
+    assert_eq!(h.stats().group_creates, 2);
+    assert!(phys.use_block(a, 32 * MIB, &s));
+    assert!(phys.use_block(c, 32 * MIB, &s));
+    free(&h, &b, a, &s);
+    free(&h, &b, c, &s);
+    // Keep 40 MiB: the highest group goes (waiting for its frees on the host), whole.
+    h.trim_to(&b, 40 * MIB);
+    let st = h.stats();
+    assert_eq!(
+        (st.reserved, st.group_releases, st.unmaps),
+        (32 * MIB, 1, 1),
+        "{st:?}"
+    );
+    assert_eq!(phys.mappings(), vec![(a, 32 * MIB)]);
+    assert_eq!(phys.violations(), 0);
+    trim_clean(&h, &b, &phys);
+    assert_eq!(h.stats().group_releases, 2);
+}
+
+#[test]
+fn out_of_memory_recovery_releases_an_idle_group_and_the_retry_succeeds() {
+    // 100 MiB of physical memory; idle memory up to the bytes in blocks (divisor 1), so
+    // that nothing is moved before the create fails.
+    let tuning = PageTuning::new(4 * MIB, 1);
+    let (h, b, phys) = heap(100 * MIB, tuning, Some(2));
+    let s = FakeStream::new();
+    let a = h.alloc(&b, 48 * MIB, &s).unwrap();
+    let keep = h.alloc(&b, 48 * MIB, &s).unwrap();
+    assert_eq!(h.stats().group_creates, 2);
+    assert!(phys.use_block(a, 48 * MIB, &s));
+    free(&h, &b, a, &s);
+    s.complete_all();
+    // 52 MiB does not fit in a's hole: past `keep`, where the group's create (52 MiB)
+    // fails, chunks are made one by one until memory runs out, and then the idle group
+    // is released and the create retried.
+    let c = h.alloc(&b, 52 * MIB, &s).unwrap();
+    let st = h.stats();
+    assert_eq!((st.group_creates, st.group_releases), (2, 1), "{st:?}");
+    assert_eq!(st.reserved, 100 * MIB);
+    assert!(phys.use_block(c, 52 * MIB, &s));
+    free(&h, &b, c, &s);
+    free(&h, &b, keep, &s);
+    s.complete_all();
+    assert_eq!(phys.violations(), 0);
+    trim_clean(&h, &b, &phys);
+}
+
+#[test]
+fn a_chunk_stuck_without_access_is_never_used_again() {
+    // Per chunk: the access call over chunks 0-1 fails, then chunk 0's unmap: it stays
+    // mapped without access. Before the fix its units went back to the free runs and the
+    // next block was placed there (mapped, so no driver call) and used it without access.
+    let (h, b, phys) = heap(usize::MAX, TUNING, Some(usize::MAX));
+    let s = FakeStream::new();
+    phys.fail_next(PhysOp::SetAccess, 1);
+    phys.fail_next(PhysOp::Unmap, 1);
+    assert!(h.alloc(&b, 6 * MIB, &s).is_err());
+    assert_eq!(h.stats().access_failures, 1);
+    let lost = phys.mappings();
+    assert_eq!(lost.len(), 1, "chunk 0 stays mapped");
+    let y = h.alloc(&b, 4 * MIB, &s).unwrap();
+    assert_ne!(y, lost[0].0, "placed where memory has access");
+    assert!(phys.use_block(y, 4 * MIB, &s));
+    assert_eq!(phys.violations(), 0, "no use without access");
+    free(&h, &b, y, &s);
+    // Trimming leaves the lost chunk mapped (and its region reserved).
+    h.trim_to(&b, 0);
+    assert_eq!(phys.mappings(), lost);
+    assert_eq!(phys.violations(), 0);
+}
+
+#[test]
+fn a_group_whose_access_fails_is_released_or_lost_and_never_used() {
+    let (h, b, phys) = heap(usize::MAX, TUNING, Some(2));
+    let s = FakeStream::new();
+    // The access call fails and the unmap succeeds: released at once.
+    phys.fail_next(PhysOp::SetAccess, 1);
+    assert!(h.alloc(&b, 16 * MIB, &s).is_err());
+    let st = h.stats();
+    assert_eq!(
+        (
+            st.group_creates,
+            st.group_releases,
+            st.access_failures,
+            st.reserved
+        ),
+        (1, 1, 1, 0),
+        "{st:?}"
+    );
+    assert_eq!(phys.live().0, 0, "no handle left");
+    // The access call and the unmap fail: the group stays mapped, lost.
+    phys.fail_next(PhysOp::SetAccess, 1);
+    phys.fail_next(PhysOp::Unmap, 1);
+    assert!(h.alloc(&b, 16 * MIB, &s).is_err());
+    let lost = phys.mappings();
+    assert_eq!(lost.len(), 1);
+    assert_eq!(lost[0].1, 16 * MIB, "the whole group");
+    let y = h.alloc(&b, 16 * MIB, &s).unwrap();
+    assert!(y >= lost[0].0 + 16 * MIB as u64, "placed past the lost group");
+    assert!(phys.use_block(y, 16 * MIB, &s));
+    assert_eq!(phys.violations(), 0);
+    free(&h, &b, y, &s);
+    h.trim_to(&b, 0);
+    assert_eq!(phys.mappings(), lost);
+    assert_eq!(phys.violations(), 0);
+}
+
+#[test]
+fn a_failed_group_create_falls_back_to_one_handle_per_chunk() {
+    let (h, b, phys) = heap(usize::MAX, TUNING, Some(2));
+    let s = FakeStream::new();
+    phys.fail_next(PhysOp::Create, 1);
+    let a = h.alloc(&b, 16 * MIB, &s).unwrap();
+    let st = h.stats();
+    assert_eq!(
+        (st.group_creates, st.creates, st.maps, st.accesses),
+        (0, 4, 4, 1),
+        "{st:?}"
+    );
+    assert!(phys.use_block(a, 16 * MIB, &s));
+    free(&h, &b, a, &s);
+    trim_clean(&h, &b, &phys);
+}
+
+#[test]
+fn a_paged_backend_releases_each_group_handle_once_at_drop() {
+    let phys = FakePhys::new(GRANULE, usize::MAX);
+    let b = FakeBackend::paged(u64::MAX, phys.clone(), GRANULE, TUNING);
+    let s = FakeStream::new();
+    let a = b.alloc(256 * MIB, &s).unwrap();
+    assert!(phys.use_block(a, 256 * MIB, &s));
+    assert_eq!(b.pages.as_ref().unwrap().stats().group_creates, 1);
+    // SAFETY: allocated above, its use on s.
+    unsafe { b.free(a, 256 * MIB, &s) };
+    drop(b); // waits for the marks on the host, unmaps, releases
+    assert_eq!(phys.live(), (0, 0, 0, 0));
+    assert_eq!(phys.violations(), 0, "released once, unmapped whole");
+}
+
+#[test]
+fn the_fake_physical_memory_catches_a_group_unmapped_or_mapped_in_part() {
+    // Negative control of the checks the tests above rely on.
+    let phys = FakePhys::new(GRANULE, usize::MAX);
+    let h = phys.create(4 * CHUNK).unwrap();
+    let v = phys.reserve(8 * CHUNK).unwrap();
+    // SAFETY: the fake only keeps books.
+    unsafe {
+        phys.map(v, 4 * CHUNK, h).unwrap();
+        phys.set_access(v, 4 * CHUNK, &[]).unwrap();
+    }
+    assert_eq!(phys.violations(), 0);
+    // SAFETY: as above.
+    unsafe { phys.set_access(v + CHUNK as u64, CHUNK, &[]).unwrap() };
+    assert_eq!(phys.violations(), 1, "access over part of a mapping");
+    // SAFETY: as above.
+    unsafe { phys.map(v + (4 * CHUNK) as u64, CHUNK, h).unwrap() };
+    assert_eq!(phys.violations(), 2, "a group's handle mapped as one chunk");
+    // SAFETY: as above.
+    unsafe { phys.unmap(v, CHUNK).unwrap() };
+    assert_eq!(phys.violations(), 3, "a group unmapped in part");
+}
