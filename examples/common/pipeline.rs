@@ -27,8 +27,12 @@
 //! `ring.pipeline().run(..)` the stamp or fill, the launch (H2D, kernel, D2H on the
 //! lease's stream) and the check ([`run_ring`]); `ring-S` leases its inputs from a
 //! `StagingRing` inside the hand-written lane loop. The pipeline's order is its own: a
-//! ring buffer (and the device buffers and host output kept per buffer) is refilled once
-//! its last batch is drained.
+//! ring buffer is refilled once its upload is done (the launch calls
+//! `Staged::last_use_queued` right after it, as the hand-written loop's `AwaitInputRead`
+//! waits for the H2D only), and the buffer's next batch is launched once its last batch
+//! is drained (the device buffers and host output kept per buffer are then free). What
+//! remains of the difference with one buffer per stream: the hand-written loop queues
+//! batch b's H2D and kernel before it waits for the D2H of b - S, the pipeline after.
 //!
 //! Issue order of the hand-written loops ([`plan`]): the issuing thread blocks only where
 //! a buffer it is about to touch may still be in use, and only just before touching it.
@@ -1975,8 +1979,9 @@ fn as_words_mut(bytes: &mut [u8]) -> Result<&mut [u32]> {
 }
 
 /// A row's work on the library's `staging::Pipeline`: the helper leases the input
-/// buffers, keeps a batch per ring buffer in flight and waits for each batch before its
-/// check; the user code is the fill (all of the input when `full`, else its checked
+/// buffers (each once its last upload is done: `last_use_queued`), keeps a batch per ring
+/// buffer in flight and waits for each batch before its check, and a buffer's check
+/// before its next launch; the user code is the fill (all of the input when `full`, else its checked
 /// positions), the launch and the check. With `workers`, the fill runs on that many
 /// worker threads (`Pipeline::fill_threads`), each writing its batch with
 /// `fill_threads / workers` threads, while this thread launches and checks.
@@ -2026,19 +2031,28 @@ fn run_ring<A: allocator_api2::alloc::Allocator + Send>(
             s.wait(&ctx.events[b - 1].h1)?;
         }
         ev.h0.record(s)?;
-        // SAFETY: the pipeline does not refill the ring's buffer before this copy is done.
+        // SAFETY: nothing below uses the ring's buffer (`last_use_queued` says so): the
+        // ring hands it to the next fill only once the event it records after this copy
+        // has completed. The ring's memory is the ring's until then.
         unsafe { dev_in.upload(as_words(buf)?, s) }?;
+        // The hand-written lanes' `AwaitInputRead`: the next fill of this buffer waits
+        // for this copy, not for the kernel and the D2H below.
+        buf.last_use_queued()?;
         ev.h1.record(s)?;
         ev.k0.record(s)?;
-        // SAFETY: both device buffers hold `n` u32s, are this ring buffer's (the
-        // pipeline drains a buffer's last batch before reusing it) and used on `s`.
+        // SAFETY: both device buffers hold `n` u32s, are this ring buffer's and used on
+        // `s` only: the next batch on this ring buffer is launched only after this one is
+        // drained (its kernel and D2H completed), and is queued after it on `s` anyway.
+        // `last_use_queued` changes when the input may be refilled, not that order.
         unsafe { launch_hash(ctx.kernel, s, dev_in.ptr(), dev_out.ptr(), ctx.n, ctx.rounds) }?;
         ev.k1.record(s)?;
         if chain && b > 0 {
             s.wait(&ctx.events[b - 1].d1)?;
         }
         ev.d0.record(s)?;
-        // SAFETY: `host_out` is read by this batch's check only, after the batch completed.
+        // SAFETY: `host_out` is read by this batch's check only, after the batch completed
+        // (the drain waits for an event recorded after this launch); the next D2H into
+        // it is queued by the next launch on this ring buffer, after that check.
         unsafe { dev_out.download(host_out, s) }?;
         ev.d1.record(s)?;
         Ok(buf.index())

@@ -9,7 +9,10 @@
 //! view, kernels. When the lease is dropped the ring records an event at the end of that
 //! stream, so every use queued there while the lease lived is covered and nobody records
 //! an event by hand; the buffer is handed out again only once that event has completed.
-//! Work on another stream is covered by [`Staged::record_use`].
+//! Work on another stream is covered by [`Staged::record_use`]. Where the buffer's last
+//! use is an upload followed by kernels and a copy back, [`Staged::last_use_queued`]
+//! records the event right after the upload: the ring hands the buffer out again once
+//! the upload has completed, while the rest of the batch still runs.
 //!
 //! [`StagingRing::pipeline`] runs the whole double-buffered loop over a ring: the user
 //! gives the host fill, the launch and the drain ([`Pipeline`]), the fill on worker threads
@@ -43,6 +46,7 @@ use allocator_api2::vec::Vec;
 
 use crate::cuda::{Event, EventCompleted, Stream};
 use crate::error::{Error, Result};
+use crate::sync::global::{AtomicBool, Ordering};
 use crate::sync::{lock, Arc, Mutex};
 
 mod pipeline;
@@ -107,7 +111,9 @@ impl<A: Allocator> RingState<A> {
 struct Slot<A: Allocator> {
     buf: Vec<u8, A>,
     stream: Stream,
-    /// Recorded on `stream` when the last lease was dropped; `None` before the first.
+    /// Recorded on `stream` after the last lease's last use ([`Staged::last_use_queued`],
+    /// or when it was dropped); made on the first lease (not recorded: complete). `None`
+    /// before the first lease, and after a failed record (the stream was waited for).
     last_use: Option<Event>,
     index: usize,
 }
@@ -217,7 +223,7 @@ impl<A: Allocator> StagingRing<A> {
     /// ```
     pub fn try_next(&self) -> Result<Option<Staged<A>>> {
         match self.take(None, false)? {
-            Take::Ready(slot) => Ok(Some(self.lease(slot))),
+            Take::Ready(slot) => self.lease(slot).map(Some),
             Take::Pending(_) | Take::Empty => Ok(None),
         }
     }
@@ -289,11 +295,25 @@ impl<A: Allocator> StagingRing<A> {
         }
     }
 
-    fn lease(&self, slot: Slot<A>) -> Staged<A> {
-        Staged {
+    /// A lease of `slot`, its event made on its first lease (so that
+    /// [`Staged::last_use_queued`] can record it through `&self`). An error gives the
+    /// buffer back.
+    fn lease(&self, mut slot: Slot<A>) -> Result<Staged<A>> {
+        if slot.last_use.is_none() {
+            match Event::new(slot.stream.device()) {
+                // Not recorded yet: it counts as complete, as `None` did.
+                Ok(e) => slot.last_use = Some(e),
+                Err(e) => {
+                    self.give_back(slot);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Staged {
             ring: self.clone(),
             slot: Some(slot),
-        }
+            recorded_early: AtomicBool::new(false),
+        })
     }
 
     /// Takes the first free buffer the GPU is done with. The driver queries run with the
@@ -431,7 +451,7 @@ impl<A: Allocator> Future for NextStaged<A> {
                     return match this.ring.take_now(cx.waker()) {
                         Some(slot) => {
                             this.waiting.clear();
-                            Poll::Ready(slot.map(|s| this.ring.lease(s)))
+                            Poll::Ready(slot.and_then(|s| this.ring.lease(s)))
                         }
                         None => Poll::Pending,
                     };
@@ -440,7 +460,7 @@ impl<A: Allocator> Future for NextStaged<A> {
             }
             match this.ring.take(Some(cx.waker()), true) {
                 Err(e) => return Poll::Ready(Err(e)),
-                Ok(Take::Ready(slot)) => return Poll::Ready(Ok(this.ring.lease(slot))),
+                Ok(Take::Ready(slot)) => return Poll::Ready(this.ring.lease(slot)),
                 // (Never empty: a free buffer without a use is ready.)
                 Ok(Take::Pending(done)) if done.is_empty() => return Poll::Pending,
                 Ok(Take::Pending(done)) => this.waiting = done,
@@ -464,11 +484,18 @@ impl<A: Allocator> StagingRing<A> {
 
 /// A leased staging buffer: derefs to its bytes; queue its uses on [`stream`](Self::stream).
 /// Dropped, it records an event on that stream and goes back to its ring, which hands it
-/// out again once the event has completed.
+/// out again once the event has completed. [`last_use_queued`](Self::last_use_queued)
+/// records that event earlier, right after the buffer's last use (an upload), so that the
+/// ring hands the buffer out again before the rest of the batch's work has completed.
 pub struct Staged<A: Allocator> {
     ring: StagingRing<A>,
     /// `Some` until dropped.
     slot: Option<Slot<A>>,
+    /// Set by `last_use_queued` (before it records the slot's event, cleared again if the
+    /// record fails): the drop records nothing more. An atomic because launch closures
+    /// hold `&Staged` and `Staged` is `Sync`; `record_use` reads it after its wait, so a
+    /// wait queued concurrently is either before the early record or recorded again.
+    recorded_early: AtomicBool,
 }
 
 impl<A: Allocator> core::fmt::Debug for Staged<A> {
@@ -502,12 +529,78 @@ impl<A: Allocator> Staged<A> {
     /// Records that work queued on `other` (not the buffer's own stream) so far uses the
     /// buffer: the buffer's stream waits for it on the GPU, so the event recorded when the
     /// lease is dropped covers it too (as [`Stream::wait_for`]: on the host if the GPU-side
-    /// wait cannot be queued).
+    /// wait cannot be queued). After [`last_use_queued`](Self::last_use_queued) the event
+    /// is recorded again, after the wait: the use is covered either way.
     pub fn record_use(&self, other: &Stream) -> Result<()> {
         if other == self.stream() {
             return Ok(());
         }
-        self.stream().wait_for(other)
+        self.stream().wait_for(other)?;
+        if self.recorded_early.load(Ordering::SeqCst) {
+            if let Err(e) = self.record_last_use() {
+                // Left to the drop, which records after the wait.
+                self.recorded_early.store(false, Ordering::SeqCst);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Says that the work queued so far on the lease's [`stream`](Self::stream) is the last
+    /// that uses this buffer: records the ring's event for it now, so the ring hands the
+    /// buffer out again once *that* work has completed (the upload of a batch), not once
+    /// everything queued on the stream until the lease is dropped has (its kernels and the
+    /// copy back). The drop then records nothing more. Use on another stream is still
+    /// covered by [`record_use`](Self::record_use), before or after this call.
+    ///
+    /// Safe: it changes when the ring reuses the buffer, and every GPU use of the buffer
+    /// queued after it is the caller's: the crate's asynchronous copies
+    /// ([`copy::host_to_device_async`](crate::copy::host_to_device_async),
+    /// [`copy::device_to_host_async`](crate::copy::device_to_host_async)) are `unsafe`,
+    /// and their contract (the host memory is not written, or not touched, until the copy
+    /// has completed) is broken by a copy queued after this call: the ring may hand the
+    /// buffer to the next writer before it runs. (cudarc's plain-slice copies of pinned
+    /// memory are a hole of cudarc's, as everywhere in the crate: see `PinnedView`.)
+    /// Errors: a CUDA error of the record, which leaves the drop to record as before.
+    ///
+    /// ```
+    /// use cudalloc::{copy, cuda::Stream, device::DevicePool, staging::StagingRing, PinnedAlloc};
+    /// use std::time::Duration;
+    /// if let Ok(s) = Stream::new(0) {
+    ///     let ring = StagingRing::new(PinnedAlloc, &[s.clone()], 1, 1 << 16).unwrap();
+    ///     let pool = DevicePool::get(0).unwrap();
+    ///     let mut dev = pool.alloc::<u8>(ring.buffer_len(), &s).unwrap();
+    ///     let mut buf = ring.next(Duration::from_secs(10)).unwrap();
+    ///     buf.fill(7);
+    ///     // SAFETY: nothing uses `buf` after this copy; the ring keeps it from the next
+    ///     // lease until the copy has completed (the event recorded below).
+    ///     unsafe { copy::host_to_device_async(&buf, &mut dev, 0) }.unwrap();
+    ///     buf.last_use_queued().unwrap(); // the upload is the buffer's last use
+    ///     // ... kernels on `dev` on buf.stream(): the ring does not wait for them ...
+    ///     drop(buf);
+    ///     let again = ring.next(Duration::from_secs(10)).unwrap(); // once the upload is done
+    ///     assert_eq!(again.index(), 0);
+    /// }
+    /// ```
+    pub fn last_use_queued(&self) -> Result<()> {
+        // Set before the record: a `record_use` that does not see it waited before it.
+        self.recorded_early.store(true, Ordering::SeqCst);
+        let recorded = self.record_last_use();
+        if recorded.is_err() {
+            self.recorded_early.store(false, Ordering::SeqCst);
+        }
+        recorded
+    }
+
+    /// Records the slot's event (made by the lease) at the end of its stream.
+    fn record_last_use(&self) -> Result<()> {
+        let slot = self.slot();
+        match &slot.last_use {
+            Some(e) => e.record(&slot.stream),
+            None => Err(Error::InvalidArgument(
+                "a staging buffer leased without its event",
+            )),
+        }
     }
 }
 
@@ -531,8 +624,12 @@ impl<A: Allocator> Drop for Staged<A> {
     fn drop(&mut self) {
         let Some(mut slot) = self.slot.take() else { return };
         #[cfg(feature = "test-hooks")]
-        if hooks::SKIP_RELEASE_EVENT.load(crate::sync::global::Ordering::SeqCst) {
+        if hooks::SKIP_RELEASE_EVENT.load(Ordering::SeqCst) {
             slot.last_use = None;
+            return self.ring.give_back(slot);
+        }
+        if *self.recorded_early.get_mut() && slot.last_use.is_some() {
+            // `last_use_queued` recorded the event after the buffer's last use.
             return self.ring.give_back(slot);
         }
         let recorded = match &slot.last_use {
@@ -567,8 +664,8 @@ pub mod hooks {
     pub(super) static SKIP_RELEASE_EVENT: AtomicBool = AtomicBool::new(false);
 
     /// Makes every staging ring hand a given-back buffer out at once, without waiting for
-    /// the GPU (the defect the ring exists to prevent), and every pipeline refill a buffer
-    /// without draining its last batch first: for negative controls.
+    /// the GPU (the defect the ring exists to prevent), and every pipeline launch a batch
+    /// in a buffer without draining the buffer's last batch first: for negative controls.
     pub fn skip_release_events(skip: bool) {
         SKIP_RELEASE_EVENT.store(skip, crate::sync::global::Ordering::SeqCst);
     }

@@ -2,7 +2,10 @@
 //! launch (work queued on the buffer's stream) and the drain (run once the batch's work
 //! has completed); the helper leases the buffers, keeps up to `in_flight` batches queued
 //! on the GPU and records and waits for the events, so batch i+1's fill and copy overlap
-//! batch i's compute on as many streams as the ring has.
+//! batch i's compute on as many streams as the ring has. A buffer's last batch is drained
+//! before the buffer's next batch is launched, not before it is filled: with
+//! [`Staged::last_use_queued`] after the upload, the fill of the next batch in a buffer
+//! overlaps the kernels and the copy back of the last one.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -22,9 +25,17 @@ use crate::error::Error;
 /// drain needs; the helper records an event after that work and calls `drain` with the
 /// launch's value once the event has completed, while later batches are being filled and
 /// run. Up to `in_flight` batches (default: the ring's buffer count) are launched and not
-/// yet drained; consecutive batches go to the ring's streams in turn. A buffer's last
-/// batch is drained before the buffer is filled again: device buffers or host outputs kept
-/// per ring buffer (indexed by [`Staged::index`]) are reused safely without a free list.
+/// yet drained, a limit enforced before each launch (after the fill); consecutive batches
+/// go to the ring's streams in turn.
+///
+/// A buffer is filled once the ring hands it out (the GPU is done with its last use), and
+/// its last batch is drained before its next batch is launched: device buffers or host
+/// outputs kept per ring buffer (indexed by [`Staged::index`], which only the launch
+/// sees) are reused safely without a free list. Call [`Staged::last_use_queued`] in the
+/// launch right after the upload: the ring then hands the buffer out once the upload has
+/// completed, and the next batch's fill runs while the last one's kernels and copy back
+/// do (with one buffer per stream, the hand-written loop's overlap); without it the ring
+/// waits for everything the launch queued.
 #[derive(Debug)]
 pub struct Pipeline<'r, A: Allocator> {
     pub(super) ring: &'r StagingRing<A>,
@@ -71,9 +82,10 @@ impl<A: Allocator> StagingRing<A> {
     ///             },
     ///             |_, buf| {
     ///                 let mut dev = pool.alloc::<u8>(buf.len(), buf.stream())?;
-    ///                 // SAFETY: the pipeline does not hand `buf` out again before the
-    ///                 // copy has completed.
+    ///                 // SAFETY: nothing uses `buf` after this copy (said just below); the
+    ///                 // ring does not hand it out again before the copy has completed.
     ///                 unsafe { copy::host_to_device_async(buf, &mut dev, 0) }?;
+    ///                 buf.last_use_queued()?; // the next fill need not wait for the rest
     ///                 // ... kernels on buf.stream() ...
     ///                 let mut back = vec![0u8; buf.len()];
     ///                 // SAFETY: `back` is read only by the drain, after the copy completed.
@@ -117,8 +129,8 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
     /// Runs `batches` batches: for each, `fill(batch, bytes)` on the host, then
     /// `launch(batch, &lease)` queues its work on `lease.stream()` and returns a value
     /// (device buffers, a host buffer a copy back writes), then, once that work has
-    /// completed, `drain(batch, value)`. Batches are drained in order. Returns what it
-    /// did ([`PipelineRun`]).
+    /// completed, `drain(batch, value)`. Batches are drained in order; a buffer's last
+    /// batch before the buffer's next launch. Returns what it did ([`PipelineRun`]).
     ///
     /// Errors: [`Error::InvalidArgument`] for `in_flight(0)` (before any call); the first
     /// error of a closure or of the driver (a CUDA error, [`Error::TimedOut`] for a
@@ -146,25 +158,29 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
         let mut spare: std::vec::Vec<Event> = std::vec::Vec::new();
         let out = (|| {
             for batch in 0..batches {
-                if queue.len() == self.in_flight {
-                    self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
-                }
                 let t0 = Instant::now();
                 let mut lease = self.ring.next(self.timeout)?;
                 run.buffer_wait += t0.elapsed();
-                // The buffer's last batch is drained before the buffer is filled again,
-                // so state kept per buffer (`lease.index()`) is free to reuse too.
-                while drain_before_refill() && queue.iter().any(|q| q.buffer == lease.index()) {
+                // The ring handed it out: the GPU is done with its bytes (the fill sees
+                // nothing else), while the buffer's last batch may still run.
+                fill(batch, &mut lease)?;
+                // Before the launch, not before the fill: the in-flight limit, and the
+                // drain of the buffer's last batch, so that state kept per buffer
+                // (`lease.index()`, seen by the launch only) is free to reuse.
+                if queue.len() >= self.in_flight {
+                    self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
+                }
+                while drain_before_launch() && queue.iter().any(|q| q.buffer == lease.index()) {
                     self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
                 }
                 let buffer = lease.index();
-                fill(batch, &mut lease)?;
                 let launched = launch(batch, &lease).and_then(|value| {
                     let done = match spare.pop() {
                         Some(e) => e,
                         None => Event::new(lease.stream().device())?,
                     };
-                    // The lease, dropped below, records the ring's own event after it.
+                    // The lease, dropped below, records the ring's own event after it
+                    // (unless the launch did, with `last_use_queued`).
                     done.record(lease.stream())?;
                     Ok((value, done))
                 });
@@ -235,9 +251,9 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
     }
 }
 
-/// Whether a buffer's last batch is drained before its refill: always, but for the
-/// negative controls of `test-hooks` ([`super::hooks::skip_release_events`]).
-pub(super) fn drain_before_refill() -> bool {
+/// Whether a buffer's last batch is drained before the buffer's next launch: always, but
+/// for the negative controls of `test-hooks` ([`super::hooks::skip_release_events`]).
+pub(super) fn drain_before_launch() -> bool {
     #[cfg(feature = "test-hooks")]
     if super::hooks::SKIP_RELEASE_EVENT.load(crate::sync::global::Ordering::SeqCst) {
         return false;

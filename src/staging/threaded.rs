@@ -26,7 +26,10 @@ use crate::sync::global::{lock, mpsc, AtomicBool, Mutex, Ordering};
 /// the workers plus one, at most the ring's buffers), so a worker finds its next batch
 /// waiting when it is done with one. Every guarantee of [`Pipeline`] holds: a buffer is
 /// handed to a worker only once the GPU is done with its last use (the ring waits for its
-/// event) and its last batch has been drained (state kept per buffer is free to reuse).
+/// event: with [`Staged::last_use_queued`], the batch's upload), and its last batch is
+/// drained before its next batch is launched (state kept per buffer, seen by the launch
+/// only, is free to reuse): a worker fills batch i+S while batch i's kernels and copy
+/// back still run.
 #[derive(Debug)]
 pub struct ThreadedPipeline<'r, A: Allocator> {
     pipeline: Pipeline<'r, A>,
@@ -152,7 +155,7 @@ impl<A: Allocator + Send> ThreadedPipeline<'_, A> {
             threads: self.threads,
             ahead: self.ahead_now(),
             in_flight: self.pipeline.in_flight,
-            drain_before_refill: super::pipeline::drain_before_refill(),
+            drain_before_launch: super::pipeline::drain_before_launch(),
         };
         run_threaded(&lanes, shape, batches, fill, launch, drain)
     }
@@ -214,7 +217,8 @@ impl<A: Allocator + Send> Lanes for RingLanes<'_, A> {
             // The batch's work is not tracked: wait for it before its value is dropped.
             let _ = lease.stream().synchronize();
         }
-        // The lease, dropped here, records the ring's own event after the batch's work.
+        // The lease, dropped here, records the ring's own event after the batch's work
+        // (unless the launch did, with `last_use_queued`).
         drop(lease);
         recorded
     }
@@ -234,8 +238,9 @@ pub(super) struct Shape {
     pub(super) threads: usize,
     pub(super) ahead: usize,
     pub(super) in_flight: usize,
-    /// Always, but for the negative controls of `test-hooks`.
-    pub(super) drain_before_refill: bool,
+    /// Whether a buffer's last batch is drained before the buffer's next launch: always,
+    /// but for the negative controls of `test-hooks`.
+    pub(super) drain_before_launch: bool,
 }
 
 /// A launched batch waiting for its drain.
@@ -294,19 +299,22 @@ impl<B: Lanes, T, E: From<Error>> Issuer<'_, B, T, E> {
         Ok(())
     }
 
-    /// A leased buffer, made ready for a refill: its last batch drained.
-    fn prepare<D>(&mut self, lease: &B::Lease, drain: &mut D) -> core::result::Result<(), E>
+    /// Makes room for a launch in buffer `index`: the in-flight limit, and the buffer's
+    /// last batch drained (state kept per buffer is free to reuse).
+    fn make_room<D>(&mut self, index: usize, drain: &mut D) -> core::result::Result<(), E>
     where
         D: FnMut(usize, T) -> core::result::Result<(), E>,
     {
-        let index = B::index(lease);
-        while self.shape.drain_before_refill && self.queue.iter().any(|q| q.buffer == index) {
+        if self.queue.len() >= self.shape.in_flight {
+            self.drain_oldest(drain)?;
+        }
+        while self.shape.drain_before_launch && self.queue.iter().any(|q| q.buffer == index) {
             self.drain_oldest(drain)?;
         }
         Ok(())
     }
 
-    /// Launches filled batch `batch` (the next in order).
+    /// Launches filled batch `batch` (the next in order), once there is room for it.
     fn launch<L, D>(
         &mut self,
         batch: usize,
@@ -318,13 +326,11 @@ impl<B: Lanes, T, E: From<Error>> Issuer<'_, B, T, E> {
         L: FnMut(usize, &B::Lease) -> core::result::Result<T, E>,
         D: FnMut(usize, T) -> core::result::Result<(), E>,
     {
-        if self.queue.len() >= self.shape.in_flight {
-            if let Err(e) = self.drain_oldest(drain) {
-                self.ready.insert(batch, lease);
-                return Err(e);
-            }
-        }
         let buffer = B::index(&lease);
+        if let Err(e) = self.make_room(buffer, drain) {
+            self.ready.insert(batch, lease);
+            return Err(e);
+        }
         let value = match launch(batch, &lease) {
             Ok(v) => v,
             Err(e) => {
@@ -447,10 +453,8 @@ where
                     };
                     issuer.run.pipeline.buffer_wait += t0.elapsed();
                     if let Some(lease) = lease {
-                        if let Err(e) = issuer.prepare(&lease, &mut drain) {
-                            drop(lease); // not filled: nothing of it is queued
-                            return Err(e);
-                        }
+                        // Filled at once, even while the buffer's last batch still runs:
+                        // that batch is drained before this one's launch.
                         issuer.at_workers += 1;
                         if let Err(mpsc::SendError((_, lease))) = job_tx.send((next_fill, lease)) {
                             issuer.at_workers -= 1;

@@ -59,17 +59,21 @@ impl Outcome {
         self.calls.iter().position(|&x| x == c).unwrap()
     }
 
-    /// Each batch's ring buffer was filled again only after the buffer's last batch was
-    /// drained (state kept per buffer is safe to reuse).
-    fn assert_buffers_drained_before_refill(&self) {
+    /// Each batch was launched in its ring buffer only after the buffer's last batch was
+    /// drained (state kept per buffer is safe to reuse); returns how many batches were
+    /// filled before that drain (the fill overlapping the last batch's work).
+    fn assert_buffers_drained_before_launch(&self) -> usize {
+        let mut early_fills = 0;
         for (b, &k) in self.buffer_of.iter().enumerate() {
             if let Some(prev) = self.buffer_of[..b].iter().rposition(|&j| j == k) {
                 assert!(
-                    self.at(Call::Drain(prev)) < self.at(Call::Fill(b)),
-                    "buffer {k} filled for batch {b} before batch {prev} was drained"
+                    self.at(Call::Drain(prev)) < self.at(Call::Launch(b)),
+                    "buffer {k} launched for batch {b} before batch {prev} was drained"
                 );
+                early_fills += usize::from(self.at(Call::Fill(b)) < self.at(Call::Drain(prev)));
             }
         }
+        early_fills
     }
 }
 
@@ -142,8 +146,10 @@ fn hash_pipeline(
                 let s = buf.stream();
                 let mut input = pool.alloc::<u8>(buf.len(), s)?;
                 let output = pool.alloc::<u32>(n, s)?;
-                // SAFETY: the pipeline keeps `buf` from the next lease until the copy completed.
+                // SAFETY: nothing uses `buf` after this copy (said just below); the ring
+                // keeps it from the next lease until the copy has completed.
                 unsafe { copy::host_to_device_async(buf, &mut input, 0) }?;
+                buf.last_use_queued()?;
                 // SAFETY: both buffers hold `n` u32s, live in the value until the drain
                 // (after the kernel), on `s`; `kernel` outlives the run.
                 unsafe { launch_hash(&kernel, s, input.device_ptr(), output.device_ptr(), n) }?;
@@ -194,9 +200,12 @@ fn a_pipeline_on_one_stream_delivers_every_batch_intact_and_double_buffers() {
         .collect();
     assert_eq!(drains, (0..batches).collect::<Vec<_>>());
     // Double buffering: batch b+1 is filled and launched before batch b is drained
-    // (its fill overlaps batch b's compute), and never more than 2 batches in flight.
+    // (its fill overlaps batch b's compute), and never more than 2 batches in flight;
+    // batch b+2, in batch b's buffer, is filled before batch b's drain (the fill overlaps
+    // batch b's kernel and copy back) and launched after it.
     let at = |c: Call| out.at(c);
-    out.assert_buffers_drained_before_refill();
+    let early_fills = out.assert_buffers_drained_before_launch();
+    assert_eq!(early_fills, batches - 2, "refills after the last batch's drain");
     for b in 0..batches - 1 {
         assert!(
             at(Call::Launch(b + 1)) < at(Call::Drain(b)),
@@ -205,8 +214,13 @@ fn a_pipeline_on_one_stream_delivers_every_batch_intact_and_double_buffers() {
         );
         if b + 2 < batches {
             assert!(
-                at(Call::Drain(b)) < at(Call::Fill(b + 2)),
+                at(Call::Drain(b)) < at(Call::Launch(b + 2)),
                 "3 batches in flight on a ring of 2"
+            );
+            assert!(
+                at(Call::Fill(b + 2)) < at(Call::Drain(b)),
+                "batch {} filled only after batch {b}'s drain",
+                b + 2
             );
         }
     }
@@ -227,7 +241,7 @@ fn a_pipeline_on_eight_streams_delivers_every_batch_intact_on_every_stream() {
         "batches went to {} of 8 streams",
         out.streams.len()
     );
-    out.assert_buffers_drained_before_refill();
+    out.assert_buffers_drained_before_launch();
 }
 
 #[test]

@@ -915,8 +915,10 @@ fn threaded_pipeline(
                 let s = buf.stream();
                 let mut input = pool.alloc::<u8>(buf.len(), s)?;
                 let output = pool.alloc::<u32>(n, s)?;
-                // SAFETY: the pipeline hands `buf` out again only once the copy completed.
+                // SAFETY: nothing uses `buf` after this copy (said just below); the ring
+                // hands it out again only once the copy has completed.
                 unsafe { copy::host_to_device_async(buf, &mut input, 0) }?;
+                buf.last_use_queued()?;
                 // SAFETY: both buffers hold `n` u32s and live in the value until the drain
                 // (after the kernel), on `s`; `kernel` outlives the run.
                 unsafe { launch_hash(&kernel, s, input.device_ptr(), output.device_ptr(), n) }?;
@@ -978,13 +980,14 @@ fn a_threaded_pipeline_delivers_every_element_of_every_batch_in_order() {
         );
         let drains = of(|c| if let Call::Drain(b) = c { Some(*b) } else { None });
         assert!(drains.iter().copied().eq(0..batches), "{who}: drains {drains:?}");
-        // A buffer is refilled only after its last batch was drained.
+        // A batch is launched in a buffer only after the buffer's last batch was drained
+        // (its fill may come before that drain: the ring waited for the upload only).
         let at = |c: Call| out.calls.iter().position(|&x| x == c).unwrap();
         for (b, &k) in out.buffer_of.iter().enumerate() {
             if let Some(prev) = out.buffer_of[..b].iter().rposition(|&j| j == k) {
                 assert!(
-                    at(Call::Drain(prev)) < at(Call::Fill(b)),
-                    "{who}: buffer {k} filled for batch {b} before batch {prev} was drained"
+                    at(Call::Drain(prev)) < at(Call::Launch(b)),
+                    "{who}: buffer {k} launched for batch {b} before batch {prev} was drained"
                 );
             }
         }

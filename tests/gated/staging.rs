@@ -1,7 +1,8 @@
 //! The staging ring (`cudalloc::staging`): never hands out a buffer the GPU still reads
 //! (a copy held behind a gate, 0 corrupted bytes, and the negative control that skips the
 //! ring's event), deadline expiry, the async path woken by the driver and by give-backs,
-//! buffers from each source (`PinnedAlloc`, a `Pool`, an `Arena`).
+//! buffers from each source (`PinnedAlloc`, a `Pool`, an `Arena`); `Staged::last_use_queued`
+//! (the buffer handed out while the rest of its batch is held; `record_use` after it).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -318,4 +319,106 @@ fn without_the_rings_events_a_pipeline_refills_buffers_the_gpu_still_reads() {
     let (wrong, _) = pipeline_behind_a_gate(false, 0);
     cudalloc::staging::hooks::skip_release_events(false);
     assert_eq!(wrong, 3 * 4 * MIB, "the refills did not reach the held copies");
+}
+
+/// Polls `event` until it has completed (never a blocking synchronize: the stream may be
+/// held behind a gate); false after 10 s (a hang guard, not a timed assertion).
+fn completes(event: &cudalloc::cuda::Event) -> bool {
+    let t0 = Instant::now();
+    while !event.is_complete().unwrap() {
+        if t0.elapsed() > Duration::from_secs(10) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    true
+}
+
+/// Leases the ring's only buffer, fills it with 0xAA and queues its copy to the device,
+/// then (with `early`, after `last_use_queued`) a closed gate on the buffer's stream: the
+/// rest of the batch (kernels, a copy back) held. Once the copy has completed the lease is
+/// dropped and the buffer taken again (`try_next`) with the gate still closed; if it is
+/// got, 0x55 is written into it (the next batch's fill). Opens the gate; returns whether
+/// the buffer was got and how many bytes of the copy are not 0xAA.
+fn refill_behind_the_rest_of_the_batch(early: bool) -> (bool, usize) {
+    let len = 4 * MIB;
+    let s = Stream::new(0).unwrap();
+    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, len).unwrap();
+    let pool = DevicePool::get(0).unwrap();
+    let mut dev = pool.alloc::<u8>(len, &s).unwrap();
+    let copied = cudalloc::cuda::Event::new(0).unwrap();
+    let mut buf = ring.try_next().unwrap().expect("a fresh ring has a free buffer");
+    buf.fill(0xAA);
+    // SAFETY: nothing uses the buffer after this copy; the ring keeps it from the next
+    // lease until the copy has completed (with `early`, the property under test).
+    unsafe { copy::host_to_device_async(&buf, &mut dev, 0) }.unwrap();
+    copied.record(&s).unwrap();
+    if early {
+        buf.last_use_queued().unwrap();
+    }
+    let gate = Gate::hold(&s);
+    assert!(completes(&copied), "the copy did not complete");
+    drop(buf);
+    let got = ring.try_next().unwrap().map(|mut next| next.fill(0x55));
+    gate.open();
+    let back = dev.to_vec().unwrap();
+    s.synchronize().unwrap();
+    (got.is_some(), back.iter().filter(|&&b| b != 0xAA).count())
+}
+
+#[test]
+fn after_last_use_queued_the_ring_hands_the_buffer_out_while_the_batch_still_runs() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let (got, corrupted) = refill_behind_the_rest_of_the_batch(true);
+    assert!(got, "the ring waited for the work queued after last_use_queued");
+    assert_eq!(corrupted, 0, "the refill reached the copy");
+    // The control: without it, the lease's drop records after the held work.
+    let (got, corrupted) = refill_behind_the_rest_of_the_batch(false);
+    assert!(!got, "the ring handed the buffer out before the held work ran");
+    assert_eq!(corrupted, 0);
+}
+
+/// Leases a buffer of stream A, queues its copy on stream B behind a closed gate, calls
+/// `last_use_queued` (nothing queued on A) and then, with `record`, `record_use(B)`;
+/// drops the lease and takes the buffer again (`try_next`) with the gate still closed,
+/// writing 0x55 into it if got. Opens the gate; returns whether the buffer was got and
+/// how many bytes of the copy are not 0xAA.
+fn use_on_another_stream_after_last_use_queued(record: bool) -> (bool, usize) {
+    let len = 4 * MIB;
+    let (a, b) = (Stream::new(0).unwrap(), Stream::new(0).unwrap());
+    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&a), 1, len).unwrap();
+    let pool = DevicePool::get(0).unwrap();
+    // Allocated before the gate: nothing below allocates while the stream is held.
+    let mut dev = pool.alloc::<u8>(len, &b).unwrap();
+    b.synchronize().unwrap();
+    let gate = Gate::hold(&b);
+    let mut buf = ring.try_next().unwrap().expect("a fresh ring has a free buffer");
+    buf.fill(0xAA);
+    // SAFETY: nothing writes the buffer while leased after this; with `record`, the ring
+    // keeps it from the next lease until the copy (on `b`) has completed.
+    unsafe { copy::host_to_device_async(&buf, &mut dev, 0) }.unwrap();
+    buf.last_use_queued().unwrap();
+    if record {
+        buf.record_use(&b).unwrap();
+    }
+    drop(buf);
+    let got = ring.try_next().unwrap().map(|mut next| next.fill(0x55));
+    gate.open();
+    let back = dev.to_vec().unwrap();
+    b.synchronize().unwrap();
+    (got.is_some(), back.iter().filter(|&&x| x != 0xAA).count())
+}
+
+#[test]
+fn record_use_after_last_use_queued_still_covers_the_other_stream() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let (got, corrupted) = use_on_another_stream_after_last_use_queued(true);
+    assert!(!got, "handed out while the other stream's copy was held");
+    assert_eq!(corrupted, 0, "corrupted bytes");
+    // The negative control: without `record_use` the check sees the refill reach the copy.
+    let (got, corrupted) = use_on_another_stream_after_last_use_queued(false);
+    assert!(got, "the ring waited for a stream it was not told about");
+    assert_eq!(corrupted, 4 * MIB, "the refill did not reach the held copy");
 }

@@ -1,5 +1,7 @@
 //! The threaded schedule against a model of the ring (no driver): a buffer's last work
-//! completes when the host waits for it, as a GPU that has not run it yet.
+//! completes when the host waits for it, as a GPU that has not run it yet. A lease marked
+//! with `last_use_queued` gives the ring a completion of its own (the upload's), which
+//! the ring's wait completes without completing the rest of the batch.
 
 use super::*;
 use crate::sync::global::{lock, Arc, AtomicBool, Mutex, Ordering};
@@ -9,6 +11,24 @@ struct FakeLease {
     index: usize,
     bytes: std::vec::Vec<u8>,
     home: Arc<Mutex<FakeState>>,
+    /// `Staged::last_use_queued` was called: the ring waits for the upload only.
+    early: AtomicBool,
+}
+
+impl FakeLease {
+    /// As `Staged::last_use_queued`: the work queued so far (the upload) is the buffer's
+    /// last use.
+    fn last_use_queued(&self) {
+        self.early.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A launched batch's completion in the model, and the ring's event for its buffer: the
+/// same completion, or (after `last_use_queued`) the upload's, which stream order
+/// completes with the batch.
+struct FakeDone {
+    done: Arc<AtomicBool>,
+    upload: Arc<AtomicBool>,
 }
 
 impl core::ops::Deref for FakeLease {
@@ -39,7 +59,10 @@ struct FakeRing {
 
 struct FakeState {
     free: VecDeque<(usize, std::vec::Vec<u8>)>,
+    /// The ring's event of each buffer.
     last_use: std::vec::Vec<Option<Arc<AtomicBool>>>,
+    /// The completion of each buffer's last launched batch.
+    last_batch: std::vec::Vec<Option<Arc<AtomicBool>>>,
     /// Every completion handed out, to check that none is left running.
     all: std::vec::Vec<Arc<AtomicBool>>,
 }
@@ -58,6 +81,7 @@ impl FakeRing {
             state: Arc::new(Mutex::new(FakeState {
                 free: (0..buffers).map(|index| (index, vec![0; 16])).collect(),
                 last_use: vec![None; buffers],
+                last_batch: vec![None; buffers],
                 all: std::vec::Vec::new(),
             })),
         }
@@ -66,6 +90,13 @@ impl FakeRing {
     /// Whether the GPU is done with buffer `index`'s last use.
     fn idle(&self, index: usize) -> bool {
         lock(&self.state).idle(index)
+    }
+
+    /// Whether buffer `index`'s last launched batch is still running.
+    fn batch_running(&self, index: usize) -> bool {
+        lock(&self.state).last_batch[index]
+            .as_ref()
+            .is_some_and(|d| !d.load(Ordering::SeqCst))
     }
 
     fn free(&self) -> usize {
@@ -83,13 +114,14 @@ impl FakeRing {
             index,
             bytes,
             home: self.state.clone(),
+            early: AtomicBool::new(false),
         }
     }
 }
 
 impl Lanes for FakeRing {
     type Lease = FakeLease;
-    type Done = Arc<AtomicBool>;
+    type Done = FakeDone;
 
     fn try_lease(&self) -> Result<Option<FakeLease>> {
         let taken = {
@@ -120,28 +152,32 @@ impl Lanes for FakeRing {
         lease.index
     }
 
-    fn launched(
-        &self,
-        lease: FakeLease,
-        spare: &mut std::vec::Vec<Arc<AtomicBool>>,
-    ) -> Result<Arc<AtomicBool>> {
-        drop(spare.pop()); // a model: a new completion each time
+    fn launched(&self, lease: FakeLease, spare: &mut std::vec::Vec<FakeDone>) -> Result<FakeDone> {
+        drop(spare.pop()); // a model: new completions each time
         let done = Arc::new(AtomicBool::new(false));
+        let upload = if lease.early.load(Ordering::SeqCst) {
+            Arc::new(AtomicBool::new(false))
+        } else {
+            done.clone()
+        };
         {
             let mut s = lock(&self.state);
-            s.last_use[lease.index] = Some(done.clone());
+            s.last_use[lease.index] = Some(upload.clone());
+            s.last_batch[lease.index] = Some(done.clone());
             s.all.push(done.clone());
         }
         drop(lease);
-        Ok(done)
+        Ok(FakeDone { done, upload })
     }
 
     fn abandon(&self, lease: FakeLease) {
         drop(lease);
     }
 
-    fn wait(done: &Arc<AtomicBool>) -> Result<()> {
-        done.store(true, Ordering::SeqCst);
+    fn wait(d: &FakeDone) -> Result<()> {
+        // Stream order: the upload completed before the batch.
+        d.upload.store(true, Ordering::SeqCst);
+        d.done.store(true, Ordering::SeqCst);
         Ok(())
     }
 }
@@ -154,10 +190,13 @@ struct Seen {
     drains: std::vec::Vec<usize>,
     /// The buffer of each launched batch.
     buffer_of: std::vec::Vec<usize>,
-    /// Fills of a buffer whose last use the GPU had not finished, or whose last batch had
-    /// not been drained.
+    /// Fills of a buffer whose last use (the ring's event) the GPU had not finished.
     pending_refills: usize,
-    undrained_refills: usize,
+    /// Fills of a buffer whose last batch was still running (allowed: its last use was
+    /// the upload, `last_use_queued`).
+    refills_while_running: usize,
+    /// Launches in a buffer whose last batch had not been drained.
+    undrained_launches: usize,
     /// Launches of a lease that held another batch's fill.
     wrong_lease: usize,
 }
@@ -167,7 +206,7 @@ fn shape(threads: usize, ahead: usize, in_flight: usize) -> Shape {
         threads,
         ahead,
         in_flight,
-        drain_before_refill: true,
+        drain_before_launch: true,
     }
 }
 
@@ -177,6 +216,17 @@ fn run_fake(
     shape: Shape,
     batches: usize,
     fail: Option<(&str, usize)>,
+) -> (core::result::Result<ThreadedRun, Error>, Seen) {
+    run_fake_with(ring, shape, batches, fail, false)
+}
+
+/// As `run_fake`; with `early`, each launch calls `last_use_queued` after its "upload".
+fn run_fake_with(
+    ring: &FakeRing,
+    shape: Shape,
+    batches: usize,
+    fail: Option<(&str, usize)>,
+    early: bool,
 ) -> (core::result::Result<ThreadedRun, Error>, Seen) {
     let seen = Mutex::new(Seen::default());
     let fails = |what: &str, b: usize| fail == Some((what, b));
@@ -192,10 +242,8 @@ fn run_fake(
                 if !ring.idle(index) {
                     s.pending_refills += 1;
                 }
-                if let Some(prev) = s.buffer_of.iter().rposition(|&k| k == index) {
-                    if !s.drains.contains(&prev) {
-                        s.undrained_refills += 1;
-                    }
+                if ring.batch_running(index) {
+                    s.refills_while_running += 1;
                 }
             }
             // Uneven fills, so that the workers finish out of order.
@@ -210,8 +258,16 @@ fn run_fake(
         },
         |b, lease| {
             let mut s = lock(&seen);
+            if let Some(prev) = s.buffer_of.iter().rposition(|&k| k == lease.index) {
+                if !s.drains.contains(&prev) {
+                    s.undrained_launches += 1;
+                }
+            }
             s.launches.push(b);
             s.buffer_of.push(lease.index);
+            if early {
+                lease.last_use_queued();
+            }
             if u64::from_ne_bytes(lease[8..].try_into().unwrap()) != b as u64 {
                 s.wrong_lease += 1;
             }
@@ -234,17 +290,22 @@ fn run_fake(
 
 #[test]
 fn a_threaded_run_fills_launches_and_drains_every_batch_once_in_order() {
-    for threads in [1, 2, 3, 8] {
-        for buffers in [1, 2, 5, 8] {
+    for (threads, buffers, early) in [1, 2, 3, 8]
+        .into_iter()
+        .flat_map(|t| [1, 2, 5, 8].map(|b| (t, b)))
+        .flat_map(|(t, b)| [(t, b, false), (t, b, true)])
+    {
+        {
             for (ahead, in_flight) in [(threads + 1, buffers), (1, 1), (buffers, 2 * buffers)] {
                 for batches in [0, 1, 7, 40] {
                     let ring = FakeRing::new(buffers);
-                    let case = format!("{threads} threads, {buffers} buffers, ahead {ahead}, in flight {in_flight}, {batches} batches");
-                    let (out, seen) = run_fake(
+                    let case = format!("{threads} threads, {buffers} buffers, ahead {ahead}, in flight {in_flight}, {batches} batches, last_use_queued {early}");
+                    let (out, seen) = run_fake_with(
                         &ring,
                         shape(threads, ahead.min(buffers), in_flight),
                         batches,
                         None,
+                        early,
                     );
                     let run = out.unwrap_or_else(|e| panic!("{case}: {e:?}"));
                     assert_eq!(run.pipeline.batches, batches, "{case}");
@@ -274,9 +335,15 @@ fn a_threaded_run_fills_launches_and_drains_every_batch_once_in_order() {
                         "{case}: a buffer filled while the GPU used it"
                     );
                     assert_eq!(
-                        seen.undrained_refills, 0,
-                        "{case}: a buffer refilled before its last batch's drain"
+                        seen.undrained_launches, 0,
+                        "{case}: a batch launched in a buffer before the buffer's last batch was drained"
                     );
+                    if !early {
+                        assert_eq!(
+                            seen.refills_while_running, 0,
+                            "{case}: a buffer refilled while its last batch ran, without last_use_queued"
+                        );
+                    }
                     assert_eq!(ring.free(), buffers, "{case}: a buffer not given back");
                     assert!(ring.all_complete(), "{case}: work left running");
                 }
@@ -286,19 +353,44 @@ fn a_threaded_run_fills_launches_and_drains_every_batch_once_in_order() {
 }
 
 #[test]
-fn without_the_drain_before_refill_the_check_sees_undrained_refills() {
+fn without_the_drain_before_launch_the_check_sees_undrained_launches() {
     // The negative control of the test above: the check can fail.
-    let ring = FakeRing::new(2);
-    let shape = Shape {
-        drain_before_refill: false,
-        ..shape(2, 2, 8)
-    };
-    let (out, seen) = run_fake(&ring, shape, 16, None);
+    for early in [false, true] {
+        let ring = FakeRing::new(2);
+        let shape = Shape {
+            drain_before_launch: false,
+            ..shape(2, 2, 8)
+        };
+        let (out, seen) = run_fake_with(&ring, shape, 16, None, early);
+        out.unwrap();
+        assert!(
+            seen.undrained_launches > 0,
+            "last_use_queued {early}: every launch found its buffer's last batch drained"
+        );
+    }
+}
+
+#[test]
+fn with_last_use_queued_a_buffer_is_refilled_while_its_last_batch_still_runs() {
+    // One buffer, one batch in flight: batch 1's fill waits for batch 0's upload only,
+    // and batch 0 is drained after that fill, before batch 1's launch.
+    for threads in [1, 2] {
+        let ring = FakeRing::new(1);
+        let (out, seen) = run_fake_with(&ring, shape(threads, 1, 1), 8, None, true);
+        assert_eq!(out.unwrap().pipeline.batches, 8);
+        assert_eq!(
+            seen.refills_while_running, 7,
+            "{threads} threads: every refill but the first overlaps the last batch"
+        );
+        assert_eq!(seen.pending_refills, 0, "a fill while the upload was queued");
+        assert_eq!(seen.undrained_launches, 0);
+        assert!(ring.all_complete());
+    }
+    // Its negative control: without it, the ring waits for the whole batch.
+    let ring = FakeRing::new(1);
+    let (out, seen) = run_fake_with(&ring, shape(1, 1, 1), 8, None, false);
     out.unwrap();
-    assert!(
-        seen.undrained_refills > 0,
-        "every refill found its last batch drained"
-    );
+    assert_eq!(seen.refills_while_running, 0, "refilled while the batch ran");
 }
 
 #[test]
