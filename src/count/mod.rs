@@ -625,8 +625,7 @@ mod tests {
 
     /// Threads beyond the private shards (the shared one) and private ones, commits and
     /// new peaks on both, a process window opened and closed meanwhile: once joined,
-    /// the fast path's room is exactly `peak - committed` again, and the next
-    /// allocation on a private shard is counted with the exact peak.
+    /// the fast path's room is exactly `peak - committed` again.
     #[test]
     fn the_fast_paths_room_converges_under_threads() {
         let c = Counting::new(System);
@@ -646,15 +645,10 @@ mod tests {
             }
         });
         assert_eq!(c.counters.room_now(), c.counters.room_exact());
-        let before = c.snapshot();
-        assert_eq!(before.live_bytes(), 0);
-        let big = Vec::<u8, _>::with_capacity_in((before.peak_bytes + 1) as usize, &c);
-        assert_eq!(
-            c.snapshot().peak_bytes,
-            before.peak_bytes + 1,
-            "a new peak, exact"
-        );
-        drop(big);
+        assert_eq!(c.snapshot().live_bytes(), 0);
+        // (No exact peak is asserted here: the exited threads' shards keep pending bytes
+        // within their slack, so the next estimate is off by up to those, as documented
+        // under "Precision".)
     }
 
     /// The crate's own helper work (`uncounted`, `uncounted_thread`) stays out of the
