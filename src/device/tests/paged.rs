@@ -82,14 +82,21 @@ fn random_workload_on_physical_pages_reserves_at_most_15_percent_more_than_it_re
     assert!(pool > paged, "pages {paged:.3}, driver pool {pool:.3}");
 }
 
-#[test]
-fn large_blocks_are_reused_at_their_size_and_given_back_at_the_next_miss() {
+/// A cache over a paged simulated pool that keeps large blocks in its thread caches'
+/// large slots (up to 1 GiB), with a thread cache: the large-slot tests' set-up.
+fn large_slot_cache() -> (FakePhys, Cache<FakeBackend>, Tc) {
     let phys = FakePhys::new(GRANULE, usize::MAX);
     let backend = FakeBackend::paged(u64::MAX, phys.clone(), GRANULE, PageTuning::default());
     let mut settings = Settings::new(GRANULE - 1, 256 << 20, None);
     settings.max_large_bytes = 1 << 30;
     let c = Cache::new(backend, settings);
-    let mut tc: Tc = c.new_thread_cache().unwrap();
+    let tc: Tc = c.new_thread_cache().unwrap();
+    (phys, c, tc)
+}
+
+#[test]
+fn large_blocks_are_reused_at_their_size_and_given_back_at_the_next_miss() {
+    let (phys, c, mut tc) = large_slot_cache();
     let (s, t) = (FakeStream::new(), FakeStream::new());
     let a = alloc(&c, Some(&mut tc), 40 * MIB, &s).unwrap();
     free(&c, Some(&mut tc), a, 40 * MIB, &s, Vec::new());
@@ -134,12 +141,7 @@ fn large_blocks_are_reused_at_their_size_and_given_back_at_the_next_miss() {
 
 #[test]
 fn large_slots_stop_keeping_sizes_that_do_not_repeat_and_start_again_when_one_does() {
-    let phys = FakePhys::new(GRANULE, usize::MAX);
-    let backend = FakeBackend::paged(u64::MAX, phys.clone(), GRANULE, PageTuning::default());
-    let mut settings = Settings::new(GRANULE - 1, 256 << 20, None);
-    settings.max_large_bytes = 1 << 30;
-    let c = Cache::new(backend, settings);
-    let mut tc: Tc = c.new_thread_cache().unwrap();
+    let (phys, c, mut tc) = large_slot_cache();
     let s = FakeStream::new();
     // Sizes that never repeat: after a few misses in a row the frees go straight back to
     // the heap (RMM's random workload: the slots would only hold memory).
