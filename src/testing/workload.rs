@@ -68,24 +68,17 @@ pub fn alloc_free_interleaved<A: Allocator, O: Allocator>(
 ) -> Option<std::time::Duration> {
     let mut total = std::time::Duration::ZERO;
     let mut left = pairs;
-    let mut ok = true;
     while left > 0 {
         let n = left.min(INTERLEAVED_BATCH);
-        for _ in 0..n {
-            ok &= alloc_free(other, black_box(size));
-        }
-        let t = std::time::Instant::now();
-        for _ in 0..n {
-            ok &= alloc_free(timed, black_box(size));
-        }
-        total += t.elapsed();
+        time_pairs(other, size, n)?;
+        total += time_pairs(timed, size, n)?;
         left -= n;
     }
-    ok.then_some(total)
+    Some(total)
 }
 
 /// Times `pairs` calls of [`alloc_free`] on each of `a` and `b`, in alternating batches
-/// of [`INTERLEAVED_BATCH`] (`a` first in odd batches, `b` first in even ones): the total
+/// of [`INTERLEAVED_BATCH`] (`a` first in the first batch and every other one after it): the total
 /// time of each, measured over the same stretch of the machine's time, so that their
 /// ratio holds where two runs one after the other would drift apart. `None` if an
 /// allocation failed.
