@@ -133,10 +133,17 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// unmapped again and released, or lost where its unmap failed too).
     fn map_group(&self, st: &mut State<B>, b: &B, from: usize, to: usize) -> Result<bool> {
         let (k, bytes) = (to - from, (to - from) * self.chunk_bytes());
-        let Ok(h) = self.create_handle(st, bytes) else {
+        if self.reservations.take(bytes).is_err() {
+            return Ok(false);
+        }
+        let Ok(h) = timed(&mut st.stats.driver_ns.create, || self.phys.create(bytes)) else {
+            self.reservations.give(bytes);
             return Ok(false);
         };
+        st.stats.creates += 1;
         st.stats.group_creates += 1;
+        st.stats.reserved += bytes;
+        st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
         let va = self.va_of(st, from * self.chunk_units);
         // SAFETY: chunks from..to are consecutive in one region (a run's chunks) and none
         // is mapped; h is new, of their bytes.
@@ -300,10 +307,23 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
         let chunk = self.chunk_bytes();
         loop {
-            // At the pool's limit (an error of the reservation) only an idle chunk can
-            // serve, or the memory of an idle group (the cache's recovery runs next).
-            match self.create_handle(st, chunk) {
-                Ok(h) => return Ok((h, Vec::new())),
+            let made = match self.reservations.take(chunk) {
+                // At the pool's limit: only an idle chunk can serve, or the memory of an
+                // idle group (the cache's recovery runs next).
+                Err(e) => Err(e),
+                Ok(()) => {
+                    timed(&mut st.stats.driver_ns.create, || self.phys.create(chunk)).inspect_err(|_| {
+                        self.reservations.give(chunk);
+                    })
+                }
+            };
+            match made {
+                Ok(h) => {
+                    st.stats.creates += 1;
+                    st.stats.reserved += chunk;
+                    st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
+                    return Ok((h, Vec::new()));
+                }
                 Err(e) if e.is_out_of_memory() => match self.reclaim(st, b, usize::MAX, Reclaim::Retire) {
                     Some(Reclaimed::Handle(h, pending)) => return Ok((h, pending)),
                     // Memory given back: the create may succeed now.
@@ -313,20 +333,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 Err(e) => return Err(e),
             }
         }
-    }
-
-    /// A new handle of `bytes`, charged to the pool's reservations first (given back if
-    /// the create fails) and counted in the stats: the one place handles are made (see
-    /// `release_handle` for the other end).
-    fn create_handle(&self, st: &mut State<B>, bytes: usize) -> Result<u64> {
-        self.reservations.take(bytes)?;
-        let h = timed(&mut st.stats.driver_ns.create, || self.phys.create(bytes)).inspect_err(|_| {
-            self.reservations.give(bytes);
-        })?;
-        st.stats.creates += 1;
-        st.stats.reserved += bytes;
-        st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
-        Ok(h)
     }
 
     /// Lets device `peer` access every block, present and future: access is set on every
