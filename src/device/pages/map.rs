@@ -20,7 +20,9 @@
 
 use super::clocks::{retag, Stamps};
 use super::stats::timed;
-use super::{PageHeap, Reclaim, Reclaimed, State, IDLE_FLOOR_CHUNKS, PLACE_TRIES, RECLAIM_TRIES};
+use super::{
+    PageHeap, Reclaim, Reclaimed, State, GROWTH_GROUP_MIN, IDLE_FLOOR_CHUNKS, PLACE_TRIES, RECLAIM_TRIES,
+};
 use crate::cuda::record_drop_error;
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
@@ -73,8 +75,17 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 continue;
             }
             let mut to = (i..end).find(|&c| st.chunks[c].handle.is_some()).unwrap_or(end);
-            let (glo, ghi) = (i.max(inner_lo), to.min(inner_hi));
-            if grouping && ghi > glo && self.group_fits(st, ghi - glo) {
+            // Growth (no chunk idle: the heap has no mapped memory to spare) groups every
+            // new chunk from here to the block's end, its partial ones too: an unmapped
+            // chunk holds no other block, so the rest of it is free, and the heap would
+            // map it for this block anyway. Elsewhere only the chunks wholly inside.
+            let growth = to == end && st.idle.is_empty() && self.group_min != usize::MAX;
+            let (glo, ghi, min) = if growth {
+                (i, end, GROWTH_GROUP_MIN)
+            } else {
+                (i.max(inner_lo), to.min(inner_hi), self.group_min)
+            };
+            if grouping && ghi > glo && self.group_fits(st, ghi - glo, min) {
                 if glo > i {
                     // The partial chunk before the group, on its own.
                     to = glo;
@@ -113,11 +124,11 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         granted.map(|()| i)
     }
 
-    /// Whether a span of `k` unmapped chunks (wholly inside a block) would be filled with
-    /// new handles only and is long enough for a group: no spare handle, idle chunks
-    /// within the allowance.
-    fn group_fits(&self, st: &State<B>, k: usize) -> bool {
-        k >= self.group_min && st.spare.is_empty() && !self.idle_over_allowance(st)
+    /// Whether a span of `k` unmapped chunks would be filled with new handles only and
+    /// is long enough for a group (`min` chunks): no spare handle, idle chunks within the
+    /// allowance.
+    fn group_fits(&self, st: &State<B>, k: usize, min: usize) -> bool {
+        k >= min && st.spare.is_empty() && !self.idle_over_allowance(st)
     }
 
     /// Whether the idle chunks exceed the allowance (a handle is then moved from one
@@ -133,17 +144,10 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// unmapped again and released, or lost where its unmap failed too).
     fn map_group(&self, st: &mut State<B>, b: &B, from: usize, to: usize) -> Result<bool> {
         let (k, bytes) = (to - from, (to - from) * self.chunk_bytes());
-        if self.reservations.take(bytes).is_err() {
-            return Ok(false);
-        }
-        let Ok(h) = timed(&mut st.stats.driver_ns.create, || self.phys.create(bytes)) else {
-            self.reservations.give(bytes);
+        let Ok(h) = self.create_handle(st, bytes) else {
             return Ok(false);
         };
-        st.stats.creates += 1;
         st.stats.group_creates += 1;
-        st.stats.reserved += bytes;
-        st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
         let va = self.va_of(st, from * self.chunk_units);
         // SAFETY: chunks from..to are consecutive in one region (a run's chunks) and none
         // is mapped; h is new, of their bytes.
@@ -307,23 +311,10 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
         let chunk = self.chunk_bytes();
         loop {
-            let made = match self.reservations.take(chunk) {
-                // At the pool's limit: only an idle chunk can serve, or the memory of an
-                // idle group (the cache's recovery runs next).
-                Err(e) => Err(e),
-                Ok(()) => {
-                    timed(&mut st.stats.driver_ns.create, || self.phys.create(chunk)).inspect_err(|_| {
-                        self.reservations.give(chunk);
-                    })
-                }
-            };
-            match made {
-                Ok(h) => {
-                    st.stats.creates += 1;
-                    st.stats.reserved += chunk;
-                    st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
-                    return Ok((h, Vec::new()));
-                }
+            // At the pool's limit (an error of the reservation) only an idle chunk can
+            // serve, or the memory of an idle group (the cache's recovery runs next).
+            match self.create_handle(st, chunk) {
+                Ok(h) => return Ok((h, Vec::new())),
                 Err(e) if e.is_out_of_memory() => match self.reclaim(st, b, usize::MAX, Reclaim::Retire) {
                     Some(Reclaimed::Handle(h, pending)) => return Ok((h, pending)),
                     // Memory given back: the create may succeed now.
@@ -333,6 +324,20 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// A new handle of `bytes`, charged to the pool's reservations first (given back if
+    /// the create fails) and counted in the stats: the one place handles are made (see
+    /// `release_handle` for the other end).
+    fn create_handle(&self, st: &mut State<B>, bytes: usize) -> Result<u64> {
+        self.reservations.take(bytes)?;
+        let h = timed(&mut st.stats.driver_ns.create, || self.phys.create(bytes)).inspect_err(|_| {
+            self.reservations.give(bytes);
+        })?;
+        st.stats.creates += 1;
+        st.stats.reserved += bytes;
+        st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
+        Ok(h)
     }
 
     /// Lets device `peer` access every block, present and future: access is set on every

@@ -29,7 +29,11 @@
 //!   (no spare handle, idle chunks within the allowance) and make at least
 //!   `GROUP_MIN_BYTES` (64 MiB), they are ONE handle, one map and one access call (on the
 //!   H200 a cold 256 MiB block: 97 us instead of 919 us in 16 MiB chunks; a handle cannot
-//!   be mapped in parts nor unmapped in parts). Its chunks are used and idle one by one,
+//!   be mapped in parts nor unmapped in parts). Where the heap *grows* (no chunk idle,
+//!   the block's unmapped chunks run to its end), every new chunk the block touches,
+//!   partial ones too, is one group from 2 chunks (`GROWTH_GROUP_MIN`): a single pass
+//!   that only grows (a forward pass, a training step) maps once per block, not once per
+//!   chunk, for the same reservation. Its chunks are used and idle one by one,
 //!   but a group is unmapped and released only whole, when all of them are idle and
 //!   their frees completed (`reclaim.rs`; the minimum, measured on the simulated pool, is
 //!   in `GROUP_MIN_BYTES`'s docs).
@@ -151,6 +155,18 @@ const IDLE_FLOOR_CHUNKS: usize = 4;
 /// (no group forms there), and cold growth in large blocks maps a quarter as often (the
 /// pipeline trace: 41 creates, maps and accesses instead of 164 creates and maps).
 const GROUP_MIN_BYTES: usize = 64 << 20;
+
+/// The fewest new chunks mapped as one group where the heap grows: no chunk is idle (it
+/// holds no mapped memory to spare) and a block's unmapped chunks run to its end. There
+/// the group takes every new chunk the block touches, its partial first and last ones
+/// too (an unmapped chunk holds no other block, so the rest of it is free, and the heap
+/// maps it for this block in any case): the reservation is the same, the driver calls
+/// fewer. Replaying the sample traces through `SimPool::paged` (BENCHMARKS.md, issue 23):
+/// the cs336 forward pass 613 -> 404 maps, ftcourse 263 -> 135, RMM's random workload
+/// (4 streams) 1489 -> 1110 maps at 1.107x instead of 1.108x; the 10^5-allocation RMM
+/// trace 1990 -> 1099 maps at 1.288x instead of 1.280x (one 16 MiB chunk on its 2 GB
+/// peak, as a partly used group cannot move a chunk at a time).
+const GROWTH_GROUP_MIN: usize = 2;
 
 /// What [`PageHeap::reclaim`] got from an idle chunk.
 enum Reclaimed {

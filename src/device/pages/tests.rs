@@ -66,27 +66,107 @@ fn a_cold_large_block_is_one_create_one_map_and_one_access() {
     h.enable_peer(1).unwrap();
     assert_eq!(h.stats().accesses, 2);
     assert!(phys.peer_reaches(a, 64 * MIB, 1));
-    // Below the rule's bytes (12 inner chunks): one handle per chunk, one access call.
+    // Below the rule's bytes (12 inner chunks), but the heap grows (no chunk idle): one
+    // group too.
     let c = h.alloc(&b, 48 * MIB, &s).unwrap();
     let st = h.stats();
-    assert_eq!(
-        (st.creates, st.group_creates, st.maps, st.accesses),
-        (13, 1, 13, 3)
-    );
+    assert_eq!((st.creates, st.group_creates, st.maps, st.accesses), (2, 2, 2, 3));
     assert!(phys.use_block(c, 48 * MIB, &s));
     // Freed, its chunks serve smaller blocks with no driver call.
     free(&h, &b, a, &s);
     let d = h.alloc(&b, 8 * MIB, &s).unwrap();
-    assert_eq!((d, h.stats().maps), (a, 13));
+    assert_eq!((d, h.stats().maps), (a, 2));
     assert!(phys.use_block(d, 8 * MIB, &s));
+    // With chunks idle (a's last 56 MiB, a group's, so none moves alone) the heap does
+    // not grow: a block that does not fit there and is below the rule's bytes maps one
+    // handle per chunk, with one access call.
+    let e = h.alloc(&b, 60 * MIB, &s).unwrap();
+    let st = h.stats();
+    assert_eq!(
+        (st.creates, st.group_creates, st.maps, st.accesses),
+        (17, 2, 17, 4),
+        "{st:?}"
+    );
+    assert!(phys.use_block(e, 60 * MIB, &s));
     free(&h, &b, d, &s);
     free(&h, &b, c, &s);
+    free(&h, &b, e, &s);
     assert_eq!(phys.violations(), 0);
-    // Trim releases the group whole: one unmap, one release, its bytes.
+    // Trim releases each group whole: one unmap, one release, its bytes.
     h.trim_to(&b, 0);
     let st = h.stats();
-    assert_eq!((st.group_releases, st.releases, st.unmaps), (1, 13, 13), "{st:?}");
+    assert_eq!((st.group_releases, st.releases, st.unmaps), (2, 17, 17), "{st:?}");
     trim_clean(&h, &b, &phys);
+}
+
+/// A forward pass over `h`: 20 layers of blocks kept (2.5 to 50 MiB, few of them whole
+/// chunks) and a temporary freed per layer; every block used. The peak reservation, the
+/// maps and the groups made.
+fn forward_pass(h: &Heap, b: &FakeBackend, phys: &FakePhys) -> (usize, u64, u64) {
+    let s = FakeStream::new();
+    let mut kept = Vec::new();
+    for _ in 0..20 {
+        for kib in [2560, 12800, 51200, 10240, 2560, 5120] {
+            let p = h.alloc(b, kib << 10, &s).unwrap();
+            assert!(phys.use_block(p, kib << 10, &s));
+            kept.push(p);
+        }
+        let tmp = h.alloc(b, 6 * MIB, &s).unwrap();
+        assert!(phys.use_block(tmp, 6 * MIB, &s));
+        free(h, b, tmp, &s);
+    }
+    let st = h.stats();
+    for p in kept {
+        free(h, b, p, &s);
+    }
+    s.complete_all();
+    (st.peak_reserved, st.maps, st.group_creates)
+}
+
+#[test]
+fn growth_maps_a_group_per_block_for_the_same_reservation() {
+    let (h, b, phys) = heap(usize::MAX, TUNING, None);
+    let grouped = forward_pass(&h, &b, &phys);
+    trim_clean(&h, &b, &phys);
+    // The same pass with one handle per chunk (no groups).
+    let (h1, b1, phys1) = heap(usize::MAX, TUNING, Some(usize::MAX));
+    let single = forward_pass(&h1, &b1, &phys1);
+    trim_clean(&h1, &b1, &phys1);
+    assert_eq!(grouped.0, single.0, "the same peak reservation");
+    assert_eq!(single.2, 0);
+    assert!(grouped.2 > 0, "{grouped:?}");
+    assert!(
+        grouped.1 * 2 < single.1,
+        "maps: {} with growth groups, {} without",
+        grouped.1,
+        single.1
+    );
+}
+
+#[test]
+fn a_growth_group_shared_with_the_next_block_goes_once_both_are_freed() {
+    let (h, b, phys) = heap(usize::MAX, TUNING, None);
+    let s = FakeStream::new();
+    // 6 MiB from the start: chunks 0 and 1 (the second partly), one group; the next
+    // 2 MiB fits in the rest of chunk 1 and maps nothing.
+    let a = h.alloc(&b, 6 * MIB, &s).unwrap();
+    let c = h.alloc(&b, 2 * MIB, &s).unwrap();
+    assert_eq!(c, a + 6 * MIB as u64);
+    let st = h.stats();
+    assert_eq!((st.creates, st.group_creates, st.maps), (1, 1, 1), "{st:?}");
+    assert_eq!(phys.mappings(), vec![(a, 2 * CHUNK)]);
+    assert!(phys.use_block(a, 6 * MIB, &s) && phys.use_block(c, 2 * MIB, &s));
+    // a freed: chunk 0 idle, chunk 1 still c's: the group stays whole.
+    free(&h, &b, a, &s);
+    s.complete_all();
+    h.trim_to(&b, 0);
+    assert_eq!(h.stats().reserved, 2 * CHUNK, "a group goes only whole");
+    assert_eq!(phys.mappings(), vec![(a, 2 * CHUNK)]);
+    assert!(phys.use_block(c, 2 * MIB, &s));
+    free(&h, &b, c, &s);
+    s.complete_all();
+    trim_clean(&h, &b, &phys);
+    assert_eq!(h.stats().group_releases, 1);
 }
 
 #[test]
