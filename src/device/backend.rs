@@ -395,19 +395,20 @@ impl Backend for CudaBackend {
                 .alloc_visible(v, bytes, stream)
                 .inspect(|&ptr| nvtx_heap(self.nvtx, ptr, bytes));
         }
-        match PageHeap::serving(&self.pages, bytes) {
-            Some(h) => h.alloc(self, bytes, stream),
-            None => self.reservations.pool_alloc(
-                bytes,
-                &DriverPool {
-                    pool: &self.pool,
-                    stream,
-                },
-                &self.growth,
-                &self.trace,
-                stream.id().get(),
-            ),
-        }
+        let driver = DriverPool {
+            pool: &self.pool,
+            stream,
+        };
+        PageHeap::alloc_routed(
+            &self.pages,
+            bytes,
+            |h| h.alloc(self, bytes, stream),
+            &driver,
+            || {
+                self.reservations
+                    .pool_alloc(bytes, &driver, &self.growth, &self.trace, stream.id().get())
+            },
+        )
         .inspect(|&ptr| nvtx_heap(self.nvtx, ptr, bytes))
     }
 
@@ -429,8 +430,8 @@ impl Backend for CudaBackend {
             self.reservations.give(bytes);
             return;
         }
-        if let Some(h) = PageHeap::serving(&self.pages, bytes) {
-            // SAFETY: obligation 1; a block of this size came from the page heap.
+        if let Some(h) = PageHeap::free_route(&self.pages, ptr, bytes) {
+            // SAFETY: obligation 1; `free_route` says the block came from the page heap.
             return unsafe { h.free(self, ptr, stream) };
         }
         // SAFETY: obligation 1 of this function is MemPool::free_async's obligation 1.

@@ -114,16 +114,62 @@ fn the_small_sample_trace_reserves_no_more_than_the_driver_pool_alone() {
         .trace;
     let opts = Default::default();
     let reserved = |t: SimTarget| replay::replay(&trace, t, &opts).unwrap().peak_reserved.unwrap();
-    let (paged, paged_uncached) = (
+    let (paged, paged_uncached, driver) = (
         reserved(SimTarget::paged(true)),
         reserved(SimTarget::paged(false)),
+        reserved(SimTarget::uncached()),
     );
-    // The page heap's first chunk (16 MiB) beside the driver pool's (32 MiB) is the
-    // backing's; the cache adds nothing to it (with the 64 MiB floor: 112 MiB).
+    // Its blocks (up to 2 MiB) all stay under the heap's chunk (16 MiB): they are the
+    // heap's early blocks, on the driver pool, so the heap never begins and the pool
+    // reserves the driver pool's first step alone (before early blocks: 48 MiB, that
+    // step and a chunk of the heap; with the 64 MiB idle floor: 112 MiB).
+    assert_eq!(driver, 32 << 20);
     assert!(
-        paged <= paged_uncached,
-        "{} MiB, uncached {} MiB",
+        paged <= driver && paged_uncached <= driver,
+        "{} MiB, uncached {} MiB, driver pool alone {} MiB",
         paged >> 20,
-        paged_uncached >> 20
+        paged_uncached >> 20,
+        driver >> 20
     );
+}
+
+#[test]
+fn the_heap_begins_at_its_first_block_of_a_chunk_and_its_early_blocks_go_back_to_the_driver_pool() {
+    let pool = SimPool::paged(0);
+    let s = SimStream::new();
+    let mib = 1 << 20;
+    // A small block: the driver pool reserves its first step (32 MiB).
+    let small = pool.alloc(64 << 10, &s).unwrap();
+    assert_eq!(pool.peak_reserved(), 32 << 20);
+    // Blocks of the heap's size (from 2 MiB) under its chunk (16 MiB), up to 16 MiB in
+    // all: on the driver pool, which has room for them.
+    let early: Vec<SimBuffer> = (0..4).map(|_| pool.alloc(3 * mib, &s).unwrap()).collect();
+    assert_eq!(
+        pool.peak_reserved(),
+        32 << 20,
+        "the driver pool's first step alone"
+    );
+    // A block of a chunk begins the heap; later blocks of the heap's size are its own.
+    let big = pool.alloc(16 * mib, &s).unwrap();
+    let after = pool.peak_reserved();
+    assert!(after >= (32 + 16) << 20, "{} MiB", after >> 20);
+    let later = pool.alloc(3 * mib, &s).unwrap();
+    assert!(pool.peak_reserved() > after, "a new chunk of the heap");
+    // The early blocks go back to the driver pool (the simulated backend checks that each
+    // block is freed where it came from, once, with its size), the others to the heap.
+    drop(early);
+    drop((big, later, small));
+    pool.trim();
+    assert_eq!(pool.stats().reserved_bytes, 0, "{:?}", pool.stats());
+}
+
+#[test]
+fn without_small_blocks_the_driver_pool_reserves_nothing_for_the_heaps_blocks() {
+    // The driver pool has no room (it reserved nothing): a 3 MiB block begins the heap,
+    // which maps one chunk for it, rather than the driver pool's 32 MiB step.
+    let pool = SimPool::paged(0);
+    let s = SimStream::new();
+    let a = pool.alloc(3 << 20, &s).unwrap();
+    assert_eq!(pool.peak_reserved(), 16 << 20);
+    drop(a);
 }

@@ -70,6 +70,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "device/order.rs",
     "device/pages/clocks.rs",
     "device/pages/clocks/tests.rs",
+    "device/pages/early.rs",
     "device/pages/map.rs",
     "device/pages/mod.rs",
     "device/pages/reclaim.rs",

@@ -368,27 +368,27 @@ impl Backend for FakeBackend {
         assert!(bytes > 0 && bytes % 256 == 0, "fake: bad request {bytes}");
         let b = bytes as u64;
         self.charge(b)?;
-        let ptr = match PageHeap::serving(&self.pages, bytes) {
-            Some(h) => match h.alloc(self, bytes, stream) {
-                Ok(p) => p,
-                Err(e) => {
-                    self.held.fetch_sub(b, Ordering::SeqCst);
-                    return Err(e);
-                }
+        let routed = PageHeap::alloc_routed(
+            &self.pages,
+            bytes,
+            |h| h.alloc(self, bytes, stream),
+            &ModelPool(self),
+            || {
+                self.reservations.pool_alloc(
+                    bytes,
+                    &ModelPool(self),
+                    &self.growth,
+                    &self.trace,
+                    stream.id.get(),
+                )
             },
-            None => match self.reservations.pool_alloc(
-                bytes,
-                &ModelPool(self),
-                &self.growth,
-                &self.trace,
-                stream.id.get(),
-            ) {
-                Ok(p) => p,
-                Err(e) => {
-                    self.held.fetch_sub(b, Ordering::SeqCst);
-                    return Err(e);
-                }
-            },
+        );
+        let ptr = match routed {
+            Ok(p) => p,
+            Err(e) => {
+                self.held.fetch_sub(b, Ordering::SeqCst);
+                return Err(e);
+            }
         };
         assert!(
             lock(&self.live).insert(ptr, bytes).is_none(),
@@ -409,8 +409,8 @@ impl Backend for FakeBackend {
             Some(bytes),
             "fake: block {ptr:#x} freed twice or with a wrong size"
         );
-        match PageHeap::serving(&self.pages, bytes) {
-            // SAFETY: the caller's obligation 1; blocks of this size come from the heap.
+        match PageHeap::free_route(&self.pages, ptr, bytes) {
+            // SAFETY: the caller's obligation 1; `free_route` says it came from the heap.
             Some(h) => unsafe { h.free(self, ptr, stream) },
             None => lock(&self.pool).free(ptr),
         }

@@ -59,6 +59,11 @@
 //!   thread caches keep the last few freed blocks for an allocation of the same size on
 //!   the same stream until the thread's next allocation of a large block they do not
 //!   serve, when they come back here.
+//! - **Early blocks** (`early.rs`): until the heap begins, its blocks under one chunk go
+//!   to the driver pool while that pool has room for them in what it reserved for the
+//!   small blocks (at most 16 MiB and 8 blocks of them), so a program whose blocks stay
+//!   small reserves the driver pool's step alone; the first block that is not early
+//!   begins the heap for good.
 //! - **Stream order**: a free makes no driver call. It numbers itself (under the heap's
 //!   lock, so the frees of one stream are numbered in its order) and the freed run
 //!   carries (stream, number) with the hull of the units freed; a run keeps the latest
@@ -101,9 +106,11 @@
 //! - `reclaim.rs`: unmapping idle chunks, retiring pending ones, polling the retired;
 //! - `map.rs`: placement, mapping and access (peers too);
 //! - `trim.rs`: trimming and the shutdown;
+//! - `early.rs`: the blocks left to the driver pool before the heap begins;
 //! - this file: the heap, its state and lock, `alloc` and `free`.
 
 mod clocks;
+mod early;
 mod map;
 mod reclaim;
 mod space;
@@ -121,7 +128,7 @@ pub(crate) use self::stats::PageStats;
 use super::config::PageTuning;
 use super::order::StreamOrder;
 use super::phys::Phys;
-use super::reserve::Reservations;
+use super::reserve::{PoolSide, Reservations};
 use super::runs::Runs;
 use crate::cuda::record_drop_error;
 use crate::error::{Error, Result};
@@ -257,6 +264,8 @@ pub(crate) struct PageHeap<P: Phys, B: StreamOrder> {
     /// Whether takers are ordered after other streams' frees (off only in negative
     /// controls, `test-hooks`).
     guard: AtomicBool,
+    /// The blocks left to the driver pool before the heap begins (`early.rs`).
+    early: early::Early,
     _backend: PhantomData<fn() -> B>,
 }
 
@@ -299,6 +308,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 stats: PageStats::default(),
             }),
             guard: AtomicBool::new(true),
+            early: early::Early::default(),
             _backend: PhantomData,
         }
     }
@@ -342,11 +352,46 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
     }
 
-    /// `heap`, if there is one and it serves blocks of `bytes` (a backend's routing: the
-    /// same size routes an allocation and its free).
+    /// `heap`, if there is one and it serves blocks of `bytes`.
     #[inline]
-    pub(crate) fn serving(heap: &Option<Self>, bytes: usize) -> Option<&Self> {
+    fn serving(heap: &Option<Self>, bytes: usize) -> Option<&Self> {
         heap.as_ref().filter(|h| bytes >= h.min_block)
+    }
+
+    /// A backend's allocation of `bytes`: `on_heap` where `heap` serves the block, else
+    /// from `driver` (the driver pool beside it) with `on_driver`, which also takes the
+    /// heap's early blocks before it begins (`early.rs`) while `driver` has room for them.
+    #[inline]
+    pub(crate) fn alloc_routed(
+        heap: &Option<Self>,
+        bytes: usize,
+        on_heap: impl FnOnce(&Self) -> Result<u64>,
+        driver: &impl PoolSide,
+        on_driver: impl FnOnce() -> Result<u64>,
+    ) -> Result<u64> {
+        let Some(h) = Self::serving(heap, bytes) else {
+            return on_driver();
+        };
+        let room = || {
+            driver
+                .usage()
+                .map_or(0, |(reserved, used)| reserved.saturating_sub(used))
+        };
+        if !h.early.claim(bytes, h.chunk_units * h.unit, room) {
+            return on_heap(h);
+        }
+        let r = on_driver();
+        h.early.placed(&r, bytes);
+        r
+    }
+
+    /// Where a backend frees the block `ptr` of `bytes` that [`alloc_routed`] placed:
+    /// `Some(heap)`, or the driver pool (`None`).
+    ///
+    /// [`alloc_routed`]: Self::alloc_routed
+    #[inline]
+    pub(crate) fn free_route(heap: &Option<Self>, ptr: u64, bytes: usize) -> Option<&Self> {
+        Self::serving(heap, bytes).filter(|h| !h.early.release(ptr, bytes))
     }
 
     #[cfg(test)]
