@@ -37,11 +37,13 @@
 //! - `device_peer_copy` (2 GPUs; skipped with one): copy bandwidth device 1 -> 0 and
 //!   0 -> 1 (`cuMemcpyPeerAsync`, peer access enabled on the pools) and on device 0
 //!   (`cuMemcpyDtoDAsync`), 1 MiB .. 256 MiB.
-//! - `device_hit_nvtx`: the hit (256 B, 1 MiB) with NVTX annotations compiled in and no
-//!   tool attached: `cache` (annotations on, the default) vs `cache_nvtx_off`
-//!   (`with_nvtx(false)`), and on the simulated GPU `sim_cache` vs `sim_annotated` (a
-//!   pool whose blocks would be heaps). Target (issue 24): within 1 ns of each other, and
-//!   of `device_hit` before annotations.
+//! - `device_hit_nvtx`: what the NVTX annotations cost the hit (256 B, 1 MiB) with no
+//!   tool attached. On the simulated GPU, which runs `DevicePool`'s hot path: `sim_annotated`
+//!   (the branch compiled in, as in every `DevicePool`) vs `sim_bare` (compiled out,
+//!   `SimPool::bare`), criterion's estimates and then alternating batches in one stretch
+//!   of time (the median difference per pair). On the GPU `cache` vs `cache_nvtx_off`
+//!   (`with_nvtx(false)`: the same code without a tool, so their paired difference is
+//!   the method's own resolution). Target (issue 24): at most 1 ns apart.
 //! - `device_hit_sim` (no GPU needed): the hit of `device_hit` on a simulated GPU
 //!   (`cudalloc::device::sim`: the same cache, thread caches and hot path as `DevicePool`,
 //!   over simulated streams), 256 B .. 128 MiB, with a `malloc` alloc + free pair of 64 B
@@ -68,7 +70,7 @@ use cudalloc::device::{Backing, PageTuning};
 use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::testing::{AsyncDeviceMemory, DeviceMemory};
 
-use common::{per_call, size_label, wanted};
+use common::{paired, per_call, size_label, wanted};
 
 fn quick() -> bool {
     std::env::args().any(|a| a == "--quick")
@@ -200,11 +202,10 @@ fn device_hit_sim(c: &mut Criterion) {
     }
 }
 
-/// The hit with NVTX annotations compiled in and no tool attached (issue 24): a pool with
-/// annotations on (the default) and one with them off, in the same run, on the GPU and on
-/// the simulated GPU. Without a tool both pay the same one branch per alloc and free;
-/// the cost of the branch itself is the A/B of this commit against its parent (or of
-/// `cuda::nvtx::on()` made `false` at compile time), which BENCHMARKS.md reports.
+/// What the NVTX annotations cost the hit without a tool (issue 24): the simulated pool
+/// with the hot path's branch compiled in (`SimPool::annotated`, as every `DevicePool`)
+/// and out (`SimPool::bare`) in one process, and on the GPU a pool with annotations on
+/// and one with them off (the same code without a tool: a control of the method).
 fn device_hit_nvtx(c: &mut Criterion, stream: Option<&Stream>) {
     let mut g = c.benchmark_group("device_hit_nvtx");
     g.sampling_mode(SamplingMode::Flat)
@@ -213,26 +214,30 @@ fn device_hit_nvtx(c: &mut Criterion, stream: Option<&Stream>) {
         .measurement_time(Duration::from_secs(1));
     let sizes = [256usize, 1 << 20];
     let sim_stream = SimStream::new();
-    let (sim, sim_annotated) = (SimPool::new(256 << 20), SimPool::annotated(256 << 20));
+    let (annotated, bare) = (SimPool::annotated(256 << 20), SimPool::bare(256 << 20));
+    let bare2 = SimPool::bare(256 << 20);
     for size in sizes {
         let id = size_label(size);
-        g.bench_function(BenchmarkId::new("sim_cache", &id), |b| {
-            b.iter(|| drop(black_box(sim.alloc(black_box(size), &sim_stream).expect("sim"))))
-        });
         g.bench_function(BenchmarkId::new("sim_annotated", &id), |b| {
             b.iter(|| {
                 drop(black_box(
-                    sim_annotated.alloc(black_box(size), &sim_stream).expect("sim"),
+                    annotated.alloc(black_box(size), &sim_stream).expect("sim"),
                 ))
             })
         });
+        g.bench_function(BenchmarkId::new("sim_bare", &id), |b| {
+            b.iter(|| drop(black_box(bare.alloc(black_box(size), &sim_stream).expect("sim"))))
+        });
     }
-    if let Some(stream) = stream {
+    let gpu = stream.map(|stream| {
         let on = DevicePool::new(0, DevicePoolConfig::default()).expect("device pool");
         let off = DevicePool::new(0, DevicePoolConfig::default().with_nvtx(false)).expect("device pool");
+        (stream, on, off)
+    });
+    if let Some((stream, on, off)) = &gpu {
         for size in sizes {
             let id = size_label(size);
-            for (name, pool) in [("cache", &on), ("cache_nvtx_off", &off)] {
+            for (name, pool) in [("cache", on), ("cache_nvtx_off", off)] {
                 g.bench_function(BenchmarkId::new(name, &id), |b| {
                     b.iter(|| {
                         let buf = pool.alloc::<u8>(black_box(size), stream).expect("cache");
@@ -245,23 +250,48 @@ fn device_hit_nvtx(c: &mut Criterion, stream: Option<&Stream>) {
     }
     g.finish();
     if wanted("device_hit_nvtx") {
-        // The batches' median and minimum, steadier than criterion's means on a loaded
-        // machine.
         let mut rows = Vec::new();
         for size in sizes {
             let id = size_label(size);
-            for (name, pool) in [("sim_cache", &sim), ("sim_annotated", &sim_annotated)] {
-                let t = per_call(200, 10_000, || {
-                    drop(black_box(pool.alloc(black_box(size), &sim_stream).expect("sim")))
-                });
-                rows.push(format!("{name} {id} {t}"));
+            let t = paired(
+                2000,
+                10_000,
+                || {
+                    drop(black_box(
+                        annotated.alloc(black_box(size), &sim_stream).expect("sim"),
+                    ))
+                },
+                || drop(black_box(bare.alloc(black_box(size), &sim_stream).expect("sim"))),
+            );
+            rows.push(format!("sim_annotated vs sim_bare {id}: {t}"));
+            // The control: the same code in two pools (the method's resolution).
+            let t = paired(
+                2000,
+                10_000,
+                || drop(black_box(bare.alloc(black_box(size), &sim_stream).expect("sim"))),
+                || drop(black_box(bare2.alloc(black_box(size), &sim_stream).expect("sim"))),
+            );
+            rows.push(format!("sim_bare vs sim_bare (another pool) {id}: {t}"));
+            if let Some((stream, on, off)) = &gpu {
+                let hit = |pool: &DevicePool| {
+                    let buf = pool.alloc::<u8>(black_box(size), stream).expect("cache");
+                    black_box(buf.device_ptr());
+                };
+                let t = paired(2000, 10_000, || hit(on), || hit(off));
+                rows.push(format!("cache vs cache_nvtx_off {id}: {t}"));
             }
         }
+        if let Some((stream, ..)) = &gpu {
+            stream.synchronize().expect("synchronize");
+        }
         println!(
-            "device_hit_nvtx, per pair (median / fastest of 200 batches), NVTX tool attached: {}: {}",
-            cudalloc::cuda::nvtx::attached(),
-            rows.join(", ")
+            "device_hit_nvtx, per pair (median / fastest of 2000 alternating batches of 10^4), \
+             NVTX tool attached: {}:",
+            cudalloc::cuda::nvtx::attached()
         );
+        for r in rows {
+            println!("  {r}");
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use super::pages::page_threshold;
 use crate::error::Result;
 use crate::slot_table::{SlotBits, SlotTable};
 use crate::sync::{thread_local_const, Arc};
+use core::marker::PhantomData;
 
 /// A pool on a simulated GPU (unlimited memory; streams that never run ahead of the host
 /// unless told to). A cheap, cloneable handle, like [`DevicePool`](super::DevicePool).
@@ -31,12 +32,48 @@ use crate::sync::{thread_local_const, Arc};
 /// assert_eq!(pool.hits(), 1);
 /// ```
 #[derive(Clone)]
-pub struct SimPool {
+pub struct SimPool<M: Branch = Annotated> {
     core: Arc<Core<FakeBackend>>,
+    marker: PhantomData<M>,
+}
+
+/// Whether a simulated pool's hot path carries `DevicePool`'s NVTX branch: [`Annotated`]
+/// (every [`SimPool`] but one, as every `DevicePool`) or [`Bare`] (compiled out). Sealed.
+pub trait Branch: sealed::Sealed + Clone + Send + Sync + 'static {
+    /// Whether the hot path describes blocks to an attached NVTX tool.
+    const NVTX: bool;
+}
+
+/// The hot path of `DevicePool`: one branch on `cuda::nvtx`'s state per allocation and
+/// free, an annotation with a tool attached.
+#[derive(Clone, Copy, Debug)]
+pub struct Annotated;
+
+/// The hot path without the NVTX branch ([`SimPool::bare`]): what the annotations cost
+/// without a tool is the difference between the two, in one process (issue 24).
+#[derive(Clone, Copy, Debug)]
+pub struct Bare;
+
+impl Branch for Annotated {
+    const NVTX: bool = true;
+}
+
+impl Branch for Bare {
+    const NVTX: bool = false;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Annotated {}
+    impl Sealed for super::Bare {}
 }
 
 thread_local_const! {
     static TABLE: SlotTable<LocalCache<SimPool>> = SlotTable::new();
+}
+
+thread_local_const! {
+    static BARE_TABLE: SlotTable<LocalCache<SimPool<Bare>>> = SlotTable::new();
 }
 
 static SLOTS: SlotBits = SlotBits::new();
@@ -46,8 +83,9 @@ const GRANULE: usize = 2 << 20;
 /// Where the simulated page heap starts serving blocks.
 const PAGE_MIN: usize = page_threshold(GRANULE);
 
-impl PoolHandle for SimPool {
+impl<M: Branch> PoolHandle for SimPool<M> {
     type B = FakeBackend;
+    const NVTX: bool = M::NVTX;
 
     #[inline(always)]
     fn core(&self) -> &Core<FakeBackend> {
@@ -56,11 +94,57 @@ impl PoolHandle for SimPool {
 
     #[inline(always)]
     fn with_table<R>(f: impl FnOnce(&SlotTable<LocalCache<Self>>) -> R) -> Option<R> {
-        TABLE.try_with(f).ok()
+        // `Branch` is sealed with two implementors, `Annotated` (`NVTX` true) and `Bare`
+        // (false): in each arm `Self` is the very type of that table's entries.
+        if M::NVTX {
+            TABLE
+                .try_with(|t| {
+                    // SAFETY: `Self` is `SimPool<Annotated>` here (above): the cast
+                    // changes no type.
+                    f(unsafe { &*core::ptr::from_ref(t).cast() })
+                })
+                .ok()
+        } else {
+            BARE_TABLE
+                .try_with(|t| {
+                    // SAFETY: `Self` is `SimPool<Bare>` here (above): the cast changes no
+                    // type.
+                    f(unsafe { &*core::ptr::from_ref(t).cast() })
+                })
+                .ok()
+        }
     }
 
     fn slots() -> &'static SlotBits {
         &SLOTS
+    }
+}
+
+impl SimPool<Bare> {
+    /// [`SimPool::annotated`] with the hot path's NVTX branch compiled out: for measuring
+    /// that branch against the annotated pool in one process (the `device_hit_nvtx`
+    /// benchmark). Nothing of its blocks reaches a tool.
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let pool = SimPool::bare(256 << 20);
+    /// let s = SimStream::new();
+    /// let p = pool.alloc(4096, &s).unwrap().device_ptr();
+    /// assert_eq!(pool.alloc(4096, &s).unwrap().device_ptr(), p, "a hit");
+    /// ```
+    pub fn bare(thread_cache_bytes: usize) -> Self {
+        let settings = Settings::new(1 << 30, thread_cache_bytes, None);
+        Self::around(Cache::new(FakeBackend::new(u64::MAX).with_nvtx(), settings))
+    }
+}
+
+impl<M: Branch> SimPool<M> {
+    /// A pool around `cache`.
+    fn around(cache: Cache<FakeBackend>) -> Self {
+        Self {
+            core: Arc::new(Core::new::<Self>(cache)),
+            marker: PhantomData,
+        }
     }
 }
 
@@ -69,12 +153,7 @@ impl SimPool {
     /// none), as `DevicePoolConfig::default()` with that setting.
     pub fn new(thread_cache_bytes: usize) -> Self {
         let settings = Settings::new(1 << 30, thread_cache_bytes, None);
-        Self {
-            core: Arc::new(Core::new::<SimPool>(Cache::new(
-                FakeBackend::new(u64::MAX),
-                settings,
-            ))),
-        }
+        Self::around(Cache::new(FakeBackend::new(u64::MAX), settings))
     }
 
     /// [`SimPool::new`], its blocks described to an attached NVTX tool as a
@@ -87,12 +166,7 @@ impl SimPool {
     /// ```
     pub fn annotated(thread_cache_bytes: usize) -> Self {
         let settings = Settings::new(1 << 30, thread_cache_bytes, None);
-        Self {
-            core: Arc::new(Core::new::<SimPool>(Cache::new(
-                FakeBackend::new(u64::MAX).with_nvtx(),
-                settings,
-            ))),
-        }
+        Self::around(Cache::new(FakeBackend::new(u64::MAX).with_nvtx(), settings))
     }
 
     /// [`SimPool::new`] shaped as the default `DevicePool` on a GPU with CUDA's virtual
@@ -120,9 +194,7 @@ impl SimPool {
     fn on_pages(settings: Settings) -> Self {
         let phys = FakePhys::new(GRANULE, usize::MAX);
         let backend = FakeBackend::paged(u64::MAX, phys, PAGE_MIN, PageTuning::default());
-        Self {
-            core: Arc::new(Core::new::<SimPool>(Cache::new(backend, settings))),
-        }
+        Self::around(Cache::new(backend, settings))
     }
 
     /// [`SimPool::paged`] without the cache: every block from the simulated backend
@@ -151,14 +223,11 @@ impl SimPool {
     /// ```
     pub fn uncached() -> Self {
         let settings = Settings::new(0, 0, None);
-        Self {
-            core: Arc::new(Core::new::<SimPool>(Cache::new(
-                FakeBackend::new(u64::MAX),
-                settings,
-            ))),
-        }
+        Self::around(Cache::new(FakeBackend::new(u64::MAX), settings))
     }
+}
 
+impl<M: Branch> SimPool<M> {
     /// Misses of cached classes so far: those of a class the cache had given back lately
     /// (its idle allowance grew), and the others.
     ///
@@ -203,7 +272,7 @@ impl SimPool {
     ///
     /// [`DevicePool::alloc`]: super::DevicePool::alloc
     #[inline]
-    pub fn alloc(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer> {
+    pub fn alloc(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer<M>> {
         if bytes != 0 {
             if let Some(block) = local::try_alloc_fast(self, bytes, &stream.stream) {
                 return Ok(SimBuffer { block, bytes });
@@ -214,7 +283,7 @@ impl SimPool {
 
     #[cold]
     #[inline(never)]
-    fn alloc_slow(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer> {
+    fn alloc_slow(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer<M>> {
         let block = match bytes {
             0 => Owned::empty(stream.stream.clone(), self.clone()),
             b => local::alloc_slow(self, b, &stream.stream)
@@ -271,19 +340,19 @@ impl SimStream {
 }
 
 /// A block from a [`SimPool`], given back on drop as a `DeviceBuffer` is.
-pub struct SimBuffer {
-    block: Owned<SimPool>,
+pub struct SimBuffer<M: Branch = Annotated> {
+    block: Owned<SimPool<M>>,
     bytes: usize,
 }
 
-impl SimBuffer {
+impl<M: Branch> SimBuffer<M> {
     /// The simulated address.
     pub fn device_ptr(&self) -> u64 {
         self.block.ptr()
     }
 }
 
-impl Drop for SimBuffer {
+impl<M: Branch> Drop for SimBuffer<M> {
     #[inline]
     fn drop(&mut self) {
         // SAFETY: called once, here; the block is not used afterwards.

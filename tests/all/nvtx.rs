@@ -381,6 +381,25 @@ fn a_simulated_pool_registers_heaps_and_exact_regions_and_balances() {
     drop(plain.alloc(4096, &s).unwrap());
     plain.trim();
     assert_eq!(calls().len(), n, "{:?}", &calls()[n..]);
+    // The bare pool (the NVTX branch compiled out of its hot path, for measuring it):
+    // its backend still makes its blocks heaps, but no block is ever a live region.
+    let bare = SimPool::bare(256 << 20);
+    let n = calls().len();
+    let a = bare.alloc(4000, &s).unwrap();
+    let pa = a.device_ptr();
+    drop(a);
+    let again = bare.alloc(4000, &s).unwrap();
+    assert_eq!(again.device_ptr(), pa, "a hit");
+    drop(again);
+    let ours = &calls()[n..];
+    assert!(ours.iter().any(|c| matches!(c, Call::Heap { .. })), "{ours:?}");
+    assert!(
+        !ours
+            .iter()
+            .any(|c| matches!(c, Call::Region { .. } | Call::RegionGone { .. })),
+        "{ours:?}"
+    );
+    bare.trim();
     assert_no_complaints();
 }
 
