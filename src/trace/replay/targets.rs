@@ -159,6 +159,14 @@ impl ReplayTarget for DevicePoolTarget {
         self.name.clone()
     }
 
+    /// With the `testing` feature (the crate's own examples and benches), a pool on
+    /// physical pages says what its page heap did in the run: the driver calls it made
+    /// and the time they took.
+    #[cfg(feature = "testing")]
+    fn note(&self) -> Option<String> {
+        self.pool.page_counters().map(|c| format!("page heap: {c}"))
+    }
+
     fn prepare(&mut self, streams: usize) -> Result<(), String> {
         self.streams = make_streams(self.device, streams)?;
         Ok(())
