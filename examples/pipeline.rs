@@ -51,6 +51,9 @@
 //!                          StagingRing (1: an in/out pair per stream, as the hand-written
 //!                          rows and the C++ reference; 2: each stream's next batch stays
 //!                          queued while its last one is checked)
+//!   --repeat N             run each row N times, the rows of a regime in turn, and keep
+//!                          the run of median wall time (1): rows then compare over the
+//!                          same stretch of time
 //!   --pinned-limit SIZE    cap the pinned pools (PinnedAlloc::set_limit) before running
 //!   --fresh-headroom SIZE  while the fresh-Vec rows run, cap the pinned pools at what they
 //!                          hold plus SIZE: what a staging loop meets at the pool's cap
@@ -129,6 +132,13 @@ fn parse_args() -> Result<Args, String> {
             }
             "--unchained" => cfg.chain_copies = false,
             "--no-warmup" => cfg.warmup = false,
+            "--repeat" => {
+                cfg.repeat = value()?
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or("--repeat: not a count")?
+            }
             "--ring-buffers" => {
                 cfg.ring_buffers = value()?
                     .parse()

@@ -341,6 +341,10 @@ pub struct Config {
     /// next H2D waits for its last D2H and check on the host; 2 keeps each stream's next
     /// batch queued.
     pub ring_buffers: usize,
+    /// Times each row is run, the rows of a regime in turn (1, 2, .., 1, 2, ..), keeping
+    /// the run of median wall time: rows then compare over the same stretch of time, not
+    /// one after another (whole processes move by a fifth). Every run's output is checked.
+    pub repeat: usize,
 }
 
 /// Fill threads by default: half the cores, at most 8. One thread took 8.7 ms to write
@@ -367,6 +371,7 @@ impl Config {
             fill_workers: 2,
             chain_copies: true,
             ring_buffers: 1,
+            repeat: 1,
         }
     }
 
@@ -2461,24 +2466,43 @@ pub fn run(cfg: &Config, progress: &dyn Fn(&str)) -> Result<Results> {
             fill_workers: cfg.fill_workers.max(1),
             chain_copies: cfg.chain_copies,
         };
-        let mut rows = Vec::new();
-        for &variant in &cfg.variants {
-            progress(&format!("{}: {}", regime.name(), variant.label()));
-            let capped = match (variant, cfg.fresh_headroom) {
-                (Variant::FreshVec(_), Some(headroom)) => {
-                    let old = PinnedAlloc::limit();
-                    PinnedAlloc::trim();
-                    PinnedAlloc::set_limit(Some(PinnedAlloc::stats().source_bytes.saturating_add(headroom)));
-                    Some(old)
+        let mut runs: Vec<Vec<std::result::Result<Measured, String>>> = vec![Vec::new(); cfg.variants.len()];
+        for round in 0..cfg.repeat.max(1) {
+            for (i, &variant) in cfg.variants.iter().enumerate() {
+                progress(&format!(
+                    "{}: {} (run {})",
+                    regime.name(),
+                    variant.label(),
+                    round + 1
+                ));
+                let capped = match (variant, cfg.fresh_headroom) {
+                    (Variant::FreshVec(_), Some(headroom)) => {
+                        let old = PinnedAlloc::limit();
+                        PinnedAlloc::trim();
+                        PinnedAlloc::set_limit(Some(
+                            PinnedAlloc::stats().source_bytes.saturating_add(headroom),
+                        ));
+                        Some(old)
+                    }
+                    _ => None,
+                };
+                let outcome =
+                    measure(&mut res, &ctx, variant, cfg, &base, kernel_ms).map_err(|e| e.to_string());
+                if let Some(old) = capped {
+                    PinnedAlloc::set_limit(old);
                 }
-                _ => None,
-            };
-            let outcome = measure(&mut res, &ctx, variant, cfg, &base, kernel_ms).map_err(|e| e.to_string());
-            if let Some(old) = capped {
-                PinnedAlloc::set_limit(old);
+                runs[i].push(outcome);
             }
-            rows.push(Row { variant, outcome });
         }
+        let rows = cfg
+            .variants
+            .iter()
+            .zip(runs)
+            .map(|(&variant, runs)| Row {
+                variant,
+                outcome: median_run(runs),
+            })
+            .collect();
         regimes.push(RegimeResult {
             regime,
             rounds,
@@ -2494,6 +2518,26 @@ pub fn run(cfg: &Config, progress: &dyn Fn(&str)) -> Result<Results> {
         baseline: base,
         regimes,
     })
+}
+
+/// The run of median wall time among a row's runs, with every run's checks added in (a
+/// wrong element in any run shows); the first error if a run failed.
+fn median_run(runs: Vec<std::result::Result<Measured, String>>) -> std::result::Result<Measured, String> {
+    let mut ok = Vec::with_capacity(runs.len());
+    for r in runs {
+        ok.push(r?);
+    }
+    let (batches, elements, wrong) = ok.iter().fold((0, 0, 0), |(b, e, w), m| {
+        (b + m.batches_checked, e + m.elements_checked, w + m.mismatches)
+    });
+    let first = ok.iter().find_map(|m| m.first_mismatch.clone());
+    ok.sort_by(|a, b| a.wall_ms.total_cmp(&b.wall_ms));
+    let mut m = ok.swap_remove(ok.len() / 2);
+    m.batches_checked = batches;
+    m.elements_checked = elements;
+    m.mismatches = wrong;
+    m.first_mismatch = first;
+    Ok(m)
 }
 
 /// Warms `variant` up, then times it over all batches.

@@ -462,6 +462,9 @@ fn every_variant_delivers_every_element_of_every_batch() {
             chain_copies,
             // The rows on the ring with one buffer per stream, then with two.
             ring_buffers: if chain_copies { 1 } else { 2 },
+            // Each row once, then each twice in turn (the median run kept, every run's
+            // checks counted).
+            repeat: if chain_copies { 1 } else { 2 },
         };
         let results = pipeline::run(&cfg, &|_| {}).unwrap();
         assert_eq!(results.regimes.len(), 2);
@@ -478,8 +481,12 @@ fn every_variant_delivers_every_element_of_every_batch() {
                     g.regime.name()
                 );
                 assert_eq!(m.mismatches, 0, "{who}: {:?}", m.first_mismatch);
-                assert_eq!(m.batches_checked, batches, "{who}");
-                assert_eq!(m.elements_checked, batches * batch_bytes / 4, "{who}");
+                assert_eq!(m.batches_checked, batches * cfg.repeat, "{who}");
+                assert_eq!(
+                    m.elements_checked,
+                    cfg.repeat * batches * batch_bytes / 4,
+                    "{who}"
+                );
                 assert!(m.wall_ms > 0.0 && m.ideal_ms > 0.0, "{who}");
                 assert!(
                     (0.0..=1.0 + 1e-9).contains(&m.gpu_busy),
@@ -543,6 +550,7 @@ fn the_library_pipeline_delivers_every_element_of_every_batch() {
             fill_workers: if chain_copies { 2 } else { 3 },
             chain_copies,
             ring_buffers: 1,
+            repeat: 1,
         };
         let results = pipeline::run(&cfg, &|_| {}).unwrap();
         for g in &results.regimes {
