@@ -228,9 +228,11 @@ impl<A: Allocator> StagingRing<A> {
         }
     }
 
-    /// The next buffer the GPU is done with, waiting for one at most `timeout`: woken by
-    /// the driver when the buffer's last use completes, or by a lease given back (no
-    /// spinning). Errors: [`Error::TimedOut`] when none is free in time; a CUDA error of
+    /// The next buffer the GPU is done with, waiting for one at most `timeout`. For the
+    /// first [`NEXT_SPIN`] it asks the buffers' events in a loop (as
+    /// `Event::synchronize` spins), so that a copy about to end costs no wake-up; then
+    /// it sleeps until the driver says the buffer's last use completed, or a lease is
+    /// given back. Errors: [`Error::TimedOut`] when none is free in time; a CUDA error of
     /// the buffer's last use.
     ///
     /// ```
@@ -247,7 +249,18 @@ impl<A: Allocator> StagingRing<A> {
     /// }
     /// ```
     pub fn next(&self, timeout: Duration) -> Result<Staged<A>> {
-        let deadline = Instant::now() + timeout;
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let spin_until = start + NEXT_SPIN.min(timeout);
+        loop {
+            if let Take::Ready(slot) = self.take(None, false)? {
+                return self.lease(slot);
+            }
+            if Instant::now() >= spin_until {
+                break;
+            }
+            std::thread::yield_now();
+        }
         let mut fut = self.next_async();
         let waker = Waker::from(global_thread_waker());
         let mut cx = Context::from_waker(&waker);
@@ -397,6 +410,16 @@ impl<A: Allocator> StagingRing<A> {
         waiters.into_iter().for_each(Waker::wake);
     }
 }
+
+/// How long [`StagingRing::next`] asks the buffers' events in a loop before it sleeps
+/// until the driver's callback: a future's wake-up took 15-20 us on the H200 where
+/// `Event::synchronize` took 3 us (BENCHMARKS.md), and a pipeline waits for a buffer
+/// once a batch.
+///
+/// ```
+/// assert_eq!(cudalloc::staging::NEXT_SPIN.as_micros(), 200);
+/// ```
+pub const NEXT_SPIN: Duration = Duration::from_micros(200);
 
 /// A waker that unparks the calling thread ([`StagingRing::next`]'s blocking wait).
 fn global_thread_waker() -> crate::sync::global::Arc<ThreadWaker> {
