@@ -92,6 +92,14 @@ struct Args {
     timeline: Option<PathBuf>,
 }
 
+/// A count of at least 1, or `FLAG: not a count`.
+fn count(v: &str, flag: &str) -> Result<usize, String> {
+    v.parse()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or(format!("{flag}: not a count"))
+}
+
 fn parse_args() -> Result<Args, String> {
     let mut cfg = Config::full();
     let mut streams = vec![1, 2, 4, 8];
@@ -105,47 +113,17 @@ fn parse_args() -> Result<Args, String> {
             "--batches" => cfg.batches = value()?.parse().map_err(|e| format!("--batches: {e}"))?,
             "--batch-size" => cfg.batch_bytes = parse_size(&value()?).ok_or("--batch-size: not a size")?,
             "--streams" => streams = list(&value()?, |s| s.parse().ok().filter(|&n| n > 0))?,
-            "--staging-streams" => {
-                staging = value()?
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or("--staging-streams: not a count")?
-            }
+            "--staging-streams" => staging = count(&value()?, "--staging-streams")?,
             "--work" => cfg.regimes = list(&value()?, Regime::parse)?,
             "--variants" => names = Some(value()?.split(',').map(str::to_string).collect()),
             "--samples" => cfg.samples = value()?.parse().map_err(|e| format!("--samples: {e}"))?,
             "--verify-all" => cfg.verify_all = true,
-            "--fill-threads" => {
-                cfg.fill_threads = value()?
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or("--fill-threads: not a count")?
-            }
-            "--fill-workers" => {
-                cfg.fill_workers = value()?
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or("--fill-workers: not a count")?
-            }
+            "--fill-threads" => cfg.fill_threads = count(&value()?, "--fill-threads")?,
+            "--fill-workers" => cfg.fill_workers = count(&value()?, "--fill-workers")?,
             "--unchained" => cfg.chain_copies = false,
             "--no-warmup" => cfg.warmup = false,
-            "--repeat" => {
-                cfg.repeat = value()?
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or("--repeat: not a count")?
-            }
-            "--ring-buffers" => {
-                cfg.ring_buffers = value()?
-                    .parse()
-                    .ok()
-                    .filter(|&n| n > 0)
-                    .ok_or("--ring-buffers: not a count")?
-            }
+            "--repeat" => cfg.repeat = count(&value()?, "--repeat")?,
+            "--ring-buffers" => cfg.ring_buffers = count(&value()?, "--ring-buffers")?,
             "--fresh-headroom" => {
                 cfg.fresh_headroom = Some(parse_size(&value()?).ok_or("--fresh-headroom: not a size")?)
             }

@@ -107,6 +107,17 @@ impl MemPool {
         })
     }
 
+    /// Bytes reserved from the device now and bytes of its live blocks (two attribute
+    /// queries: [`usage`](Self::usage) without the highs).
+    pub(crate) fn reserved_and_used(&self) -> Result<(u64, u64)> {
+        use sys::CUmemPool_attribute as A;
+        bind(self.device)?;
+        Ok((
+            self.attribute(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            self.attribute(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+        ))
+    }
+
     /// Bytes reserved from the device now (one attribute query; the device cache's trims
     /// read it to say what they gave back).
     pub(crate) fn reserved(&self) -> Result<u64> {

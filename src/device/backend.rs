@@ -119,9 +119,9 @@ struct DriverPool<'a> {
 
 impl PoolSide for DriverPool<'_> {
     fn usage(&self) -> Result<(usize, usize)> {
-        let u = self.pool.usage()?;
+        let (reserved, used) = self.pool.reserved_and_used()?;
         let bytes = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
-        Ok((bytes(u.reserved), bytes(u.used)))
+        Ok((bytes(reserved), bytes(used)))
     }
 
     fn reserved(&self) -> Result<usize> {
