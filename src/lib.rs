@@ -133,6 +133,7 @@ pub mod guide;
 mod handle;
 #[cfg(feature = "cudarc")]
 pub mod interop;
+mod observe;
 pub mod pool;
 mod registration;
 mod slot_table;

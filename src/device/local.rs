@@ -17,6 +17,7 @@ use super::order::StreamOrder;
 use super::size_class::{class_size, round_to_granule};
 use super::thread_cache::ThreadCache;
 use crate::cuda::{nvtx, StreamId};
+use crate::observe;
 use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
 use crate::sync::global::{AtomicU64 as GlobalU64, Ordering as GlobalOrdering};
 use crate::trace::{Code, Note};
@@ -140,7 +141,35 @@ fn hit<P: PoolHandle>(
     (ptr, class): (u64, usize),
     handles: Option<(StreamOf<P>, P)>,
 ) -> Owned<P> {
-    // The block's size only for the recorder, computed inside its closure (off the hit).
+    // One branch for the recorder and an NVTX tool together (`observe`).
+    if observe::wanted(observed::<P>()) {
+        observe_hit(pool, stream, bytes, (ptr, class));
+    }
+    let (stream, pool) = match handles {
+        Some(h) => h,
+        None => (stream.clone(), pool.clone()),
+    };
+    Owned {
+        ptr,
+        class,
+        stream: ManuallyDrop::new(stream),
+        pool: ManuallyDrop::new(pool),
+        uses: ManuallyDrop::new(None),
+    }
+}
+
+/// What may watch a pool of type `P`'s hot path: the recorder, and an NVTX tool unless
+/// `P` compiles the annotations out (the simulator's bare pool).
+#[inline(always)]
+const fn observed<P: PoolHandle>() -> usize {
+    observe::TRACE | if P::NVTX { observe::NVTX } else { 0 }
+}
+
+/// A hit seen by the recorder (the block's size given as the cache holds it) and by an
+/// NVTX tool (a live region of exactly the request), whichever is on.
+#[cold]
+#[inline(never)]
+fn observe_hit<P: PoolHandle>(pool: &P, stream: &StreamOf<P>, bytes: usize, (ptr, class): (u64, usize)) {
     pool.core().cache.backend.trace().event(|| Note {
         given: match class {
             LARGE => round_to_granule(bytes).unwrap_or(bytes),
@@ -150,14 +179,6 @@ fn hit<P: PoolHandle>(
     });
     if P::NVTX && nvtx::on() {
         nvtx::region_register(ptr, bytes);
-    }
-    let (stream, pool) = handles.unwrap_or_else(|| (stream.clone(), pool.clone()));
-    Owned {
-        ptr,
-        class,
-        stream: ManuallyDrop::new(stream),
-        pool: ManuallyDrop::new(pool),
-        uses: ManuallyDrop::new(None),
     }
 }
 
@@ -380,15 +401,9 @@ impl<P: PoolHandle> Owned<P> {
             )
         };
         let core = pool.core();
-        // Freed or cached, the block is no longer a live region for NVTX tools.
-        if P::NVTX && nvtx::on() {
-            nvtx::region_unregister(self.ptr);
-        }
-        // A block without uses on other streams is reusable at once by later work on its
-        // stream: its free completes with the request (in stream order). One with uses
-        // completes when the cache finds them complete (`Cache::free_slow`).
-        if crate::trace::on() {
-            record_free::<P>(core, self.ptr, bytes, &stream, uses.is_none());
+        // Seen before the block goes anywhere (another thread may take it at once).
+        if observe::wanted(observed::<P>()) {
+            observe_free::<P>(core, self.ptr, bytes, &stream, uses.is_none());
         }
         // One test for the common case: a class below `LARGE` is a block cached by class
         // (an empty buffer's class is `NOT_CACHED`, above it).
@@ -434,18 +449,27 @@ fn release_large<P: PoolHandle>(pool: P, ptr: u64, bytes: usize, stream: StreamO
     }
 }
 
-/// The free of a buffer, recorded (off the hot path: the recorder is on).
+/// The free of a buffer seen by an NVTX tool (freed or cached, the block is no longer a
+/// live region) and by the recorder, whichever is on (off the hot path). A block without
+/// uses on other streams is reusable at once by later work on its stream, so its free
+/// completes with the request (`completed`); one with uses completes when the cache finds
+/// them complete (`Cache::free_slow`).
 #[cold]
 #[inline(never)]
-fn record_free<P: PoolHandle>(
+fn observe_free<P: PoolHandle>(
     core: &Core<P::B>,
     ptr: u64,
     bytes: usize,
     stream: &StreamOf<P>,
     completed: bool,
 ) {
-    let id = P::B::stream_id(stream).get();
-    core.cache.backend.trace().device_free(ptr, bytes, id, completed);
+    if P::NVTX && nvtx::on() {
+        nvtx::region_unregister(ptr);
+    }
+    if crate::trace::on() {
+        let id = P::B::stream_id(stream).get();
+        core.cache.backend.trace().device_free(ptr, bytes, id, completed);
+    }
 }
 
 /// Everything but the free into this thread's bin: an empty buffer's handles dropped, a

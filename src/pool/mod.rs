@@ -90,6 +90,7 @@ use crate::budget::Budget;
 use crate::cuda::nvtx;
 use crate::error::{Error, Result};
 use crate::fence::{registry, Fence};
+use crate::observe;
 use crate::source::{HostVisible, MemorySource};
 use crate::sync::Arc;
 use crate::util::{align_up, dangling_block, PAGE_SIZE};
@@ -633,16 +634,37 @@ impl<S: MemorySource + 'static> Pool<S> {
                     .inspect_err(|e| self.shared.trace.failure(layout, e))?,
             },
         };
-        self.shared
-            .trace
-            .alloc(block.cast::<u8>().as_ptr(), layout, block.len());
         #[cfg(feature = "debug-checks")]
         self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
-        // A live NVTX region of exactly the request (when the chunk is a heap).
-        if nvtx::on() {
-            nvtx::region_register(block.cast::<u8>().as_ptr() as u64, size);
+        // One branch for the recorder and an NVTX tool together (`observe`).
+        if observe::wanted(observe::ALL) {
+            self.observe_alloc(block, layout);
         }
         Ok(block)
+    }
+
+    /// An allocation seen by the recorder and by an NVTX tool (a live region of exactly
+    /// the request, when the chunk is a heap), whichever is on.
+    #[cold]
+    #[inline(never)]
+    fn observe_alloc(&self, block: NonNull<[u8]>, layout: Layout) {
+        let ptr = block.cast::<u8>().as_ptr();
+        self.shared.trace.alloc(ptr, layout, block.len());
+        if nvtx::on() {
+            nvtx::region_register(ptr as u64, layout.size());
+        }
+    }
+
+    /// A free seen by an NVTX tool (freed, the block is no longer a live region, wherever
+    /// it goes next) and by the recorder (`completed`: reusable at once), whichever is
+    /// on; before the block goes anywhere another thread could take it.
+    #[cold]
+    #[inline(never)]
+    fn observe_free(&self, ptr: NonNull<u8>, size: usize, completed: bool) {
+        if nvtx::on() {
+            nvtx::region_unregister(ptr.as_ptr() as u64);
+        }
+        self.shared.trace.free(ptr.as_ptr(), size, completed);
     }
 
     /// The hot path: a pop from this thread's bin.
@@ -752,11 +774,6 @@ impl<S: MemorySource + 'static> Pool<S> {
         if size == 0 {
             return;
         }
-        // Freed, the block is no longer a live region, wherever it goes next (a thread
-        // cache, a shared list, the pending list).
-        if nvtx::on() {
-            nvtx::region_unregister(ptr.as_ptr() as u64);
-        }
         #[cfg(feature = "debug-checks")]
         self.shared
             .checks
@@ -773,12 +790,15 @@ impl<S: MemorySource + 'static> Pool<S> {
         //   complete) makes this free, and so the block's next owner, happen after the
         //   completion was observed.
         // A stale nonzero value only sends a free down the slow path, which takes the lock.
-        if self.shared.uses.any_uses() {
-            self.shared.trace.free(ptr.as_ptr(), size, false);
+        let uses = self.shared.uses.any_uses();
+        // One branch for both observers; a block without uses is reusable at once: both
+        // its events (requested, completed) in one recorder call.
+        if observe::wanted(observe::ALL) {
+            self.observe_free(ptr, size, !uses);
+        }
+        if uses {
             return self.free_with_uses(p, layout);
         }
-        // Reusable at once: both events (requested, completed) in one recorder call.
-        self.shared.trace.free(ptr.as_ptr(), size, true);
         self.place_unused(p, layout);
     }
 

@@ -284,6 +284,7 @@ pub fn start(config: TraceConfig) -> Result<()> {
     let on = (session << SESSION_SHIFT) | (state & ENV_PENDING) | ON;
     // Release: a hook that sees the new session (Acquire in `record`) sees the settings.
     STATE.store(on, Ordering::Release);
+    crate::observe::raise(crate::observe::TRACE);
     drop(ctl);
     // The calling thread's ring, made and faulted in now rather than at its first event
     // (other threads' at theirs).
@@ -328,6 +329,7 @@ fn collect(stop: bool) -> Trace {
         // Before `HALT`: a writer that sees `HALT` (or, later, sees it cleared) sees the
         // recording off, and drops its event.
         STATE.store(state & !ON, Ordering::SeqCst);
+        crate::observe::lower(crate::observe::TRACE, on);
     }
     let session = session_of(state);
     // Acquire: every writer whose `fetch_add` came before this one in `SEQ`'s order

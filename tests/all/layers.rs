@@ -104,6 +104,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "interop/cudarc.rs",
     "interop/mod.rs",
     "lib.rs",
+    "observe.rs",
     "pool/accounting.rs",
     "pool/async_alloc.rs",
     "pool/checks.rs",

@@ -35,6 +35,9 @@ fn read() {
     if STATE.fetch_and(!ENV_PENDING, Ordering::AcqRel) & ENV_PENDING == 0 {
         return;
     }
+    // Read: the hot paths need not look for the variable any more (a recording it starts
+    // raises the bit again).
+    crate::observe::lower(crate::observe::TRACE, super::on);
     let _inside = Inside::enter();
     let Some(path) = std::env::var_os("CUDALLOC_TRACE").filter(|p| !p.is_empty()) else {
         return;
