@@ -28,6 +28,12 @@ pub(crate) const MAX_SLACK: u64 = if cfg!(loom) { 16 } else { 1 << 30 };
 /// update is `store(load() + d)`; the slot handoff (release when a thread exits,
 /// acquire when the next one claims it) orders one owner's writes before the next's.
 /// The shared shard is written with `fetch_add` by any number of threads.
+///
+/// The shard's *pending* bytes (its net change not yet added to `Counters::committed`)
+/// are not a counter of their own: they are `bytes_allocated - bytes_freed - mark`, so an
+/// allocation or a free writes two words (its count and its bytes), not three, and no
+/// store of one operation feeds the next one's arithmetic through memory but its own
+/// counter's (the free's pending reads the allocation's bytes only for a comparison).
 #[cfg_attr(not(loom), repr(align(128)))] // two cache lines: no false sharing between owners
 #[derive(Debug)]
 struct Shard {
@@ -38,9 +44,10 @@ struct Shard {
     bytes_freed: AtomicU64,
     /// Sum of `new - old` over reallocations that grew a block.
     bytes_grown: AtomicU64,
-    /// Net bytes (an `i64` in two's complement) not yet added to `Counters::committed`:
-    /// `|pending| <= slack` between operations; always 0 in the shared shard.
-    pending: AtomicU64,
+    /// `bytes_allocated - bytes_freed` (wrapping) when the shard last committed: its
+    /// pending bytes are what moved since, `|pending| <= slack` between operations.
+    /// Always 0 in the shared shard, which commits every change.
+    mark: AtomicU64,
     /// How far `pending` may stray from 0: `PEAK_SLACK`, raised (up to `MAX_SLACK`) to
     /// the size of any larger single change this shard committed.
     slack: AtomicU64,
@@ -58,7 +65,7 @@ macro_rules! shard_new {
                 bytes_allocated: AtomicU64::new(0),
                 bytes_freed: AtomicU64::new(0),
                 bytes_grown: AtomicU64::new(0),
-                pending: AtomicU64::new(0),
+                mark: AtomicU64::new(0),
                 slack: AtomicU64::new(PEAK_SLACK),
                 floor: AtomicU64::new(PEAK_SLACK.wrapping_neg()),
             }
@@ -71,6 +78,20 @@ impl Shard {
     shard_new!(const);
     #[cfg(loom)]
     shard_new!();
+
+    /// The pending bytes (an `i64`) if the totals were `allocated` and `freed`.
+    #[inline(always)]
+    fn pending_at(&self, allocated: u64, freed: u64) -> i64 {
+        allocated
+            .wrapping_sub(freed)
+            .wrapping_sub(self.mark.load(Relaxed)) as i64
+    }
+
+    /// The pending bytes now (read by the owner).
+    #[inline(always)]
+    fn pending(&self) -> i64 {
+        self.pending_at(self.bytes_allocated.load(Relaxed), self.bytes_freed.load(Relaxed))
+    }
 }
 
 /// Adds `d` to a counter that only the calling thread writes: a load and a store, no
@@ -187,7 +208,7 @@ impl Counters {
             Some(shard) => {
                 add_owned(&shard.allocs, 1);
                 add_owned(&shard.bytes_allocated, size);
-                let live = self.settle(shard, size as i64);
+                let live = self.settle(shard, size);
                 self.note_peak(live);
             }
             None => self.record_alloc_shared(size),
@@ -201,7 +222,7 @@ impl Counters {
     /// (both read from the room); otherwise writes nothing and
     /// returns `false`, for the caller to take [`Counters::record_alloc`].
     ///
-    /// What it writes (four plain stores to the thread's own shard) is what
+    /// What it writes (two plain stores to the thread's own shard) is what
     /// `record_alloc` writes in that case, so the counts are the same either way.
     #[inline(always)]
     pub(crate) fn try_record_alloc(&self, slot: usize, size: u64) -> bool {
@@ -210,13 +231,13 @@ impl Counters {
         };
         // `size` is a live block's (below 2^63 less the slack): no overflow. Within the
         // room, `committed + pending <= peak`: no new peak.
-        let pending = (shard.pending.load(Relaxed) as i64).wrapping_add(size as i64);
+        let allocated = shard.bytes_allocated.load(Relaxed).wrapping_add(size);
+        let pending = shard.pending_at(allocated, shard.bytes_freed.load(Relaxed));
         if pending > shard.slack.load(Relaxed) as i64 || pending > self.room.load(Relaxed) as i64 {
             return false;
         }
-        shard.pending.store(pending as u64, Relaxed);
+        shard.bytes_allocated.store(allocated, Relaxed);
         add_owned(&shard.allocs, 1);
-        add_owned(&shard.bytes_allocated, size);
         true
     }
 
@@ -228,13 +249,13 @@ impl Counters {
         let Some(shard) = self.shards.get(slot) else {
             return false;
         };
-        let pending = (shard.pending.load(Relaxed) as i64).wrapping_sub(size as i64);
+        let freed = shard.bytes_freed.load(Relaxed).wrapping_add(size);
+        let pending = shard.pending_at(shard.bytes_allocated.load(Relaxed), freed);
         if pending < shard.floor.load(Relaxed) as i64 {
             return false;
         }
-        shard.pending.store(pending as u64, Relaxed);
+        shard.bytes_freed.store(freed, Relaxed);
         add_owned(&shard.frees, 1);
-        add_owned(&shard.bytes_freed, size);
         true
     }
 
@@ -245,7 +266,7 @@ impl Counters {
             Some(shard) => {
                 add_owned(&shard.frees, 1);
                 add_owned(&shard.bytes_freed, size);
-                self.settle_down(shard, (size as i64).wrapping_neg());
+                self.settle_down(shard, size);
             }
             None => self.record_free_shared(size),
         }
@@ -261,7 +282,7 @@ impl Counters {
                 add_owned(&shard.reallocs, 1);
                 add_owned(&shard.bytes_allocated, new);
                 add_owned(&shard.bytes_freed, old);
-                let live = self.settle(shard, new.wrapping_sub(old) as i64);
+                let live = self.settle(shard, new.abs_diff(old));
                 if new > old {
                     add_owned(&shard.bytes_grown, new - old);
                     self.note_peak(live);
@@ -277,42 +298,40 @@ impl Counters {
         self.failures.fetch_add(1, Relaxed);
     }
 
-    /// Adds `delta` to the shard's pending bytes, pushing them to `committed` once they
-    /// leave `[-slack, slack]`; returns this thread's estimate of live bytes.
+    /// Pushes the shard's pending bytes (its totals already count the change, of `size`
+    /// bytes either way) to `committed` once they leave `[-slack, slack]`; returns this
+    /// thread's estimate of live bytes.
     #[inline(always)]
-    fn settle(&self, shard: &Shard, delta: i64) -> i64 {
-        let pending = (shard.pending.load(Relaxed) as i64).wrapping_add(delta);
+    fn settle(&self, shard: &Shard, size: u64) -> i64 {
+        let pending = shard.pending();
         if pending.unsigned_abs() <= shard.slack.load(Relaxed) {
-            shard.pending.store(pending as u64, Relaxed);
             (self.committed.load(Relaxed) as i64).wrapping_add(pending)
         } else {
-            self.commit(shard, pending, delta)
+            self.commit(shard, pending, size)
         }
     }
 
     /// [`Counters::settle`] for a change that cannot raise the peak (a free): no estimate
     /// of live bytes, so no load of the shared total.
     #[inline(always)]
-    fn settle_down(&self, shard: &Shard, delta: i64) {
-        let pending = (shard.pending.load(Relaxed) as i64).wrapping_add(delta);
-        if pending.unsigned_abs() <= shard.slack.load(Relaxed) {
-            shard.pending.store(pending as u64, Relaxed);
-        } else {
-            self.commit(shard, pending, delta);
+    fn settle_down(&self, shard: &Shard, size: u64) {
+        let pending = shard.pending();
+        if pending.unsigned_abs() > shard.slack.load(Relaxed) {
+            self.commit(shard, pending, size);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn commit(&self, shard: &Shard, pending: i64, delta: i64) -> i64 {
+    fn commit(&self, shard: &Shard, pending: i64, size: u64) -> i64 {
         // A change larger than the slack by itself (a large block) would commit again at
         // its free and at every later allocation of its size: raise the slack to it.
-        let size = delta.unsigned_abs().min(MAX_SLACK);
+        let size = size.min(MAX_SLACK);
         if size > shard.slack.load(Relaxed) {
             shard.slack.store(size, Relaxed);
             shard.floor.store(size.wrapping_neg(), Relaxed);
         }
-        shard.pending.store(0, Relaxed);
+        add_owned(&shard.mark, pending as u64);
         self.add_committed(pending)
     }
 
