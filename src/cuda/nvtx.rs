@@ -22,6 +22,9 @@
 //!
 //! Without a tool (or with `CUDALLOC_NVTX=0`) every annotation is one predictable branch
 //! on a process-wide state (`on`); with one, the calls go to the tool, off the hot path.
+//! The pools' hit paths do not even pay that branch: they test `crate::observe`'s one
+//! word for the trace recorder and this state together, whose NVTX bit stays set until
+//! the first annotation finds no tool.
 
 use core::ffi::{c_char, c_int, c_void};
 use std::collections::{BTreeMap, HashMap};

@@ -71,8 +71,8 @@ pub struct DevicePoolConfig {
     /// Whether the pool describes its memory to an attached NVTX tool (default true),
     /// so that compute-sanitizer's memcheck reports accesses past a buffer's requested
     /// length and into freed or cached blocks ([`cuda::nvtx`](crate::cuda::nvtx)).
-    /// Without a tool this costs one branch per allocation and free either way;
-    /// `CUDALLOC_NVTX=0` turns annotations off for every pool. With a tool attached (and
+    /// Without a tool this costs nothing on a hit either way (the recorder's branch covers
+    /// it); `CUDALLOC_NVTX=0` turns annotations off for every pool. With a tool attached (and
     /// this true) the pool takes its blocks with `cuMemAlloc` instead of its driver pool
     /// or page heap: compute-sanitizer 2025.3.1 sees inside no other device memory.
     pub nvtx: bool,

@@ -44,8 +44,8 @@ pub trait Branch: sealed::Sealed + Clone + Send + Sync + 'static {
     const NVTX: bool;
 }
 
-/// The hot path of `DevicePool`: one branch on `cuda::nvtx`'s state per allocation and
-/// free, an annotation with a tool attached.
+/// The hot path of `DevicePool`: its observers' one branch per allocation and free
+/// (`observe`) covers NVTX's state, an annotation with a tool attached.
 #[derive(Clone, Copy, Debug)]
 pub struct Annotated;
 
