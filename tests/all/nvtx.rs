@@ -25,7 +25,7 @@ use cudalloc::cuda::nvtx::{self, *};
 use cudalloc::cuda::HostAllocFlags;
 use cudalloc::cuda::{MemoryType, Module, Stream};
 use cudalloc::device::sim::{SimPool, SimStream};
-use cudalloc::device::{Backing, DeviceArena, DevicePool, DevicePoolConfig};
+use cudalloc::device::{Backing, DeviceArena, DeviceBuffer, DevicePool, DevicePoolConfig};
 use cudalloc::pool::{Pool, PoolConfig};
 use cudalloc::source::{
     HostSource, HostVisible, ManagedAttach, ManagedSource, MemorySource, PinnedSource, RegisteredSource,
@@ -987,7 +987,19 @@ macro_rules! sanitizer_test {
 /// `n`), so that it is of another size class than the block under test and never reuses
 /// a dropped one.
 fn write_with_kernel(pool: &DevicePool, stream: &Stream, dst: u64, n: usize) {
-    let src = pool.alloc_zeroed::<u32>(n + 2048, stream).unwrap();
+    write_from(&source(pool, stream, n), stream, dst, n);
+}
+
+/// The zeroed source `write_with_kernel` reads, for `n` elements.
+fn source(pool: &DevicePool, stream: &Stream, n: usize) -> DeviceBuffer<u32> {
+    pool.alloc_zeroed::<u32>(n + 2048, stream).unwrap()
+}
+
+/// `write_with_kernel` from a source taken earlier: a test whose block under test is
+/// freed takes the source before the free, since a miss of another class may give an
+/// idle cached block back to the driver (the cache's idle allowance), which can hand its
+/// address out again at once.
+fn write_from(src: &DeviceBuffer<u32>, stream: &Stream, dst: u64, n: usize) {
     assert_ne!(src.device_ptr(), dst, "the source is not the block under test");
     hash_kernel(stream, src.device_ptr(), dst, n, "writing", dst);
 }
@@ -1077,10 +1089,11 @@ fn sanitizer_write_past_a_large_driver_pool_buffer() {
 fn sanitizer_write_into_a_dropped_buffer() {
     sanitizer_test!();
     let (pool, stream) = (sanitizer_pool(Backing::DriverPool), Stream::new(0).unwrap());
+    let src = source(&pool, &stream, SMALL);
     let buf = pool.alloc::<u32>(SMALL, &stream).unwrap();
     let ptr = buf.device_ptr();
     drop(buf); // cached: still the pool's memory, no longer the program's
-    write_with_kernel(&pool, &stream, ptr, SMALL);
+    write_from(&src, &stream, ptr, SMALL);
 }
 
 #[test]
