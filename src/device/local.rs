@@ -149,13 +149,7 @@ fn hit<P: PoolHandle>(
         Some(h) => h,
         None => (stream.clone(), pool.clone()),
     };
-    Owned {
-        ptr,
-        class,
-        stream: ManuallyDrop::new(stream),
-        pool: ManuallyDrop::new(pool),
-        uses: ManuallyDrop::new(None),
-    }
+    Owned::with_class(ptr, class, stream, pool)
 }
 
 /// What may watch a pool of type `P`'s hot path: the recorder, and an NVTX tool unless
@@ -333,6 +327,7 @@ impl<P: PoolHandle> Owned<P> {
         Self::with_class(0, NOT_CACHED, stream, pool)
     }
 
+    #[inline(always)]
     fn with_class(ptr: u64, class: usize, stream: StreamOf<P>, pool: P) -> Self {
         Self {
             ptr,
