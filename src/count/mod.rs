@@ -34,7 +34,7 @@
 //! (the thread's slot, or a mark that this operation needs more) decides whether an
 //! allocation or free is the common case: no window open on the thread, no
 //! [`ProcessWindow`] on the allocator, nothing to commit to the shared live total and
-//! no new peak; it then costs four plain stores to the thread's own shard and loads
+//! no new peak; it then costs two plain stores to the thread's own shard and loads
 //! of lines no thread writes meanwhile (about 20 instructions each way on x86-64).
 //! Everything else takes an out-of-line path that counts exactly the same. While a window is open,
 //! each block allocated is also entered in a table (under a lock) until it is freed,

@@ -1038,12 +1038,7 @@ impl<S: HostVisible + 'static> Pool<S> {
             })?;
             #[cfg(feature = "debug-checks")]
             self.shared.checks.on_alloc(block.cast::<u8>().as_ptr() as usize);
-            self.shared
-                .trace
-                .alloc(block.cast::<u8>().as_ptr(), new, block.len());
-            if nvtx::on() {
-                nvtx::region_register(block.cast::<u8>().as_ptr() as u64, new.size());
-            }
+            self.observe_alloc(block, new);
             block
         } else {
             self.allocate(new)?
