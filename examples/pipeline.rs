@@ -18,7 +18,8 @@
 //! (a lane's input buffer: the H2D that read it; its output buffer: the D2H that filled
 //! it, then the check), so every stream has its next batch queued before the current one
 //! ends; the pipeline refills a buffer once its upload is done (`Staged::last_use_queued`
-//! in the launch) and launches the buffer's next batch once its last one is drained. The report puts
+//! in the launch), queues the buffer's next upload and kernel before its last batch is
+//! checked and its copy back after (`Pipeline::run_split`). The report puts
 //! each row next to the hand-written CUDA C++ pipeline that issue 11 quotes (table
 //! `pipeline_cpp`, and the `vs C++` column).
 //!

@@ -1985,9 +1985,10 @@ fn as_words_mut(bytes: &mut [u8]) -> Result<&mut [u32]> {
 
 /// A row's work on the library's `staging::Pipeline`: the helper leases the input
 /// buffers (each once its last upload is done: `last_use_queued`), keeps a batch per ring
-/// buffer in flight and waits for each batch before its check, and a buffer's check
-/// before its next launch; the user code is the fill (all of the input when `full`, else its checked
-/// positions), the launch and the check. With `workers`, the fill runs on that many
+/// buffer in flight and waits for each batch before its check; with `run_split` a
+/// buffer's next upload and kernel are queued before its last batch's check and its D2H
+/// after it (the hand-written lanes' order). The user code is the fill (all of the input
+/// when `full`, else its checked positions), the two halves of the launch and the check. With `workers`, the fill runs on that many
 /// worker threads (`Pipeline::fill_threads`), each writing its batch with
 /// `fill_threads / workers` threads, while this thread launches and checks.
 fn run_ring<A: allocator_api2::alloc::Allocator + Send>(
@@ -2021,24 +2022,22 @@ fn run_ring<A: allocator_api2::alloc::Allocator + Send>(
         Ok::<_, Error>(())
     };
     let streams = p.streams.len();
-    let mut stream_of = Vec::with_capacity(batches);
-    let launch = |b: usize, buf: &cudalloc::staging::Staged<A>| {
+    let stream_of = std::cell::RefCell::new(Vec::with_capacity(batches));
+    // The launch's first half: the upload and the kernel (what the hand-written lanes'
+    // `QueueIn` queues), queued before the buffer's last batch is checked.
+    let queue_in = |b: usize, buf: &cudalloc::staging::Staged<A>| {
         let (s, ev) = (buf.stream(), &ctx.events[b]);
-        stream_of.push(buf.index() % streams); // buffer k is stream k % S's
+        stream_of.borrow_mut().push(buf.index() % streams); // buffer k is stream k % S's
         let mut slots = slots.borrow_mut();
-        let Slot {
-            dev_in,
-            dev_out,
-            host_out,
-            ..
-        } = &mut slots[buf.index()];
+        let Slot { dev_in, dev_out, .. } = &mut slots[buf.index()];
         if chain && b > 0 {
             s.wait(&ctx.events[b - 1].h1)?;
         }
         ev.h0.record(s)?;
         // SAFETY: nothing below uses the ring's buffer (`last_use_queued` says so): the
         // ring hands it to the next fill only once the event it records after this copy
-        // has completed. The ring's memory is the ring's until then.
+        // has completed. The ring's memory is the ring's until then. `dev_in` is this ring
+        // buffer's and used on `s` only, after its last batch's kernel in `s`'s order.
         unsafe { dev_in.upload(as_words(buf)?, s) }?;
         // The hand-written lanes' `AwaitInputRead`: the next fill of this buffer waits
         // for this copy, not for the kernel and the D2H below.
@@ -2046,21 +2045,31 @@ fn run_ring<A: allocator_api2::alloc::Allocator + Send>(
         ev.h1.record(s)?;
         ev.k0.record(s)?;
         // SAFETY: both device buffers hold `n` u32s, are this ring buffer's and used on
-        // `s` only: the next batch on this ring buffer is launched only after this one is
-        // drained (its kernel and D2H completed), and is queued after it on `s` anyway.
-        // `last_use_queued` changes when the input may be refilled, not that order.
+        // `s` only, in its order: the last batch's kernel and D2H on this ring buffer
+        // were queued on `s` before this kernel.
         unsafe { launch_hash(ctx.kernel, s, dev_in.ptr(), dev_out.ptr(), ctx.n, ctx.rounds) }?;
         ev.k1.record(s)?;
+        Ok::<_, Error>(())
+    };
+    // Its second half: the D2H into the ring buffer's host output (the lanes' `QueueOut`),
+    // queued once the buffer's last batch was checked.
+    let queue_out = |b: usize, buf: &cudalloc::staging::Staged<A>| {
+        let (s, ev) = (buf.stream(), &ctx.events[b]);
+        let mut slots = slots.borrow_mut();
+        let Slot {
+            dev_out, host_out, ..
+        } = &mut slots[buf.index()];
         if chain && b > 0 {
             s.wait(&ctx.events[b - 1].d1)?;
         }
         ev.d0.record(s)?;
         // SAFETY: `host_out` is read by this batch's check only, after the batch completed
-        // (the drain waits for an event recorded after this launch); the next D2H into
-        // it is queued by the next launch on this ring buffer, after that check.
+        // (the drain waits for an event recorded after this copy); the last batch on this
+        // ring buffer was checked before this copy was queued (the pipeline drains it
+        // before the finish).
         unsafe { dev_out.download(host_out, s) }?;
         ev.d1.record(s)?;
-        Ok(buf.index())
+        Ok::<_, Error>(buf.index())
     };
     let mut checks = Tally::default();
     let drain = |b: usize, k: usize| {
@@ -2070,8 +2079,13 @@ fn run_ring<A: allocator_api2::alloc::Allocator + Send>(
     };
     let pipeline = p.ring.pipeline();
     let run = match workers {
-        None => pipeline.run(batches, fill, launch, drain)?,
+        // The buffer's next batch is queued before its last one is checked.
+        None => pipeline.run_split(batches, fill, queue_in, |b, buf, ()| queue_out(b, buf), drain)?,
         Some(w) => {
+            let launch = |b: usize, buf: &cudalloc::staging::Staged<A>| {
+                queue_in(b, buf)?;
+                queue_out(b, buf)
+            };
             pipeline
                 .fill_threads(w)
                 .run(batches, fill, launch, drain)?
@@ -2085,7 +2099,7 @@ fn run_ring<A: allocator_api2::alloc::Allocator + Send>(
     tally.blocked_s = (run.buffer_wait + run.drain_wait).as_secs_f64();
     tally.fills = fills.into_inner().unwrap_or_else(|e| e.into_inner());
     tally.fills.sort_by_key(|&(b, ..)| b);
-    tally.stream_of = stream_of;
+    tally.stream_of = stream_of.into_inner();
     Ok(tally)
 }
 

@@ -34,8 +34,10 @@ use crate::error::Error;
 /// sees) are reused safely without a free list. Call [`Staged::last_use_queued`] in the
 /// launch right after the upload: the ring then hands the buffer out once the upload has
 /// completed, and the next batch's fill runs while the last one's kernels and copy back
-/// do (with one buffer per stream, the hand-written loop's overlap); without it the ring
-/// waits for everything the launch queued.
+/// do; without it the ring waits for everything the launch queued. With one buffer per
+/// stream, [`run_split`](Self::run_split) also queues the buffer's next upload and kernels
+/// before its last batch is drained (the hand-written loop's overlap), and only the copy
+/// back into per-buffer state after.
 #[derive(Debug)]
 pub struct Pipeline<'r, A: Allocator> {
     pub(super) ring: &'r StagingRing<A>,
@@ -139,9 +141,9 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
     pub fn run<T, E, F, L, D>(
         &self,
         batches: usize,
-        mut fill: F,
+        fill: F,
         mut launch: L,
-        mut drain: D,
+        drain: D,
     ) -> core::result::Result<PipelineRun, E>
     where
         E: From<Error>,
@@ -149,11 +151,99 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
         L: FnMut(usize, &Staged<A>) -> core::result::Result<T, E>,
         D: FnMut(usize, T) -> core::result::Result<(), E>,
     {
+        // The whole launch waits for the buffer's last drain: it is the second half of a
+        // split launch whose first half queues nothing.
+        self.run_split(
+            batches,
+            fill,
+            |_, _| Ok(()),
+            |batch, lease, ()| launch(batch, lease),
+            drain,
+        )
+    }
+
+    /// [`run`](Self::run) with the launch in two halves, so that a buffer's next batch is
+    /// queued on the GPU before its last batch is drained, as a hand-written loop does:
+    /// `launch(batch, &lease)` queues the upload and the kernels, and must not write what
+    /// the drain of the buffer's last batch reads (kept per buffer, [`Staged::index`]);
+    /// then the helper drains that batch (and any beyond the in-flight limit); then
+    /// `finish(batch, &lease, launched)` queues the rest, typically the copy back into the
+    /// buffer's host output, and returns the drain's value. The stream stays busy while
+    /// the host checks the last batch: with one buffer per stream the upload and the
+    /// kernels of batch i+S no longer wait for batch i's check.
+    ///
+    /// Device memory that the launch overwrites (the buffer's device input and output) is
+    /// ordered by the stream: its last batch's kernels and copy back were queued on the
+    /// same stream before it. Errors as for [`run`](Self::run); work queued by a launch
+    /// whose finish did not run is waited for before its value is dropped.
+    ///
+    /// ```
+    /// use cudalloc::{copy, cuda::Stream, device::DevicePool, staging::StagingRing, PinnedAlloc};
+    /// if let (Ok(a), Ok(b)) = (Stream::new(0), Stream::new(0)) {
+    ///     // One buffer per stream, with a device buffer and a host output kept per buffer.
+    ///     let streams = [a, b];
+    ///     let ring = StagingRing::new(PinnedAlloc, &streams, 1, 1 << 16).unwrap();
+    ///     let pool = DevicePool::get(0).unwrap();
+    ///     // Buffer k is on stream k.
+    ///     let dev: Vec<_> = streams
+    ///         .iter()
+    ///         .map(|s| pool.alloc::<u8>(1 << 16, s).unwrap())
+    ///         .collect();
+    ///     let dev = std::cell::RefCell::new(dev);
+    ///     let outputs = std::cell::RefCell::new(vec![vec![0u8; 1 << 16]; 2]);
+    ///     let run = ring
+    ///         .pipeline()
+    ///         .run_split(
+    ///             8,
+    ///             |batch, buf| {
+    ///                 buf.fill(batch as u8); // the host fill
+    ///                 Ok::<_, cudalloc::Error>(())
+    ///             },
+    ///             |_, buf| {
+    ///                 // SAFETY: nothing uses `buf` after this copy (said just below); the
+    ///                 // ring does not hand it out again before the copy has completed.
+    ///                 unsafe { copy::host_to_device_async(buf, &mut dev.borrow_mut()[buf.index()], 0) }?;
+    ///                 buf.last_use_queued()?;
+    ///                 // ... kernels on buf.stream() ...
+    ///                 Ok(())
+    ///             },
+    ///             |_, buf, ()| {
+    ///                 // The buffer's last batch has been drained: its output is free.
+    ///                 let out = &mut outputs.borrow_mut()[buf.index()];
+    ///                 // SAFETY: the drain reads `out` only after this copy completed, and
+    ///                 // the next copy into it is queued only after that drain.
+    ///                 unsafe { copy::device_to_host_async(&dev.borrow()[buf.index()], 0, out) }?;
+    ///                 Ok(buf.index())
+    ///             },
+    ///             |batch, k| {
+    ///                 assert!(outputs.borrow()[k].iter().all(|&b| b == batch as u8));
+    ///                 Ok(())
+    ///             },
+    ///         )
+    ///         .unwrap();
+    ///     assert_eq!(run.batches, 8);
+    /// }
+    /// ```
+    pub fn run_split<T, U, E, F, L, N, D>(
+        &self,
+        batches: usize,
+        mut fill: F,
+        mut launch: L,
+        mut finish: N,
+        mut drain: D,
+    ) -> core::result::Result<PipelineRun, E>
+    where
+        E: From<Error>,
+        F: FnMut(usize, &mut [u8]) -> core::result::Result<(), E>,
+        L: FnMut(usize, &Staged<A>) -> core::result::Result<T, E>,
+        N: FnMut(usize, &Staged<A>, T) -> core::result::Result<U, E>,
+        D: FnMut(usize, U) -> core::result::Result<(), E>,
+    {
         if self.in_flight == 0 {
             return Err(Error::InvalidArgument("a pipeline needs at least one batch in flight").into());
         }
         let mut run = PipelineRun::default();
-        let mut queue: VecDeque<InFlight<T>> = VecDeque::with_capacity(self.in_flight);
+        let mut queue: VecDeque<InFlight<U>> = VecDeque::with_capacity(self.in_flight);
         // Events of drained batches, recorded again by later ones.
         let mut spare: std::vec::Vec<Event> = std::vec::Vec::new();
         let out = (|| {
@@ -164,34 +254,40 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
                 // The ring handed it out: the GPU is done with its bytes (the fill sees
                 // nothing else), while the buffer's last batch may still run.
                 fill(batch, &mut lease)?;
-                // Before the launch, not before the fill: the in-flight limit, and the
-                // drain of the buffer's last batch, so that state kept per buffer
-                // (`lease.index()`, seen by the launch only) is free to reuse.
-                if queue.len() >= self.in_flight {
-                    self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
-                }
-                while drain_before_launch() && queue.iter().any(|q| q.buffer == lease.index()) {
-                    self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
-                }
                 let buffer = lease.index();
-                let launched = launch(batch, &lease).and_then(|value| {
-                    let done = match spare.pop() {
-                        Some(e) => e,
-                        None => Event::new(lease.stream().device())?,
-                    };
+                // Work of this batch may be queued and not yet tracked by an event: on an
+                // error, wait for it on the host before the values holding its memory are
+                // dropped, so the run returns with none of its work running. The error is
+                // the one to report.
+                let abort = |e: E| {
+                    let _ = lease.stream().synchronize();
+                    e
+                };
+                let first = launch(batch, &lease).map_err(abort)?;
+                // Before the finish, not before the fill or the launch: the in-flight
+                // limit, and the drain of the buffer's last batch, so that state kept per
+                // buffer (`lease.index()`) is free for the finish to reuse.
+                let drained = self.make_room(buffer, &mut queue, &mut spare, &mut drain, &mut run);
+                if let Err(e) = drained {
+                    let e = abort(e);
+                    drop(first);
+                    return Err(e);
+                }
+                let value = finish(batch, &lease, first).map_err(abort)?;
+                let done = match spare
+                    .pop()
+                    .map_or_else(|| Event::new(lease.stream().device()), Ok)
+                {
                     // The lease, dropped below, records the ring's own event after it
                     // (unless the launch did, with `last_use_queued`).
-                    done.record(lease.stream())?;
-                    Ok((value, done))
-                });
-                let (value, done) = match launched {
-                    Ok(v) => v,
+                    Ok(done) => done.record(lease.stream()).map(|()| done),
+                    Err(e) => Err(e),
+                };
+                let done = match done {
+                    Ok(done) => done,
                     Err(e) => {
-                        // Work of this batch may be queued but is not tracked by an
-                        // event: wait for it on the host before the value is dropped, so
-                        // the run returns with none of its work running. The error is
-                        // the one to report.
-                        let _ = lease.stream().synchronize();
+                        let e = abort(e.into());
+                        drop(value);
                         return Err(e);
                     }
                 };
@@ -218,6 +314,29 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
             }
         }
         out.map(|()| run)
+    }
+
+    /// Drains the oldest batches until fewer than the in-flight limit are queued and none
+    /// of them is in ring buffer `buffer`.
+    fn make_room<T, E, D>(
+        &self,
+        buffer: usize,
+        queue: &mut VecDeque<InFlight<T>>,
+        spare: &mut std::vec::Vec<Event>,
+        drain: &mut D,
+        run: &mut PipelineRun,
+    ) -> core::result::Result<(), E>
+    where
+        E: From<Error>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        if queue.len() >= self.in_flight {
+            self.drain_oldest(queue, spare, drain, run)?;
+        }
+        while drain_before_launch() && queue.iter().any(|q| q.buffer == buffer) {
+            self.drain_oldest(queue, spare, drain, run)?;
+        }
+        Ok(())
     }
 
     fn drain_oldest<T, E, D>(

@@ -40,6 +40,8 @@ const ROUNDS: u32 = 8;
 enum Call {
     Fill(usize),
     Launch(usize),
+    /// The second half of a split launch (`Pipeline::run_split`).
+    Finish(usize),
     Drain(usize),
 }
 
@@ -178,6 +180,133 @@ fn hash_pipeline(
         streams: used,
         buffer_of,
         batches: run.batches,
+    }
+}
+
+/// [`hash_pipeline`] on `Pipeline::run_split` with one ring buffer per stream and a
+/// device input, a device output and a pinned host output kept per buffer (as the
+/// hand-written loops keep them per lane): the launch queues the H2D and the kernel, the
+/// finish the D2H into the buffer's host output, which this batch's drain reads. A finish
+/// that ran before the drain of the buffer's last batch would overwrite the output that
+/// drain reads.
+fn split_hash_pipeline(streams: usize, batches: usize, n: usize) -> Outcome {
+    let streams: Vec<Stream> = (0..streams).map(|_| Stream::new(0).unwrap()).collect();
+    let ring = StagingRing::new(PinnedAlloc, &streams, 1, n * 4).unwrap();
+    let pool = DevicePool::get(0).unwrap();
+    let module = Module::load_ptx(0, PTX).unwrap();
+    let kernel = module.function(KERNEL).unwrap();
+    // Buffer k is on stream k (one buffer per stream).
+    let dev = std::cell::RefCell::new(
+        streams
+            .iter()
+            .map(|s| {
+                (
+                    pool.alloc::<u8>(n * 4, s).unwrap(),
+                    pool.alloc::<u32>(n, s).unwrap(),
+                )
+            })
+            .collect::<Vec<_>>(),
+    );
+    let outputs: std::cell::RefCell<Vec<AVec<u32, PinnedAlloc>>> = std::cell::RefCell::new(
+        (0..streams.len())
+            .map(|_| {
+                let mut v = AVec::new_in(PinnedAlloc);
+                v.resize(n, 0);
+                v
+            })
+            .collect(),
+    );
+    let calls = std::cell::RefCell::new(Vec::new());
+    let mut used = HashSet::new();
+    let mut buffer_of = Vec::new();
+    let (mut wrong, mut elements) = (0, 0);
+    let run = ring
+        .pipeline()
+        .run_split(
+            batches,
+            |b, bytes| {
+                calls.borrow_mut().push(Call::Fill(b));
+                for (i, w) in bytes.chunks_exact_mut(4).enumerate() {
+                    w.copy_from_slice(&input_value(b, i).to_ne_bytes());
+                }
+                Ok::<_, Error>(())
+            },
+            |b, buf| {
+                calls.borrow_mut().push(Call::Launch(b));
+                used.insert(buf.stream().id());
+                buffer_of.push(buf.index());
+                let (s, mut dev) = (buf.stream(), dev.borrow_mut());
+                let (input, output) = &mut dev[buf.index()];
+                // SAFETY: nothing uses `buf` after this copy (said just below); the ring
+                // keeps it from the next lease until the copy has completed. `input` is
+                // this buffer's, used on `s` only, in its order.
+                unsafe { copy::host_to_device_async(buf, input, 0) }?;
+                buf.last_use_queued()?;
+                // SAFETY: both buffers hold `n` u32s, are this ring buffer's and used on
+                // `s` only (the last batch's D2H from `output` is queued before this
+                // kernel on `s`); `kernel` outlives the run.
+                unsafe { launch_hash(&kernel, s, input.device_ptr(), output.device_ptr(), n) }
+            },
+            |b, buf, ()| {
+                calls.borrow_mut().push(Call::Finish(b));
+                let k = buf.index();
+                let dev = dev.borrow();
+                // SAFETY: the buffer's host output was read by the drain of its last batch,
+                // which ran before this finish (the property under test); it is read again
+                // only by this batch's drain, after the batch completed.
+                unsafe { copy::device_to_host_async(&dev[k].1, 0, &mut outputs.borrow_mut()[k]) }?;
+                Ok(k)
+            },
+            |b, k| {
+                calls.borrow_mut().push(Call::Drain(b));
+                let out = &outputs.borrow()[k];
+                elements += out.len();
+                wrong += out
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, &v)| v != hash_rounds(input_value(b, i), ROUNDS))
+                    .count();
+                Ok(())
+            },
+        )
+        .unwrap();
+    Outcome {
+        wrong,
+        elements,
+        calls: calls.into_inner(),
+        streams: used,
+        buffer_of,
+        batches: run.batches,
+    }
+}
+
+#[test]
+fn a_split_pipeline_queues_a_buffers_next_batch_before_draining_its_last() {
+    gpu!();
+    let (streams, batches, n) = (2, 32, 1 << 18);
+    let out = split_hash_pipeline(streams, batches, n);
+    assert_eq!(out.batches, batches);
+    assert_eq!(out.elements, batches * n, "every element of every batch checked");
+    assert_eq!(
+        out.wrong, 0,
+        "wrong elements: a finish overwrote an output not yet drained"
+    );
+    assert_eq!(out.streams.len(), streams);
+    let at = |c: Call| out.at(c);
+    for b in 0..batches {
+        assert_eq!(out.buffer_of[b], b % streams, "buffers in turn");
+        assert!(at(Call::Launch(b)) < at(Call::Finish(b)) && at(Call::Finish(b)) < at(Call::Drain(b)));
+        if b + streams < batches {
+            let next = b + streams; // the next batch in batch b's buffer
+            assert!(
+                at(Call::Launch(next)) < at(Call::Drain(b)),
+                "batch {next} was queued only after batch {b}'s drain"
+            );
+            assert!(
+                at(Call::Drain(b)) < at(Call::Finish(next)),
+                "batch {next}'s finish ran before batch {b}'s drain"
+            );
+        }
     }
 }
 
