@@ -104,6 +104,14 @@ unsafe fn launch_hash(
     unsafe { kernel.launch((grid, 1, 1), (256, 1, 1), 0, stream, &mut args) }
 }
 
+/// Elements of batch `b`'s output that are not `hash_rounds(input_value(b, i), ROUNDS)`.
+fn wrong_elements(b: usize, out: &[u32]) -> usize {
+    out.iter()
+        .enumerate()
+        .filter(|&(i, &v)| v != hash_rounds(input_value(b, i), ROUNDS))
+        .count()
+}
+
 /// `batches` batches of `n` u32s through a ring of `per_stream` buffers on each of
 /// `streams` new streams: fill with `input_value`, H2D, the hash kernel, D2H into pinned
 /// memory, and every element checked in the drain. `corrupt`: a batch filled wrong (the
@@ -164,11 +172,7 @@ fn hash_pipeline(
             |b, (_input, _output, back)| {
                 calls_cell.borrow_mut().push(Call::Drain(b));
                 elements += back.len();
-                wrong += back
-                    .iter()
-                    .enumerate()
-                    .filter(|&(i, &v)| v != hash_rounds(input_value(b, i), ROUNDS))
-                    .count();
+                wrong += wrong_elements(b, &back);
                 Ok(())
             },
         )
@@ -261,11 +265,7 @@ fn split_hash_pipeline(streams: usize, batches: usize, n: usize) -> Outcome {
                 calls.borrow_mut().push(Call::Drain(b));
                 let out = &outputs.borrow()[k];
                 elements += out.len();
-                wrong += out
-                    .iter()
-                    .enumerate()
-                    .filter(|&(i, &v)| v != hash_rounds(input_value(b, i), ROUNDS))
-                    .count();
+                wrong += wrong_elements(b, out);
                 Ok(())
             },
         )
