@@ -274,15 +274,12 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
                     return Err(e);
                 }
                 let value = finish(batch, &lease, first).map_err(abort)?;
-                let done = match spare
+                // The lease, dropped below, records the ring's own event after it (unless
+                // the launch did, with `last_use_queued`).
+                let done = spare
                     .pop()
                     .map_or_else(|| Event::new(lease.stream().device()), Ok)
-                {
-                    // The lease, dropped below, records the ring's own event after it
-                    // (unless the launch did, with `last_use_queued`).
-                    Ok(done) => done.record(lease.stream()).map(|()| done),
-                    Err(e) => Err(e),
-                };
+                    .and_then(|done| done.record(lease.stream()).map(|()| done));
                 let done = match done {
                     Ok(done) => done,
                     Err(e) => {
