@@ -49,6 +49,7 @@ use crate::error::{Error, Result};
 use crate::sync::global::{AtomicBool, Ordering};
 use crate::sync::{lock, Arc, Mutex};
 
+mod flight;
 mod pipeline;
 mod threaded;
 pub use pipeline::{Pipeline, PipelineRun};

@@ -7,13 +7,13 @@
 //! [`Staged::last_use_queued`] after the upload, the fill of the next batch in a buffer
 //! overlaps the kernels and the copy back of the last one.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::Allocator;
 
+use super::flight::Flight;
+use super::threaded::{Lanes, RingLanes};
 use super::{Staged, StagingRing};
-use crate::cuda::Event;
 use crate::error::Error;
 
 /// A double-buffered pipeline over a [`StagingRing`], made by
@@ -54,15 +54,6 @@ pub struct PipelineRun {
     pub buffer_wait: Duration,
     /// Time spent waiting for a batch's work to complete before its drain.
     pub drain_wait: Duration,
-}
-
-/// A launched batch waiting for its drain.
-struct InFlight<T> {
-    batch: usize,
-    /// The ring's buffer it was staged in ([`Staged::index`]).
-    buffer: usize,
-    done: Event,
-    value: T,
 }
 
 impl<A: Allocator> StagingRing<A> {
@@ -227,10 +218,10 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
     pub fn run_split<T, U, E, F, L, N, D>(
         &self,
         batches: usize,
-        mut fill: F,
-        mut launch: L,
-        mut finish: N,
-        mut drain: D,
+        fill: F,
+        launch: L,
+        finish: N,
+        drain: D,
     ) -> core::result::Result<PipelineRun, E>
     where
         E: From<Error>,
@@ -239,132 +230,52 @@ impl<'r, A: Allocator> Pipeline<'r, A> {
         N: FnMut(usize, &Staged<A>, T) -> core::result::Result<U, E>,
         D: FnMut(usize, U) -> core::result::Result<(), E>,
     {
-        if self.in_flight == 0 {
-            return Err(Error::InvalidArgument("a pipeline needs at least one batch in flight").into());
-        }
-        let mut run = PipelineRun::default();
-        let mut queue: VecDeque<InFlight<U>> = VecDeque::with_capacity(self.in_flight);
-        // Events of drained batches, recorded again by later ones.
-        let mut spare: std::vec::Vec<Event> = std::vec::Vec::new();
-        let out = (|| {
-            for batch in 0..batches {
-                let t0 = Instant::now();
-                let mut lease = self.ring.next(self.timeout)?;
-                run.buffer_wait += t0.elapsed();
-                // The ring handed it out: the GPU is done with its bytes (the fill sees
-                // nothing else), while the buffer's last batch may still run.
-                fill(batch, &mut lease)?;
-                let buffer = lease.index();
-                // Work of this batch may be queued and not yet tracked by an event: on an
-                // error, wait for it on the host before the values holding its memory are
-                // dropped, so the run returns with none of its work running. The error is
-                // the one to report.
-                let abort = |e: E| {
-                    let _ = lease.stream().synchronize();
-                    e
-                };
-                let first = launch(batch, &lease).map_err(abort)?;
-                // Before the finish, not before the fill or the launch: the in-flight
-                // limit, and the drain of the buffer's last batch, so that state kept per
-                // buffer (`lease.index()`) is free for the finish to reuse.
-                let drained = self.make_room(buffer, &mut queue, &mut spare, &mut drain, &mut run);
-                if let Err(e) = drained {
-                    let e = abort(e);
-                    drop(first);
-                    return Err(e);
-                }
-                let value = finish(batch, &lease, first).map_err(abort)?;
-                // The lease, dropped below, records the ring's own event after it (unless
-                // the launch did, with `last_use_queued`).
-                let done = spare
-                    .pop()
-                    .map_or_else(|| Event::new(lease.stream().device()), Ok)
-                    .and_then(|done| done.record(lease.stream()).map(|()| done));
-                let done = match done {
-                    Ok(done) => done,
-                    Err(e) => {
-                        let e = abort(e.into());
-                        drop(value);
-                        return Err(e);
-                    }
-                };
-                drop(lease);
-                queue.push_back(InFlight {
-                    batch,
-                    buffer,
-                    done,
-                    value,
-                });
-            }
-            while !queue.is_empty() {
-                self.drain_oldest(&mut queue, &mut spare, &mut drain, &mut run)?;
-            }
-            Ok(())
-        })();
-        if out.is_err() {
-            // The values may hold memory the GPU still writes: drop them only after it.
-            for b in queue.drain(..) {
-                if b.done.synchronize().is_err() {
-                    // Its state is unknown: leak the value rather than free memory in use.
-                    core::mem::forget(b.value);
-                }
-            }
-        }
-        out.map(|()| run)
-    }
-
-    /// Drains the oldest batches until fewer than the in-flight limit are queued and none
-    /// of them is in ring buffer `buffer`.
-    fn make_room<T, E, D>(
-        &self,
-        buffer: usize,
-        queue: &mut VecDeque<InFlight<T>>,
-        spare: &mut std::vec::Vec<Event>,
-        drain: &mut D,
-        run: &mut PipelineRun,
-    ) -> core::result::Result<(), E>
-    where
-        E: From<Error>,
-        D: FnMut(usize, T) -> core::result::Result<(), E>,
-    {
-        if queue.len() >= self.in_flight {
-            self.drain_oldest(queue, spare, drain, run)?;
-        }
-        while drain_before_launch() && queue.iter().any(|q| q.buffer == buffer) {
-            self.drain_oldest(queue, spare, drain, run)?;
-        }
-        Ok(())
-    }
-
-    fn drain_oldest<T, E, D>(
-        &self,
-        queue: &mut VecDeque<InFlight<T>>,
-        spare: &mut std::vec::Vec<Event>,
-        drain: &mut D,
-        run: &mut PipelineRun,
-    ) -> core::result::Result<(), E>
-    where
-        E: From<Error>,
-        D: FnMut(usize, T) -> core::result::Result<(), E>,
-    {
-        let Some(oldest) = queue.front() else {
-            return Ok(());
+        let lanes = RingLanes {
+            ring: self.ring,
+            timeout: self.timeout,
         };
-        let t0 = Instant::now();
-        // An error leaves the batch in the queue: `run` waits for it before dropping.
-        oldest.done.synchronize()?;
-        run.drain_wait += t0.elapsed();
-        let Some(InFlight {
-            batch, done, value, ..
-        }) = queue.pop_front()
-        else {
-            return Ok(());
-        };
-        spare.push(done);
-        drain(batch, value)?;
-        run.batches += 1;
-        Ok(())
+        let halves = (fill, launch, finish, drain);
+        run_on(&lanes, self.in_flight, drain_before_launch(), batches, halves)
     }
+}
+
+/// The schedule of [`Pipeline::run_split`] over any [`Lanes`] (the ring, or a model of it
+/// in the tests): lease, fill, and [`Flight::launch`], batch by batch, then drain the rest.
+pub(super) fn run_on<B, V, T, E, F, L, N, D>(
+    lanes: &B,
+    in_flight: usize,
+    drain_before_launch: bool,
+    batches: usize,
+    (mut fill, mut launch, mut finish, mut drain): (F, L, N, D),
+) -> core::result::Result<PipelineRun, E>
+where
+    B: Lanes,
+    E: From<Error>,
+    F: FnMut(usize, &mut [u8]) -> core::result::Result<(), E>,
+    L: FnMut(usize, &B::Lease) -> core::result::Result<V, E>,
+    N: FnMut(usize, &B::Lease, V) -> core::result::Result<T, E>,
+    D: FnMut(usize, T) -> core::result::Result<(), E>,
+{
+    if in_flight == 0 {
+        return Err(Error::InvalidArgument("a pipeline needs at least one batch in flight").into());
+    }
+    let mut flight: Flight<B, T> = Flight::new(in_flight, drain_before_launch);
+    let out = (|| {
+        for batch in 0..batches {
+            let t0 = Instant::now();
+            let mut lease = lanes.lease()?;
+            flight.run.buffer_wait += t0.elapsed();
+            // The ring handed it out: the GPU is done with its bytes (the fill sees
+            // nothing else), while the buffer's last batch may still run.
+            fill(batch, &mut lease)?;
+            flight.launch(lanes, batch, lease, (&mut launch, &mut finish, &mut drain))?;
+        }
+        flight.drain_all(&mut drain)
+    })();
+    if out.is_err() {
+        flight.abandon_all();
+    }
+    out.map(|()| flight.run)
 }
 
 /// Whether a buffer's last batch is drained before the buffer's next launch: always, but

@@ -5,11 +5,11 @@
 //! batches before run while the workers write the next ones.
 
 use std::collections::BTreeMap;
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::Allocator;
 
+use super::flight::Flight;
 use super::{Pipeline, PipelineRun, Staged, StagingRing};
 use crate::cuda::Event;
 use crate::error::{Error, Result};
@@ -165,7 +165,7 @@ impl<A: Allocator + Send> ThreadedPipeline<'_, A> {
 /// (a model of the ring, without a driver) and runs on the ring unchanged.
 pub(super) trait Lanes {
     /// A leased buffer: the workers write its bytes.
-    type Lease: core::ops::DerefMut<Target = [u8]> + Send;
+    type Lease: core::ops::DerefMut<Target = [u8]>;
     /// A launched batch's completion.
     type Done;
     /// A free buffer the GPU is done with, now, if any.
@@ -183,12 +183,12 @@ pub(super) trait Lanes {
     fn wait(done: &Self::Done) -> Result<()>;
 }
 
-struct RingLanes<'r, A: Allocator> {
-    ring: &'r StagingRing<A>,
-    timeout: Duration,
+pub(super) struct RingLanes<'r, A: Allocator> {
+    pub(super) ring: &'r StagingRing<A>,
+    pub(super) timeout: Duration,
 }
 
-impl<A: Allocator + Send> Lanes for RingLanes<'_, A> {
+impl<A: Allocator> Lanes for RingLanes<'_, A> {
     type Lease = Staged<A>;
     type Done = Event;
 
@@ -243,14 +243,6 @@ pub(super) struct Shape {
     pub(super) drain_before_launch: bool,
 }
 
-/// A launched batch waiting for its drain.
-struct InFlight<T, Done> {
-    batch: usize,
-    buffer: usize,
-    done: Done,
-    value: T,
-}
-
 /// What a worker gives back: the batch, its lease, the fill's outcome (or its panic) and
 /// how long the fill took.
 type Filled<Lease, E> = (
@@ -261,101 +253,15 @@ type Filled<Lease, E> = (
 );
 
 /// The issuing thread's side: leases, hands out, launches and drains.
-struct Issuer<'a, B: Lanes, T, E> {
-    lanes: &'a B,
-    shape: Shape,
+struct Issuer<B: Lanes, T, E> {
+    /// The fill's waits and work (its `pipeline` part is the flight's, at the end).
     run: ThreadedRun,
-    queue: VecDeque<InFlight<T, B::Done>>,
-    spare: Vec<B::Done>,
+    flight: Flight<B, T>,
     /// Filled batches not yet launched, by batch.
     ready: BTreeMap<usize, B::Lease>,
     /// Batches handed to the workers and not yet given back.
     at_workers: usize,
     _e: core::marker::PhantomData<E>,
-}
-
-impl<B: Lanes, T, E: From<Error>> Issuer<'_, B, T, E> {
-    /// Drains the oldest launched batch (waiting for its work).
-    fn drain_oldest<D>(&mut self, drain: &mut D) -> core::result::Result<(), E>
-    where
-        D: FnMut(usize, T) -> core::result::Result<(), E>,
-    {
-        let Some(oldest) = self.queue.front() else {
-            return Ok(());
-        };
-        let t0 = Instant::now();
-        // An error leaves the batch in the queue: the clean-up waits for it before dropping.
-        B::wait(&oldest.done)?;
-        self.run.pipeline.drain_wait += t0.elapsed();
-        let Some(InFlight {
-            batch, done, value, ..
-        }) = self.queue.pop_front()
-        else {
-            return Ok(());
-        };
-        self.spare.push(done);
-        drain(batch, value)?;
-        self.run.pipeline.batches += 1;
-        Ok(())
-    }
-
-    /// Makes room for a launch in buffer `index`: the in-flight limit, and the buffer's
-    /// last batch drained (state kept per buffer is free to reuse).
-    fn make_room<D>(&mut self, index: usize, drain: &mut D) -> core::result::Result<(), E>
-    where
-        D: FnMut(usize, T) -> core::result::Result<(), E>,
-    {
-        if self.queue.len() >= self.shape.in_flight {
-            self.drain_oldest(drain)?;
-        }
-        while self.shape.drain_before_launch && self.queue.iter().any(|q| q.buffer == index) {
-            self.drain_oldest(drain)?;
-        }
-        Ok(())
-    }
-
-    /// Launches filled batch `batch` (the next in order), once there is room for it.
-    fn launch<L, D>(
-        &mut self,
-        batch: usize,
-        lease: B::Lease,
-        launch: &mut L,
-        drain: &mut D,
-    ) -> core::result::Result<(), E>
-    where
-        L: FnMut(usize, &B::Lease) -> core::result::Result<T, E>,
-        D: FnMut(usize, T) -> core::result::Result<(), E>,
-    {
-        let buffer = B::index(&lease);
-        if let Err(e) = self.make_room(buffer, drain) {
-            self.ready.insert(batch, lease);
-            return Err(e);
-        }
-        let value = match launch(batch, &lease) {
-            Ok(v) => v,
-            Err(e) => {
-                // Work of this batch may be queued but is not tracked: wait for it before
-                // the run returns. The error is the one to report.
-                self.lanes.abandon(lease);
-                return Err(e);
-            }
-        };
-        let done = match self.lanes.launched(lease, &mut self.spare) {
-            Ok(done) => done,
-            Err(e) => {
-                // `launched` waited for the work: the value is free to drop.
-                drop(value);
-                return Err(e.into());
-            }
-        };
-        self.queue.push_back(InFlight {
-            batch,
-            buffer,
-            done,
-            value,
-        });
-        Ok(())
-    }
 }
 
 /// The schedule of [`ThreadedPipeline::run`] over any [`Lanes`].
@@ -369,6 +275,7 @@ pub(super) fn run_threaded<B, T, E, F, L, D>(
 ) -> core::result::Result<ThreadedRun, E>
 where
     B: Lanes,
+    B::Lease: Send,
     E: From<Error> + Send,
     F: Fn(usize, &mut [u8]) -> core::result::Result<(), E> + Sync,
     L: FnMut(usize, &B::Lease) -> core::result::Result<T, E>,
@@ -380,16 +287,14 @@ where
         )
         .into());
     }
-    let mut issuer: Issuer<'_, B, T, E> = Issuer {
-        lanes,
-        shape,
+    let mut issuer: Issuer<B, T, E> = Issuer {
         run: ThreadedRun::default(),
-        queue: VecDeque::with_capacity(shape.in_flight),
-        spare: Vec::new(),
+        flight: Flight::new(shape.in_flight, shape.drain_before_launch),
         ready: BTreeMap::new(),
         at_workers: 0,
         _e: core::marker::PhantomData,
     };
+    let mut finish = |batch: usize, lease: &B::Lease, ()| launch(batch, lease);
     let stop = AtomicBool::new(false);
     let (job_tx, job_rx) = mpsc::channel::<(usize, B::Lease)>();
     let (done_tx, done_rx) = mpsc::channel::<Filled<B::Lease, E>>();
@@ -415,7 +320,7 @@ where
             });
         }
         drop(done_tx);
-        let mut filled = |issuer: &mut Issuer<'_, B, T, E>| -> core::result::Result<(), E> {
+        let mut filled = |issuer: &mut Issuer<B, T, E>| -> core::result::Result<(), E> {
             let t0 = Instant::now();
             let got = done_rx.recv();
             issuer.run.fill_wait += t0.elapsed();
@@ -437,7 +342,14 @@ where
             let (mut next_fill, mut next_launch) = (0, 0);
             while next_launch < batches {
                 if let Some(lease) = issuer.ready.remove(&next_launch) {
-                    issuer.launch(next_launch, lease, &mut launch, &mut drain)?;
+                    // One closure for the whole launch: the second half of a split launch
+                    // whose first half queues nothing.
+                    let halves = (
+                        &mut |_: usize, _: &B::Lease| Ok::<(), E>(()),
+                        &mut finish,
+                        &mut drain,
+                    );
+                    issuer.flight.launch(lanes, next_launch, lease, halves)?;
                     next_launch += 1;
                     continue;
                 }
@@ -451,7 +363,7 @@ where
                     } else {
                         lanes.try_lease()?
                     };
-                    issuer.run.pipeline.buffer_wait += t0.elapsed();
+                    issuer.flight.run.buffer_wait += t0.elapsed();
                     if let Some(lease) = lease {
                         // Filled at once, even while the buffer's last batch still runs:
                         // that batch is drained before this one's launch.
@@ -467,10 +379,7 @@ where
                 }
                 filled(&mut issuer)?;
             }
-            while !issuer.queue.is_empty() {
-                issuer.drain_oldest(&mut drain)?;
-            }
-            Ok(())
+            issuer.flight.drain_all(&mut drain)
         };
         let out = schedule();
         // Stop the workers and take back the leases they hold (unlaunched: nothing of
@@ -493,18 +402,15 @@ where
     });
     issuer.ready.clear();
     if out.is_err() {
-        // The values may hold memory the GPU still writes: drop them only after it.
-        for b in issuer.queue.drain(..) {
-            if B::wait(&b.done).is_err() {
-                // Its state is unknown: leak the value rather than free memory in use.
-                core::mem::forget(b.value);
-            }
-        }
+        issuer.flight.abandon_all();
     }
     if let Some(p) = panic {
         std::panic::resume_unwind(p);
     }
-    out.map(|()| issuer.run)
+    out.map(|()| ThreadedRun {
+        pipeline: issuer.flight.run,
+        ..issuer.run
+    })
 }
 
 #[cfg(all(test, not(loom)))]

@@ -1,10 +1,12 @@
-//! The threaded schedule against a model of the ring (no driver): a buffer's last work
-//! completes when the host waits for it, as a GPU that has not run it yet. A lease marked
-//! with `last_use_queued` gives the ring a completion of its own (the upload's), which
-//! the ring's wait completes without completing the rest of the batch.
+//! The pipelines' schedules (threaded, and the single-threaded split launch) against a
+//! model of the ring (no driver): a buffer's last work completes when the host waits for
+//! it, as a GPU that has not run it yet. A lease marked with `last_use_queued` gives the
+//! ring a completion of its own (the upload's), which the ring's wait completes without
+//! completing the rest of the batch.
 
 use super::*;
 use crate::sync::global::{lock, Arc, AtomicBool, Mutex, Ordering};
+use std::collections::VecDeque;
 
 /// A leased buffer of the model: dropped, it goes back to the ring (as a `Staged`).
 struct FakeLease {
@@ -464,4 +466,168 @@ fn a_threaded_run_refuses_zero_threads_ahead_or_in_flight_before_any_call() {
         assert!(matches!(out, Err(Error::InvalidArgument(_))), "{s:?}");
         assert!(seen.fills.is_empty() && seen.launches.is_empty(), "{s:?}");
     }
+}
+
+// ----- the single-threaded schedule (`Pipeline::run_split`) on the same model ----------
+
+/// What the split schedule's closures saw, in call order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Fill(usize),
+    Launch(usize),
+    Finish(usize),
+    Drain(usize),
+}
+
+/// Runs `batches` batches through `super::super::pipeline::run_on` over `ring` (each
+/// launch calls `last_use_queued`, as after an upload): the calls in order, and how many
+/// finishes found their buffer's last batch undrained or still running (the state the
+/// finish writes would be overwritten under a drain). `fail` makes a closure fail.
+fn run_split_fake(
+    ring: &FakeRing,
+    in_flight: usize,
+    drain_before_launch: bool,
+    batches: usize,
+    fail: Option<(&str, usize)>,
+) -> (
+    core::result::Result<PipelineRun, Error>,
+    std::vec::Vec<Call>,
+    usize,
+) {
+    let calls = std::cell::RefCell::new(std::vec::Vec::new());
+    let buffer_of = std::cell::RefCell::new(std::vec::Vec::new());
+    let mut unsafe_finishes = 0;
+    let fails = |what: &str, b: usize| fail == Some((what, b));
+    let out = super::super::pipeline::run_on(
+        ring,
+        in_flight,
+        drain_before_launch,
+        batches,
+        (
+            |b: usize, _: &mut [u8]| {
+                calls.borrow_mut().push(Call::Fill(b));
+                if fails("fill", b) {
+                    return Err(Error::InvalidArgument("fill fails"));
+                }
+                Ok(())
+            },
+            |b: usize, lease: &FakeLease| {
+                calls.borrow_mut().push(Call::Launch(b));
+                buffer_of.borrow_mut().push(lease.index);
+                lease.last_use_queued();
+                if fails("launch", b) {
+                    return Err(Error::InvalidArgument("launch fails"));
+                }
+                Ok(b)
+            },
+            |b: usize, lease: &FakeLease, v: usize| {
+                assert_eq!(b, v, "a finish got another batch's first half");
+                let calls_now = calls.borrow();
+                let last = buffer_of.borrow()[..b].iter().rposition(|&k| k == lease.index);
+                if let Some(prev) = last {
+                    if !calls_now.contains(&Call::Drain(prev)) || ring.batch_running(lease.index) {
+                        unsafe_finishes += 1;
+                    }
+                }
+                drop(calls_now);
+                calls.borrow_mut().push(Call::Finish(b));
+                if fails("finish", b) {
+                    return Err(Error::InvalidArgument("finish fails"));
+                }
+                Ok(b)
+            },
+            |b: usize, v: usize| {
+                assert_eq!(b, v, "a drain got another batch's value");
+                calls.borrow_mut().push(Call::Drain(b));
+                Ok(())
+            },
+        ),
+    );
+    (out, calls.into_inner(), unsafe_finishes)
+}
+
+#[test]
+fn a_split_run_queues_a_buffers_next_launch_before_its_last_drain_and_finishes_after() {
+    for buffers in [1, 2, 4] {
+        for in_flight in [buffers, 2 * buffers] {
+            let ring = FakeRing::new(buffers);
+            let batches = 24;
+            let (out, calls, unsafe_finishes) = run_split_fake(&ring, in_flight, true, batches, None);
+            let case = format!("{buffers} buffers, {in_flight} in flight");
+            assert_eq!(out.unwrap().batches, batches, "{case}");
+            let at = |c: Call| calls.iter().position(|&x| x == c).unwrap();
+            for b in 0..batches {
+                assert!(at(Call::Fill(b)) < at(Call::Launch(b)), "{case}");
+                assert!(at(Call::Launch(b)) < at(Call::Finish(b)), "{case}");
+                assert!(at(Call::Finish(b)) < at(Call::Drain(b)), "{case}");
+                if b + buffers < batches {
+                    let next = b + buffers; // the next batch in batch b's buffer
+                    assert!(
+                        at(Call::Launch(next)) < at(Call::Drain(b)),
+                        "{case}: batch {next} was launched only after batch {b}'s drain"
+                    );
+                    assert!(
+                        at(Call::Drain(b)) < at(Call::Finish(next)),
+                        "{case}: batch {next}'s finish ran before batch {b}'s drain"
+                    );
+                }
+            }
+            let drains: std::vec::Vec<_> = calls
+                .iter()
+                .filter_map(|c| match c {
+                    Call::Drain(b) => Some(*b),
+                    _ => None,
+                })
+                .collect();
+            assert!(drains.iter().copied().eq(0..batches), "{case}: drains {drains:?}");
+            assert_eq!(unsafe_finishes, 0, "{case}");
+            assert_eq!(ring.free(), buffers, "{case}: a buffer not given back");
+            assert!(ring.all_complete(), "{case}: work left running");
+        }
+    }
+}
+
+#[test]
+fn without_the_drain_before_a_finish_the_check_sees_unsafe_finishes() {
+    // The negative control of the test above: its check can fail.
+    let ring = FakeRing::new(2);
+    let (out, _, unsafe_finishes) = run_split_fake(&ring, 8, false, 16, None);
+    out.unwrap();
+    assert!(
+        unsafe_finishes > 0,
+        "every finish found its buffer's last batch drained"
+    );
+}
+
+#[test]
+fn an_error_in_either_half_stops_a_split_run_with_nothing_running() {
+    for what in ["fill", "launch", "finish"] {
+        let ring = FakeRing::new(2);
+        let (out, calls, _) = run_split_fake(&ring, 2, true, 12, Some((what, 5)));
+        let err = out.unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{what}: {err:?}");
+        assert!(
+            !calls
+                .iter()
+                .any(|c| matches!(c, Call::Fill(b) | Call::Launch(b) if *b > 5)),
+            "{what}: the run went past the failed batch: {calls:?}"
+        );
+        assert!(
+            !calls.contains(&Call::Drain(5)),
+            "{what}: the failed batch was drained"
+        );
+        assert_eq!(ring.free(), 2, "{what}: a buffer not given back");
+        assert!(ring.all_complete(), "{what}: the run returned with work running");
+    }
+}
+
+#[test]
+fn a_split_run_refuses_no_batches_in_flight() {
+    let ring = FakeRing::new(1);
+    let (out, calls, _) = run_split_fake(&ring, 0, true, 4, None);
+    assert!(matches!(out, Err(Error::InvalidArgument(_))), "{out:?}");
+    assert!(
+        calls.is_empty(),
+        "a closure ran before the arguments were checked"
+    );
 }

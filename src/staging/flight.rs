@@ -1,0 +1,170 @@
+//! The batches a pipeline has launched and not yet drained, over any [`Lanes`]: the
+//! in-flight limit, the drain of a buffer's last batch before its next finish, the launch
+//! in two halves, and the wait for every batch in flight after an error. One part for the
+//! single-threaded [`Pipeline`](super::Pipeline) and the threaded one, so that both order
+//! a batch's work the same way and the schedule is tested on the host against a model of
+//! the ring (`threaded/tests.rs`).
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use super::threaded::Lanes;
+use super::PipelineRun;
+use crate::error::Error;
+
+/// A launched batch waiting for its drain.
+struct InFlight<T, Done> {
+    batch: usize,
+    /// The ring's buffer it was staged in (`Lanes::index`).
+    buffer: usize,
+    done: Done,
+    value: T,
+}
+
+/// The launched batches, oldest first, with what the launches and drains cost.
+pub(super) struct Flight<B: Lanes, T> {
+    queue: VecDeque<InFlight<T, B::Done>>,
+    /// Completions of drained batches, recorded again by later ones.
+    spare: Vec<B::Done>,
+    /// The most batches launched and not yet drained.
+    in_flight: usize,
+    /// Whether a buffer's last batch is drained before the buffer's next finish (always,
+    /// but for the negative controls of `test-hooks`).
+    drain_before_launch: bool,
+    /// Batches drained, and the waits for buffers (kept by the caller) and for batches.
+    pub(super) run: PipelineRun,
+}
+
+impl<B: Lanes, T> Flight<B, T> {
+    pub(super) fn new(in_flight: usize, drain_before_launch: bool) -> Self {
+        Self {
+            queue: VecDeque::with_capacity(in_flight),
+            spare: Vec::new(),
+            in_flight,
+            drain_before_launch,
+            run: PipelineRun::default(),
+        }
+    }
+
+    /// Launches batch `batch` staged in `lease`, in two halves: `launch` (the upload and
+    /// the kernels, which write nothing the drain of the buffer's last batch reads), then
+    /// room (the in-flight limit, and that last batch drained, so that state kept per
+    /// buffer is free), then `finish` (the rest, typically the copy back into that state),
+    /// then the batch's completion is recorded and the lease goes back to the ring.
+    ///
+    /// On an error, work the batch queued is waited for before its values are dropped
+    /// (through `Lanes::abandon` or `Lanes::launched`), so nothing of it still runs.
+    pub(super) fn launch<V, E, L, N, D>(
+        &mut self,
+        lanes: &B,
+        batch: usize,
+        lease: B::Lease,
+        (launch, finish, drain): (&mut L, &mut N, &mut D),
+    ) -> core::result::Result<(), E>
+    where
+        E: From<Error>,
+        L: FnMut(usize, &B::Lease) -> core::result::Result<V, E>,
+        N: FnMut(usize, &B::Lease, V) -> core::result::Result<T, E>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        let buffer = B::index(&lease);
+        let first = match launch(batch, &lease) {
+            Ok(v) => v,
+            Err(e) => {
+                lanes.abandon(lease);
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.make_room(buffer, drain) {
+            lanes.abandon(lease);
+            drop(first);
+            return Err(e);
+        }
+        let value = match finish(batch, &lease, first) {
+            Ok(v) => v,
+            Err(e) => {
+                lanes.abandon(lease);
+                return Err(e);
+            }
+        };
+        let done = match lanes.launched(lease, &mut self.spare) {
+            Ok(done) => done,
+            Err(e) => {
+                // `launched` waited for the work: the value is free to drop.
+                drop(value);
+                return Err(e.into());
+            }
+        };
+        self.queue.push_back(InFlight {
+            batch,
+            buffer,
+            done,
+            value,
+        });
+        Ok(())
+    }
+
+    /// Drains the oldest batches until fewer than the in-flight limit are launched and
+    /// none of them is in buffer `buffer`.
+    fn make_room<E, D>(&mut self, buffer: usize, drain: &mut D) -> core::result::Result<(), E>
+    where
+        E: From<Error>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        if self.queue.len() >= self.in_flight {
+            self.drain_oldest(drain)?;
+        }
+        while self.drain_before_launch && self.queue.iter().any(|q| q.buffer == buffer) {
+            self.drain_oldest(drain)?;
+        }
+        Ok(())
+    }
+
+    /// Drains every launched batch, in order.
+    pub(super) fn drain_all<E, D>(&mut self, drain: &mut D) -> core::result::Result<(), E>
+    where
+        E: From<Error>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        while !self.queue.is_empty() {
+            self.drain_oldest(drain)?;
+        }
+        Ok(())
+    }
+
+    /// Drains the oldest launched batch, once its work has completed.
+    fn drain_oldest<E, D>(&mut self, drain: &mut D) -> core::result::Result<(), E>
+    where
+        E: From<Error>,
+        D: FnMut(usize, T) -> core::result::Result<(), E>,
+    {
+        let Some(oldest) = self.queue.front() else {
+            return Ok(());
+        };
+        let t0 = Instant::now();
+        // An error leaves the batch in the queue: `abandon_all` waits for it.
+        B::wait(&oldest.done)?;
+        self.run.drain_wait += t0.elapsed();
+        let Some(InFlight {
+            batch, done, value, ..
+        }) = self.queue.pop_front()
+        else {
+            return Ok(());
+        };
+        self.spare.push(done);
+        drain(batch, value)?;
+        self.run.batches += 1;
+        Ok(())
+    }
+
+    /// After an error: waits for every batch still in flight before dropping its value
+    /// (the values may hold memory the GPU still writes), undrained.
+    pub(super) fn abandon_all(&mut self) {
+        for b in self.queue.drain(..) {
+            if B::wait(&b.done).is_err() {
+                // Its state is unknown: leak the value rather than free memory in use.
+                core::mem::forget(b.value);
+            }
+        }
+    }
+}
