@@ -1,16 +1,100 @@
-//! The batches a pipeline has launched and not yet drained, over any [`Lanes`]: the
-//! in-flight limit, the drain of a buffer's last batch before its next finish, the launch
-//! in two halves, and the wait for every batch in flight after an error. One part for the
-//! single-threaded [`Pipeline`](super::Pipeline) and the threaded one, so that both order
-//! a batch's work the same way and the schedule is tested on the host against a model of
-//! the ring (`threaded/tests.rs`).
+//! What both pipelines run on: the ring as [`Lanes`] (leases, completions, waits), and
+//! the batches launched and not yet drained ([`Flight`]): the in-flight limit, the drain
+//! of a buffer's last batch before its next finish, the launch in two halves, and the wait
+//! for every batch in flight after an error. One part for the single-threaded
+//! [`Pipeline`](super::Pipeline) and the threaded one, so that both order a batch's work
+//! the same way and their schedules are tested on the host against a model of the ring
+//! (`threaded/tests.rs`).
 
 use std::collections::VecDeque;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use super::threaded::Lanes;
-use super::PipelineRun;
-use crate::error::Error;
+use allocator_api2::alloc::Allocator;
+
+use super::{PipelineRun, Staged, StagingRing};
+use crate::cuda::Event;
+use crate::error::{Error, Result};
+
+/// The ring's side of a pipeline run, apart so that the schedules are tested on the host
+/// (a model of the ring, without a driver) and run on the ring unchanged.
+pub(super) trait Lanes {
+    /// A leased buffer: the workers write its bytes.
+    type Lease: core::ops::DerefMut<Target = [u8]>;
+    /// A launched batch's completion.
+    type Done;
+    /// A free buffer the GPU is done with, now, if any.
+    fn try_lease(&self) -> Result<Option<Self::Lease>>;
+    /// A free buffer, waiting for the GPU (with the pipeline's deadline).
+    fn lease(&self) -> Result<Self::Lease>;
+    /// Which buffer of the ring it is.
+    fn index(lease: &Self::Lease) -> usize;
+    /// After a launch: marks the end of the work queued so far with the lease (reusing a
+    /// spare completion) and gives the buffer back. An error leaves no work untracked.
+    fn launched(&self, lease: Self::Lease, spare: &mut Vec<Self::Done>) -> Result<Self::Done>;
+    /// After a failed launch: waits for whatever it queued, then gives the buffer back.
+    fn abandon(&self, lease: Self::Lease);
+    /// Waits for a launched batch's work.
+    fn wait(done: &Self::Done) -> Result<()>;
+}
+
+pub(super) struct RingLanes<'r, A: Allocator> {
+    pub(super) ring: &'r StagingRing<A>,
+    pub(super) timeout: Duration,
+}
+
+impl<A: Allocator> Lanes for RingLanes<'_, A> {
+    type Lease = Staged<A>;
+    type Done = Event;
+
+    fn try_lease(&self) -> Result<Option<Staged<A>>> {
+        self.ring.try_next()
+    }
+
+    fn lease(&self) -> Result<Staged<A>> {
+        self.ring.next(self.timeout)
+    }
+
+    fn index(lease: &Staged<A>) -> usize {
+        lease.index()
+    }
+
+    fn launched(&self, lease: Staged<A>, spare: &mut Vec<Event>) -> Result<Event> {
+        let recorded = (|| {
+            let done = match spare.pop() {
+                Some(e) => e,
+                None => Event::new(lease.stream().device())?,
+            };
+            done.record(lease.stream())?;
+            Ok(done)
+        })();
+        if recorded.is_err() {
+            // The batch's work is not tracked: wait for it before its value is dropped.
+            let _ = lease.stream().synchronize();
+        }
+        // The lease, dropped here, records the ring's own event after the batch's work
+        // (unless the launch did, with `last_use_queued`).
+        drop(lease);
+        recorded
+    }
+
+    fn abandon(&self, lease: Staged<A>) {
+        let _ = lease.stream().synchronize();
+    }
+
+    fn wait(done: &Event) -> Result<()> {
+        done.synchronize()
+    }
+}
+
+/// Whether a buffer's last batch is drained before the buffer's next launch: always, but
+/// for the negative controls of `test-hooks` ([`super::hooks::skip_release_events`]).
+pub(super) fn drain_before_launch() -> bool {
+    #[cfg(feature = "test-hooks")]
+    if super::hooks::SKIP_RELEASE_EVENT.load(crate::sync::global::Ordering::SeqCst) {
+        return false;
+    }
+    true
+}
 
 /// A launched batch waiting for its drain.
 struct InFlight<T, Done> {

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::Allocator;
 
-use super::flight::Flight;
-use super::threaded::{Lanes, RingLanes};
+use super::flight::{drain_before_launch, Flight, Lanes, RingLanes};
 use super::{Staged, StagingRing};
 use crate::error::Error;
 
@@ -276,14 +275,4 @@ where
         flight.abandon_all();
     }
     out.map(|()| flight.run)
-}
-
-/// Whether a buffer's last batch is drained before the buffer's next launch: always, but
-/// for the negative controls of `test-hooks` ([`super::hooks::skip_release_events`]).
-pub(super) fn drain_before_launch() -> bool {
-    #[cfg(feature = "test-hooks")]
-    if super::hooks::SKIP_RELEASE_EVENT.load(crate::sync::global::Ordering::SeqCst) {
-        return false;
-    }
-    true
 }

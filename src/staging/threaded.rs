@@ -9,10 +9,9 @@ use std::time::{Duration, Instant};
 
 use allocator_api2::alloc::Allocator;
 
-use super::flight::Flight;
-use super::{Pipeline, PipelineRun, Staged, StagingRing};
-use crate::cuda::Event;
-use crate::error::{Error, Result};
+use super::flight::{Flight, Lanes, RingLanes};
+use super::{Pipeline, PipelineRun, Staged};
+use crate::error::Error;
 // The workers are never part of a loom model: `std`'s primitives always.
 use crate::sync::global::{lock, mpsc, AtomicBool, Mutex, Ordering};
 
@@ -155,80 +154,9 @@ impl<A: Allocator + Send> ThreadedPipeline<'_, A> {
             threads: self.threads,
             ahead: self.ahead_now(),
             in_flight: self.pipeline.in_flight,
-            drain_before_launch: super::pipeline::drain_before_launch(),
+            drain_before_launch: super::flight::drain_before_launch(),
         };
         run_threaded(&lanes, shape, batches, fill, launch, drain)
-    }
-}
-
-/// The ring's side of a threaded run, apart so that the schedule is tested on the host
-/// (a model of the ring, without a driver) and runs on the ring unchanged.
-pub(super) trait Lanes {
-    /// A leased buffer: the workers write its bytes.
-    type Lease: core::ops::DerefMut<Target = [u8]>;
-    /// A launched batch's completion.
-    type Done;
-    /// A free buffer the GPU is done with, now, if any.
-    fn try_lease(&self) -> Result<Option<Self::Lease>>;
-    /// A free buffer, waiting for the GPU (with the pipeline's deadline).
-    fn lease(&self) -> Result<Self::Lease>;
-    /// Which buffer of the ring it is.
-    fn index(lease: &Self::Lease) -> usize;
-    /// After a launch: marks the end of the work queued so far with the lease (reusing a
-    /// spare completion) and gives the buffer back. An error leaves no work untracked.
-    fn launched(&self, lease: Self::Lease, spare: &mut Vec<Self::Done>) -> Result<Self::Done>;
-    /// After a failed launch: waits for whatever it queued, then gives the buffer back.
-    fn abandon(&self, lease: Self::Lease);
-    /// Waits for a launched batch's work.
-    fn wait(done: &Self::Done) -> Result<()>;
-}
-
-pub(super) struct RingLanes<'r, A: Allocator> {
-    pub(super) ring: &'r StagingRing<A>,
-    pub(super) timeout: Duration,
-}
-
-impl<A: Allocator> Lanes for RingLanes<'_, A> {
-    type Lease = Staged<A>;
-    type Done = Event;
-
-    fn try_lease(&self) -> Result<Option<Staged<A>>> {
-        self.ring.try_next()
-    }
-
-    fn lease(&self) -> Result<Staged<A>> {
-        self.ring.next(self.timeout)
-    }
-
-    fn index(lease: &Staged<A>) -> usize {
-        lease.index()
-    }
-
-    fn launched(&self, lease: Staged<A>, spare: &mut Vec<Event>) -> Result<Event> {
-        let recorded = (|| {
-            let done = match spare.pop() {
-                Some(e) => e,
-                None => Event::new(lease.stream().device())?,
-            };
-            done.record(lease.stream())?;
-            Ok(done)
-        })();
-        if recorded.is_err() {
-            // The batch's work is not tracked: wait for it before its value is dropped.
-            let _ = lease.stream().synchronize();
-        }
-        // The lease, dropped here, records the ring's own event after the batch's work
-        // (unless the launch did, with `last_use_queued`).
-        drop(lease);
-        recorded
-    }
-
-    fn abandon(&self, lease: Staged<A>) {
-        let _ = lease.stream().synchronize();
-    }
-
-    fn wait(done: &Event) -> Result<()> {
-        done.synchronize()
     }
 }
 

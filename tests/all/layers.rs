@@ -129,6 +129,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "source/pinned_pool.rs",
     "source/prefault.rs",
     "source/registered.rs",
+    "staging/flight.rs",
     "staging/mod.rs",
     "staging/pipeline.rs",
     "staging/threaded.rs",

@@ -4,9 +4,11 @@
 //! ring a completion of its own (the upload's), which the ring's wait completes without
 //! completing the rest of the batch.
 
-use super::*;
-use crate::sync::global::{lock, Arc, AtomicBool, Mutex, Ordering};
 use std::collections::VecDeque;
+
+use super::*;
+use crate::error::Result;
+use crate::sync::global::{lock, Arc, AtomicBool, Mutex, Ordering};
 
 /// A leased buffer of the model: dropped, it goes back to the ring (as a `Staged`).
 struct FakeLease {
