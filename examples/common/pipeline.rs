@@ -1988,9 +1988,10 @@ fn as_words_mut(bytes: &mut [u8]) -> Result<&mut [u32]> {
 /// buffer in flight and waits for each batch before its check; with `run_split` a
 /// buffer's next upload and kernel are queued before its last batch's check and its D2H
 /// after it (the hand-written lanes' order). The user code is the fill (all of the input
-/// when `full`, else its checked positions), the two halves of the launch and the check. With `workers`, the fill runs on that many
-/// worker threads (`Pipeline::fill_threads`), each writing its batch with
-/// `fill_threads / workers` threads, while this thread launches and checks.
+/// when `full`, else its checked positions), the two halves of the launch and the check.
+/// With `workers`, the fill runs on that many worker threads (`Pipeline::fill_threads`),
+/// each writing its batch with `fill_threads / workers` threads, while this thread
+/// launches (both halves at once) and checks.
 fn run_ring<A: allocator_api2::alloc::Allocator + Send>(
     ctx: &Ctx<'_>,
     p: &mut Piped<A>,
