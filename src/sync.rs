@@ -6,7 +6,7 @@
 pub(crate) use loom::{
     cell::UnsafeCell,
     sync::{
-        atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering},
         Arc, Mutex, MutexGuard,
     },
     thread,
@@ -15,7 +15,7 @@ pub(crate) use loom::{
 #[cfg(not(loom))]
 pub(crate) use std::{
     sync::{
-        atomic::{fence, AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering},
         Arc, Mutex, MutexGuard, Weak,
     },
     thread,

@@ -61,6 +61,24 @@ impl<T: ThreadCounters> ThreadRegistry<T> {
         }
     }
 
+    /// Runs `f` with every registered thread's counters under the registry's lock (no
+    /// thread registers or retires meanwhile; `f` takes no other lock of the pool), then
+    /// retires those for which `stay` says no, keeping what they served in the totals.
+    pub(crate) fn sweep<R>(&self, f: impl FnOnce(&[Arc<T>]) -> R, mut stay: impl FnMut(&T) -> bool) -> R {
+        let mut r = lock(&self.inner);
+        let out = f(&r.live);
+        let mut gone = 0;
+        r.live.retain(|c| {
+            let keep = stay(c);
+            if !keep {
+                gone += c.served();
+            }
+            keep
+        });
+        r.retired += gone;
+        out
+    }
+
     /// Calls `f` with every registered thread's counters (under the registry's lock: `f`
     /// takes no other lock of the pool).
     pub(crate) fn visit(&self, mut f: impl FnMut(&T)) -> Visited {

@@ -8,7 +8,7 @@ use core::marker::PhantomData;
 use zerocopy::IntoBytes;
 
 use super::local::{self, Owned};
-use super::pool::DevicePool;
+use super::pool::{DevicePool, PoolRef};
 use super::DeviceCopy;
 use crate::cuda::{copy_async, memset_d8_async, raw, Stream};
 use crate::error::{Error, Result};
@@ -47,7 +47,7 @@ use crate::error::{Error, Result};
 /// ```
 pub struct DeviceBuffer<T: DeviceCopy> {
     /// The block, its stream and pool handles, and its recorded uses.
-    block: Owned<DevicePool>,
+    block: Owned<PoolRef>,
     len: usize,
     _elements: PhantomData<T>,
 }
@@ -69,7 +69,7 @@ impl<T: DeviceCopy> fmt::Debug for DeviceBuffer<T> {
 
 impl<T: DeviceCopy> DeviceBuffer<T> {
     #[inline(always)]
-    pub(crate) fn from_parts(block: Owned<DevicePool>, len: usize) -> Self {
+    pub(crate) fn from_parts(block: Owned<PoolRef>, len: usize) -> Self {
         Self {
             block,
             len,
@@ -101,7 +101,7 @@ impl<T: DeviceCopy> DeviceBuffer<T> {
 
     /// The pool it came from.
     pub fn pool(&self) -> &DevicePool {
-        self.block.pool()
+        DevicePool::from_ref(self.block.pool())
     }
 
     /// Declares that work queued on `stream` (another stream than the buffer's) uses the
@@ -270,7 +270,7 @@ impl DevicePool {
         bytes: usize,
         stream: &Stream,
     ) -> Option<DeviceBuffer<T>> {
-        let block = local::try_alloc_fast(self, bytes, stream)?;
+        let block = local::try_alloc_fast(self.handle(), bytes, stream)?;
         Some(DeviceBuffer::from_parts(block, len))
     }
 
@@ -285,14 +285,14 @@ impl DevicePool {
         match self.alloc_block(bytes, stream) {
             Ok(block) => Ok(DeviceBuffer::from_parts(block, len)),
             Err(e) => {
-                local::record_failure(self, bytes, stream, &e);
+                local::record_failure(self.handle(), bytes, stream, &e);
                 Err(e)
             }
         }
     }
 
     /// The slow path's block (its failures recorded by the caller).
-    fn alloc_block(&self, bytes: usize, stream: &Stream) -> Result<Owned<DevicePool>> {
+    fn alloc_block(&self, bytes: usize, stream: &Stream) -> Result<Owned<PoolRef>> {
         if stream.device() != self.device() {
             return Err(Error::InvalidArgument("the stream belongs to another device"));
         }
@@ -304,7 +304,7 @@ impl DevicePool {
                 limit: device_bytes,
             });
         }
-        local::alloc_slow(self, bytes, stream).map_err(|e| self.out_of_memory(e, bytes))
+        local::alloc_slow(self.handle(), bytes, stream).map_err(|e| self.out_of_memory(e, bytes))
     }
 
     /// Zero bytes, a size that overflows, or a stream of another device.
@@ -321,7 +321,7 @@ impl DevicePool {
         }
         match bytes {
             Some(0) => Ok(DeviceBuffer::from_parts(
-                Owned::empty(stream.clone(), self.clone()),
+                Owned::empty(stream.clone(), self.handle().clone()),
                 len,
             )),
             Some(bytes) => self.alloc_slow(len, bytes, stream),

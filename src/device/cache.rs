@@ -100,6 +100,8 @@ pub(crate) struct Cache<B: Backend> {
     /// Whether cross-stream hand-overs and recorded uses are ordered by marks (always,
     /// except in negative-control tests).
     guard: AtomicBool,
+    /// The pool has no user handle left (`close.rs`): reclaim requests stay up.
+    pub(crate) closing: AtomicBool,
 }
 
 impl<B: Backend> Cache<B> {
@@ -114,6 +116,7 @@ impl<B: Backend> Cache<B> {
             counters: Counters::default(),
             threads: ThreadRegistry::new(),
             guard: AtomicBool::new(true),
+            closing: AtomicBool::new(false),
         }
     }
 
@@ -168,6 +171,11 @@ impl<B: Backend> Cache<B> {
         ))
     }
 
+    /// The registered threads' published counters.
+    pub(crate) fn threads(&self) -> &ThreadRegistry<ThreadStats> {
+        &self.threads
+    }
+
     /// Flushes a thread cache that goes away and stops reading its counters.
     pub(crate) fn retire_thread_cache<P>(&self, tc: &mut ThreadCache<B, P>) {
         self.flush_thread(tc);
@@ -177,11 +185,21 @@ impl<B: Backend> Cache<B> {
     /// Moves every block of a thread cache to the shared lists (its handles are dropped
     /// outside the lock).
     pub(crate) fn flush_thread<P>(&self, tc: &mut ThreadCache<B, P>) {
+        // The request is consumed before the blocks are taken, so that one made meanwhile
+        // stays; a closed pool's stays up (each push then looks for the collection,
+        // `close.rs`), its close having raised `closing` before the flags.
+        let stats = tc.stats();
+        stats.reclaim.swap(false, Ordering::SeqCst);
+        if self.closing.load(Ordering::SeqCst) {
+            stats.reclaim.store(true, Ordering::SeqCst);
+        }
         let evicted = tc.take_all();
         self.give_evicted(evicted);
     }
 
-    fn give_evicted(&self, evicted: impl IntoIterator<Item = Evicted<B>>) {
+    /// Gives blocks taken from a thread cache to the shared lists (large ones to the
+    /// backend); their stream handles are dropped after the lock.
+    pub(crate) fn give_evicted(&self, evicted: impl IntoIterator<Item = Evicted<B>>) {
         let mut handles = Vec::new();
         let mut large = Vec::new();
         {

@@ -19,18 +19,38 @@ use super::thread_cache::ThreadCache;
 use crate::cuda::{nvtx, StreamId};
 use crate::observe;
 use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
-use crate::sync::global::{AtomicU64 as GlobalU64, Ordering as GlobalOrdering};
+use crate::sync::global::{AtomicBool, AtomicU64 as GlobalU64, AtomicUsize, Ordering as GlobalOrdering};
 use crate::trace::{Code, Note};
 
 /// The stream handle type of a pool handle's backend.
 pub(crate) type StreamOf<P> = <<P as PoolHandle>::B as StreamOrder>::Stream;
 
-/// A cheap, cloneable handle of a pool (an `Arc` inside), as buffers own one.
+/// A cheap, cloneable handle of a pool (an `Arc` inside), as buffers own one: the
+/// internal handle, whose clones and drops do not count as users (`Core::users`). Its
+/// drop tries the collection of a closed pool (`close.rs`).
 pub(crate) trait PoolHandle: Clone + Send + Sync + 'static {
     /// What the pool allocates from.
     type B: Backend;
+    /// A handle that does not keep the pool (a thread's table entry holds one).
+    type Weak: Send + Sync;
     /// The pool's shared state.
     fn core(&self) -> &Core<Self::B>;
+    /// A weak handle of the pool.
+    fn downgrade(&self) -> Self::Weak;
+    /// A handle of the pool of `w`, if it lives.
+    fn upgrade(w: &Self::Weak) -> Option<Self>;
+    /// The handles of the pool (the `Arc`'s strong count; `Relaxed`).
+    fn strong_count(&self) -> usize;
+    /// After a push into this thread's bin, the thread's reclaim flag was up:
+    /// `close::after_push` (the handle types name it, so that this module, below
+    /// `close.rs`, does not).
+    fn after_push(entry: NonNull<LocalCache<Self>>);
+    /// Gives up this handle's reference (the `Arc`'s drop): `close::drop_handle`, from
+    /// the handle type's `Drop`, decides when.
+    ///
+    /// # Safety
+    /// 1. Called once, by the handle's drop; the handle is not used afterwards.
+    unsafe fn release_ref(&mut self);
     /// Runs `f` with this thread's table of caches of pools of this type; `None` while the
     /// thread's locals are being destroyed.
     fn with_table<R>(f: impl FnOnce(&SlotTable<LocalCache<Self>>) -> R) -> Option<R>;
@@ -44,9 +64,17 @@ pub(crate) trait PoolHandle: Clone + Send + Sync + 'static {
 
 static NEXT_UID: GlobalU64 = GlobalU64::new(1);
 
-/// A pool's shared state: its cache, and where this pool's thread caches are found.
+/// A pool's shared state: its cache, where this pool's thread caches are found, and
+/// what its collection needs (`close.rs`).
 pub(crate) struct Core<B: Backend> {
     pub(crate) cache: Cache<B>,
+    /// The user handles (the public handle type's clones; 1 at the start). At 0 the pool
+    /// is closed and collected once no internal handle is left outside the bins.
+    pub(crate) users: AtomicUsize,
+    /// Whether a collection took the threads' blocks (after which none is tried again).
+    pub(crate) collected: AtomicBool,
+    /// Internal handles being dropped without the registry's lock (`close::drop_handle`).
+    pub(crate) dropping: AtomicUsize,
     /// Process-unique, to tell this pool's thread-cache entries from others'.
     pub(crate) uid: u64,
     /// The pool's slot in the thread-local tables (`None`: no thread caches).
@@ -62,6 +90,9 @@ impl<B: Backend> Core<B> {
         let slot = cache.settings.thread_max_class.and_then(|_| slots.acquire());
         Self {
             cache,
+            users: AtomicUsize::new(1),
+            collected: AtomicBool::new(false),
+            dropping: AtomicUsize::new(0),
             uid: NEXT_UID.fetch_add(1, GlobalOrdering::Relaxed),
             slot,
             slots,
@@ -78,24 +109,18 @@ impl<B: Backend> Drop for Core<B> {
     }
 }
 
-/// One thread's cache for one pool, with a handle of the pool it flushes into (so a pool
-/// lives while any thread holds a cache for it).
+/// One thread's cache for one pool, with a weak handle of the pool it flushes into (the
+/// blocks in its bins hold strong ones; a collection takes them, `close.rs`).
 pub(crate) struct LocalCache<P: PoolHandle> {
     uid: u64,
     pub(crate) cache: ThreadCache<P::B, P>,
-    owner: P,
+    pub(crate) owner: P::Weak,
 }
 
 impl<P: PoolHandle> SlotEntry for LocalCache<P> {
     #[inline(always)]
     fn uid(&self) -> u64 {
         self.uid
-    }
-}
-
-impl<P: PoolHandle> Drop for LocalCache<P> {
-    fn drop(&mut self) {
-        self.owner.core().cache.retire_thread_cache(&mut self.cache);
     }
 }
 
@@ -279,11 +304,18 @@ pub(crate) fn with_thread_cache<P: PoolHandle, R>(
     let uid = core.uid;
     let mut entry = P::with_table(|t| t.take(slot, uid)).flatten().or_else(|| {
         let cache = core.cache.new_thread_cache()?;
-        Some(Box::new(LocalCache {
+        let mut e = Box::new(LocalCache {
             uid,
             cache,
-            owner: pool.clone(),
-        }))
+            owner: pool.downgrade(),
+        });
+        // Boxed: the cache stays at this address until the entry is dropped.
+        let at: *mut ThreadCache<P::B, P> = &mut e.cache;
+        e.cache
+            .stats()
+            .cache
+            .store(at.cast(), crate::sync::Ordering::Release);
+        Some(e)
     });
     let r = f(entry.as_deref_mut().map(|e| &mut e.cache));
     if let Some(e) = entry {
@@ -412,8 +444,12 @@ impl<P: PoolHandle> Owned<P> {
                 let pushed = unsafe { e.as_mut() }
                     .cache
                     .push(id, self.class, self.ptr, stream, pool);
-                if let Err((stream, pool)) = pushed {
-                    release_slow(pool, self.ptr, bytes, stream, None);
+                match pushed {
+                    // Read after the push is published (`close.rs`).
+                    // SAFETY: as above; the push's borrow ended.
+                    Ok(()) if unsafe { e.as_ref() }.cache.reclaim_requested() => P::after_push(e),
+                    Ok(()) => {}
+                    Err((stream, pool)) => release_slow(pool, self.ptr, bytes, stream, None),
                 }
                 return;
             }
@@ -439,8 +475,13 @@ fn release_large<P: PoolHandle>(pool: P, ptr: u64, bytes: usize, stream: StreamO
     let pushed = unsafe { e.as_mut() }
         .cache
         .push_large(id, rounded, ptr, Some((stream, pool)));
-    if let Err(Some((stream, pool))) = pushed {
-        release_slow(pool, ptr, bytes, stream, None);
+    match pushed {
+        // Read after the push is published (`close.rs`).
+        // SAFETY: as above; the push's borrow ended.
+        Ok(()) if unsafe { e.as_ref() }.cache.reclaim_requested() => P::after_push(e),
+        Ok(()) => {}
+        Err(Some((stream, pool))) => release_slow(pool, ptr, bytes, stream, None),
+        Err(None) => {}
     }
 }
 

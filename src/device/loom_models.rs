@@ -8,9 +8,10 @@
 //! late event (CUB's record-after-publish) would break in some interleaving.
 
 use super::cache::{Cache, Settings};
+use super::close;
 use super::fake::{FakeBackend, FakeStream};
 use super::thread_cache::ThreadCache;
-use crate::sync::{thread, Arc};
+use crate::sync::{thread, Arc, Ordering};
 
 type Tc = ThreadCache<FakeBackend, ()>;
 
@@ -159,6 +160,68 @@ fn a_gated_block_polled_while_trimmed() {
         c.trim::<()>(None);
         let snap = c.snapshot();
         assert_eq!((c.held_blocks(), snap.pending_blocks), (0, 0), "{snap:?}");
+        assert_eq!(c.backend.live_blocks(), 0);
+    });
+}
+
+/// A thread's cache, boxed as in its table, sent to the thread that owns it in the model.
+struct Owned(*mut Tc);
+// SAFETY: the model hands the box to one thread, which alone frees it; the collector
+// reaches the cache only through the registry's pointer and the claim protocol.
+unsafe impl Send for Owned {}
+
+/// A dropped pool's collection claims a thread's cache while the thread exits
+/// (`close.rs`): the owner flushes it or the collector takes it, never both, and an owner
+/// whose cache is being taken waits for the claim to end before it frees the cache.
+#[test]
+fn a_claim_races_the_owners_exit() {
+    loom::model(|| {
+        let c = cache(1 << 20);
+        let s = FakeStream::new();
+        let mut owner: Box<Tc> = Box::new(c.new_thread_cache().unwrap());
+        let p = c.alloc_slow(Some(&mut owner), 4096, &s).unwrap();
+        c.free_slow(Some(&mut owner), p, 4096, s.clone(), Vec::new());
+        let stats = owner.stats().clone();
+        let at: *mut Tc = &mut *owner;
+        stats.cache.store(at.cast(), Ordering::Release);
+        let boxed = Owned(Box::into_raw(owner));
+        let exiting = {
+            let c = c.clone();
+            thread::spawn(move || {
+                let boxed = boxed;
+                // SAFETY: the box made above, freed here once.
+                let mut owner = unsafe { Box::from_raw(boxed.0) };
+                let flushed = close::exiting(owner.stats());
+                if flushed {
+                    c.retire_thread_cache(&mut owner);
+                }
+                assert_eq!(owner.bytes(), 0, "the cache is empty when its owner frees it");
+                flushed
+            })
+        };
+        let collector = {
+            let (c, stats) = (c.clone(), stats.clone());
+            thread::spawn(move || {
+                // SAFETY: the model's owner runs no operation on its cache but its exit;
+                // the cache is a `Tc`.
+                let got = unsafe { close::claim_cache::<FakeBackend, ()>(&stats) };
+                let claimed = got.is_some();
+                if let Some(evicted) = got {
+                    c.give_evicted(evicted);
+                }
+                claimed
+            })
+        };
+        let flushed = exiting.join().unwrap();
+        let claimed = collector.join().unwrap();
+        assert!(flushed != claimed, "flushed {flushed}, claimed {claimed}");
+        let snap = c.snapshot();
+        assert_eq!(
+            (snap.cached_blocks, snap.held_bytes),
+            (1, 4096),
+            "the block went back once: {snap:?}"
+        );
+        c.trim::<()>(None);
         assert_eq!(c.backend.live_blocks(), 0);
     });
 }

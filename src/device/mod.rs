@@ -65,6 +65,7 @@ mod arena;
 mod backend;
 mod buffer;
 mod cache;
+mod close;
 mod config;
 #[cfg(any(test, feature = "sim"))]
 #[cfg_attr(not(test), allow(dead_code))]

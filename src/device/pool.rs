@@ -2,9 +2,12 @@
 //! allocation and free paths buffers take (its configuration is in `config.rs`).
 
 use core::fmt;
+use core::mem::ManuallyDrop;
+use core::ops::Deref;
 
 use super::backend::CudaBackend;
 use super::cache::{Cache, Settings};
+use super::close;
 use super::config::{Backing, DevicePoolConfig};
 use super::local::{self, Core, LocalCache, PoolHandle};
 use super::pages::page_threshold;
@@ -12,8 +15,8 @@ use super::report::{DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceRep
 use crate::cuda::{device_count, device_name, mem_info};
 use crate::error::{Error, Result};
 use crate::slot_table::{SlotBits, SlotTable};
-use crate::sync::global::OnceLock;
-use crate::sync::{thread_local_const, Arc};
+use crate::sync::global::{Arc, OnceLock, Weak};
+use crate::sync::thread_local_const;
 
 pub(crate) struct Inner {
     core: Core<CudaBackend>,
@@ -23,18 +26,67 @@ pub(crate) struct Inner {
 
 thread_local_const! {
     /// This thread's caches of device pools, by the pools' slots.
-    static TABLE: SlotTable<LocalCache<DevicePool>> = SlotTable::new();
+    static TABLE: SlotTable<LocalCache<PoolRef>> = SlotTable::new();
 }
 
 /// The slots of device pools in their thread-local tables.
 static SLOTS: SlotBits = SlotBits::new();
 
-impl PoolHandle for DevicePool {
+/// The internal handle of a device pool: what buffers and the thread caches' bins hold.
+/// Its clones and drops do not count as the pool's users ([`DevicePool`]'s do); its drop
+/// tries the collection of a pool with no user left (`close.rs`).
+pub(crate) struct PoolRef(ManuallyDrop<Arc<Inner>>);
+
+impl Clone for PoolRef {
+    #[inline(always)]
+    fn clone(&self) -> Self {
+        Self(ManuallyDrop::new(Arc::clone(&self.0)))
+    }
+}
+
+impl Deref for PoolRef {
+    type Target = Inner;
+
+    #[inline(always)]
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+impl Drop for PoolRef {
+    fn drop(&mut self) {
+        close::drop_handle(self);
+    }
+}
+
+impl PoolHandle for PoolRef {
     type B = CudaBackend;
+    type Weak = Weak<Inner>;
 
     #[inline(always)]
     fn core(&self) -> &Core<CudaBackend> {
-        &self.inner.core
+        &self.0.core
+    }
+
+    fn downgrade(&self) -> Weak<Inner> {
+        Arc::downgrade(&self.0)
+    }
+
+    fn after_push(entry: core::ptr::NonNull<LocalCache<Self>>) {
+        close::after_push(entry);
+    }
+
+    fn upgrade(w: &Weak<Inner>) -> Option<Self> {
+        w.upgrade().map(|a| Self(ManuallyDrop::new(a)))
+    }
+
+    unsafe fn release_ref(&mut self) {
+        // SAFETY: obligation 1: the `Arc` is dropped once and not used afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.0) }
+    }
+
+    fn strong_count(&self) -> usize {
+        Arc::strong_count(&self.0)
     }
 
     #[inline(always)]
@@ -70,9 +122,29 @@ impl PoolHandle for DevicePool {
 ///     assert_eq!(pool.stats().cached_bytes, 0);
 /// }
 /// ```
-#[derive(Clone)]
+///
+/// Dropping the last handle gives the pool's memory back once no buffer of it is left,
+/// even while threads that cached its blocks live on (a collection takes their blocks).
+#[repr(transparent)]
 pub struct DevicePool {
-    inner: Arc<Inner>,
+    /// The internal handle; `DevicePool` adds the count of users (`Core::users`).
+    inner: PoolRef,
+}
+
+impl Clone for DevicePool {
+    fn clone(&self) -> Self {
+        self.inner.core.add_user();
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl Drop for DevicePool {
+    fn drop(&mut self) {
+        // The last user closes the pool; `inner`, dropped next, tries its collection.
+        self.inner.core.drop_user();
+    }
 }
 
 impl fmt::Debug for DevicePool {
@@ -113,11 +185,11 @@ impl DevicePool {
             Settings::new(0, 0, config.limit)
         };
         Ok(Self {
-            inner: Arc::new(Inner {
-                core: Core::new::<DevicePool>(Cache::new(backend.with_nvtx(config.nvtx), settings)),
+            inner: PoolRef(ManuallyDrop::new(Arc::new(Inner {
+                core: Core::new::<PoolRef>(Cache::new(backend.with_nvtx(config.nvtx), settings)),
                 device,
                 config,
-            }),
+            }))),
         })
     }
 
@@ -163,6 +235,22 @@ impl DevicePool {
         let pool = Self::new(device, DevicePoolConfig::default())?;
         // Two threads may race to create it: one wins, the other's pool is dropped.
         Ok(slot.get_or_init(|| pool).clone())
+    }
+
+    /// The internal handle buffers hold.
+    #[inline(always)]
+    pub(crate) fn handle(&self) -> &PoolRef {
+        &self.inner
+    }
+
+    /// The user handle a buffer's internal handle `r` stands for (`DeviceBuffer::pool`):
+    /// cloning it makes a user handle.
+    #[inline(always)]
+    pub(crate) fn from_ref(r: &PoolRef) -> &DevicePool {
+        // SAFETY: `DevicePool` is `repr(transparent)` over its one field, a `PoolRef`:
+        // the same layout. The reference is never dropped as a `DevicePool` (only an
+        // owned one counts a user), and lives as long as `r`.
+        unsafe { &*core::ptr::from_ref(r).cast::<DevicePool>() }
     }
 
     /// The device.
@@ -261,7 +349,7 @@ impl DevicePool {
     /// }
     /// ```
     pub fn trim(&self) -> usize {
-        local::with_thread_cache(self, |tc| self.cache().trim(tc))
+        local::with_thread_cache(self.handle(), |tc| self.cache().trim(tc))
     }
 
     /// Resets the peaks that [`stats`](Self::stats) reports (held bytes, and the driver

@@ -15,8 +15,10 @@ use super::order::StreamOrder;
 use super::pages::page_threshold;
 use crate::error::Result;
 use crate::slot_table::{SlotBits, SlotTable};
-use crate::sync::{thread_local_const, Arc};
+use crate::sync::global::{Arc, Weak};
+use crate::sync::thread_local_const;
 use core::marker::PhantomData;
+use core::mem::ManuallyDrop;
 
 /// A pool on a simulated GPU (unlimited memory; streams that never run ahead of the host
 /// unless told to). A cheap, cloneable handle, like [`DevicePool`](super::DevicePool).
@@ -31,10 +33,45 @@ use core::marker::PhantomData;
 /// assert_eq!(pool.alloc(1 << 20, &s).unwrap().device_ptr(), p, "a hit");
 /// assert_eq!(pool.hits(), 1);
 /// ```
-#[derive(Clone)]
+#[repr(transparent)]
 pub struct SimPool<M: Branch = Annotated> {
-    core: Arc<Core<FakeBackend>>,
+    r: SimRef<M>,
+}
+
+/// The internal handle of a [`SimPool`] (what buffers and bins hold), as `PoolRef` is
+/// `DevicePool`'s.
+pub(crate) struct SimRef<M: Branch> {
+    core: ManuallyDrop<Arc<Core<FakeBackend>>>,
     marker: PhantomData<M>,
+}
+
+impl<M: Branch> Clone for SimRef<M> {
+    #[inline(always)]
+    fn clone(&self) -> Self {
+        Self {
+            core: ManuallyDrop::new(Arc::clone(&self.core)),
+            marker: PhantomData,
+        }
+    }
+}
+
+impl<M: Branch> Drop for SimRef<M> {
+    fn drop(&mut self) {
+        super::close::drop_handle(self);
+    }
+}
+
+impl<M: Branch> Clone for SimPool<M> {
+    fn clone(&self) -> Self {
+        self.r.core.add_user();
+        Self { r: self.r.clone() }
+    }
+}
+
+impl<M: Branch> Drop for SimPool<M> {
+    fn drop(&mut self) {
+        self.r.core.drop_user();
+    }
 }
 
 /// Whether a simulated pool's hot path carries `DevicePool`'s NVTX branch: [`Annotated`]
@@ -69,11 +106,11 @@ mod sealed {
 }
 
 thread_local_const! {
-    static TABLE: SlotTable<LocalCache<SimPool>> = SlotTable::new();
+    static TABLE: SlotTable<LocalCache<SimRef<Annotated>>> = SlotTable::new();
 }
 
 thread_local_const! {
-    static BARE_TABLE: SlotTable<LocalCache<SimPool<Bare>>> = SlotTable::new();
+    static BARE_TABLE: SlotTable<LocalCache<SimRef<Bare>>> = SlotTable::new();
 }
 
 static SLOTS: SlotBits = SlotBits::new();
@@ -83,13 +120,38 @@ const GRANULE: usize = 2 << 20;
 /// Where the simulated page heap starts serving blocks.
 const PAGE_MIN: usize = page_threshold(GRANULE);
 
-impl<M: Branch> PoolHandle for SimPool<M> {
+impl<M: Branch> PoolHandle for SimRef<M> {
     type B = FakeBackend;
+    type Weak = Weak<Core<FakeBackend>>;
     const NVTX: bool = M::NVTX;
 
     #[inline(always)]
     fn core(&self) -> &Core<FakeBackend> {
         &self.core
+    }
+
+    fn downgrade(&self) -> Self::Weak {
+        Arc::downgrade(&self.core)
+    }
+
+    fn after_push(entry: core::ptr::NonNull<LocalCache<Self>>) {
+        super::close::after_push(entry);
+    }
+
+    fn upgrade(w: &Self::Weak) -> Option<Self> {
+        w.upgrade().map(|core| Self {
+            core: ManuallyDrop::new(core),
+            marker: PhantomData,
+        })
+    }
+
+    unsafe fn release_ref(&mut self) {
+        // SAFETY: obligation 1: the `Arc` is dropped once and not used afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.core) }
+    }
+
+    fn strong_count(&self) -> usize {
+        Arc::strong_count(&self.core)
     }
 
     #[inline(always)]
@@ -99,7 +161,7 @@ impl<M: Branch> PoolHandle for SimPool<M> {
         if M::NVTX {
             TABLE
                 .try_with(|t| {
-                    // SAFETY: `Self` is `SimPool<Annotated>` here (above): the cast
+                    // SAFETY: `Self` is `SimRef<Annotated>` here (above): the cast
                     // changes no type.
                     f(unsafe { &*core::ptr::from_ref(t).cast() })
                 })
@@ -107,7 +169,7 @@ impl<M: Branch> PoolHandle for SimPool<M> {
         } else {
             BARE_TABLE
                 .try_with(|t| {
-                    // SAFETY: `Self` is `SimPool<Bare>` here (above): the cast changes no
+                    // SAFETY: `Self` is `SimRef<Bare>` here (above): the cast changes no
                     // type.
                     f(unsafe { &*core::ptr::from_ref(t).cast() })
                 })
@@ -142,8 +204,10 @@ impl<M: Branch> SimPool<M> {
     /// A pool around `cache`.
     fn around(cache: Cache<FakeBackend>) -> Self {
         Self {
-            core: Arc::new(Core::new::<Self>(cache)),
-            marker: PhantomData,
+            r: SimRef {
+                core: ManuallyDrop::new(Arc::new(Core::new::<SimRef<M>>(cache))),
+                marker: PhantomData,
+            },
         }
     }
 }
@@ -238,7 +302,7 @@ impl<M: Branch> SimPool<M> {
     /// assert_eq!(pool.class_misses(), (0, 1));
     /// ```
     pub fn class_misses(&self) -> (u64, u64) {
-        self.core.cache.class_misses()
+        self.r.core.cache.class_misses()
     }
 
     /// The most memory the simulated driver pool and page heap reserved together so far
@@ -251,7 +315,7 @@ impl<M: Branch> SimPool<M> {
     /// assert!(pool.peak_reserved() >= 16 << 20);
     /// ```
     pub fn peak_reserved(&self) -> u64 {
-        self.core.cache.backend.reservation().1
+        self.r.core.cache.backend.reservation().1
     }
 
     /// The pool's statistics, as [`DevicePool::stats`](super::DevicePool::stats) gives
@@ -264,7 +328,7 @@ impl<M: Branch> SimPool<M> {
     /// assert_eq!(pool.stats().misses, 1);
     /// ```
     pub fn stats(&self) -> super::DevicePoolStats {
-        self.core.cache.snapshot()
+        self.r.core.cache.snapshot()
     }
 
     /// A block of `bytes` on `stream`: the path of [`DevicePool::alloc`] (a hit from this
@@ -274,7 +338,7 @@ impl<M: Branch> SimPool<M> {
     #[inline]
     pub fn alloc(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer<M>> {
         if bytes != 0 {
-            if let Some(block) = local::try_alloc_fast(self, bytes, &stream.stream) {
+            if let Some(block) = local::try_alloc_fast(&self.r, bytes, &stream.stream) {
                 return Ok(SimBuffer { block, bytes });
             }
         }
@@ -285,9 +349,9 @@ impl<M: Branch> SimPool<M> {
     #[inline(never)]
     fn alloc_slow(&self, bytes: usize, stream: &SimStream) -> Result<SimBuffer<M>> {
         let block = match bytes {
-            0 => Owned::empty(stream.stream.clone(), self.clone()),
-            b => local::alloc_slow(self, b, &stream.stream)
-                .inspect_err(|e| local::record_failure(self, b, &stream.stream, e))?,
+            0 => Owned::empty(stream.stream.clone(), self.r.clone()),
+            b => local::alloc_slow(&self.r, b, &stream.stream)
+                .inspect_err(|e| local::record_failure(&self.r, b, &stream.stream, e))?,
         };
         Ok(SimBuffer { block, bytes })
     }
@@ -300,7 +364,7 @@ impl<M: Branch> SimPool<M> {
     /// # drop(pool);
     /// ```
     pub fn traced_as(self, name: &'static str) -> Self {
-        self.core.cache.backend.trace().set_name(name);
+        self.r.core.cache.backend.trace().set_name(name);
         self
     }
 
@@ -314,12 +378,12 @@ impl<M: Branch> SimPool<M> {
     /// pool.trim();
     /// ```
     pub fn trim(&self) {
-        local::with_thread_cache(self, |tc| self.core.cache.trim(tc));
+        local::with_thread_cache(&self.r, |tc| self.r.core.cache.trim(tc));
     }
 
     /// Allocations served from a thread's bin.
     pub fn hits(&self) -> u64 {
-        self.core.cache.snapshot().hits
+        self.r.core.cache.snapshot().hits
     }
 }
 
@@ -341,7 +405,7 @@ impl SimStream {
 
 /// A block from a [`SimPool`], given back on drop as a `DeviceBuffer` is.
 pub struct SimBuffer<M: Branch = Annotated> {
-    block: Owned<SimPool<M>>,
+    block: Owned<SimRef<M>>,
     bytes: usize,
 }
 
@@ -349,6 +413,21 @@ impl<M: Branch> SimBuffer<M> {
     /// The simulated address.
     pub fn device_ptr(&self) -> u64 {
         self.block.ptr()
+    }
+
+    /// The pool it came from, as [`DeviceBuffer::pool`](super::DeviceBuffer::pool).
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{SimPool, SimStream};
+    /// let buf = SimPool::new(0).alloc(4096, &SimStream::new()).unwrap();
+    /// let pool = buf.pool().clone(); // a handle again, though the first one is gone
+    /// drop(buf);
+    /// assert_eq!(pool.stats().cached_blocks, 1);
+    /// ```
+    pub fn pool(&self) -> &SimPool<M> {
+        // SAFETY: `SimPool` is `repr(transparent)` over a `SimRef`: the same layout. The
+        // reference is never dropped as a `SimPool` and lives as long as the block's.
+        unsafe { &*core::ptr::from_ref(self.block.pool()).cast::<SimPool<M>>() }
     }
 }
 
@@ -359,6 +438,9 @@ impl<M: Branch> Drop for SimBuffer<M> {
         unsafe { self.block.release(self.bytes) }
     }
 }
+
+#[cfg(all(test, not(loom)))]
+mod close_tests;
 
 #[cfg(all(test, not(loom)))]
 mod tests {
@@ -376,7 +458,7 @@ mod tests {
             }
             assert_eq!(pool.hits() - hits, 1000, "size {size}");
         }
-        let snap = pool.core.cache.snapshot();
+        let snap = pool.r.core.cache.snapshot();
         assert_eq!((snap.misses, snap.events), (4, 0), "{snap:?}");
     }
 
@@ -392,46 +474,9 @@ mod tests {
             }
             assert_eq!(pool.hits() - hits, 1000, "size {size}");
         }
-        assert!(pool.core.cache.is_large(16 << 20), "16 MiB is a large block here");
-    }
-
-    /// Issue 23 item 1, not fixed yet: a pool used on a thread that stays alive keeps its
-    /// memory after its last handle and buffer are dropped elsewhere, because that
-    /// thread's cache holds a handle of the pool (and the blocks it cached), until the
-    /// thread exits. Fails at its last assertion today (`cargo test --lib sim -- --ignored`);
-    /// the thread's exit gives everything back (the assertion before it).
-    #[test]
-    #[ignore = "issue 23 item 1, not fixed: the memory waits for the thread to exit"]
-    fn a_dropped_pool_gives_its_memory_back_while_a_thread_that_used_it_lives() {
-        use crate::sync::global::mpsc;
-        let pool = SimPool::new(256 << 20);
-        let live = pool.core.cache.backend.live_map();
-        let (used_tx, used_rx) = mpsc::channel();
-        let (exit_tx, exit_rx) = mpsc::channel::<()>();
-        let t = {
-            let pool = pool.clone();
-            std::thread::spawn(move || {
-                let s = SimStream::new();
-                drop(pool.alloc(1 << 20, &s).unwrap()); // cached in this thread's bin
-                drop(pool);
-                used_tx.send(()).unwrap();
-                exit_rx.recv().ok(); // stays alive, as a worker of a thread pool does
-            })
-        };
-        used_rx.recv().unwrap();
-        assert_eq!(
-            crate::sync::lock(&live).len(),
-            1,
-            "the block is cached in the thread's bin"
-        );
-        drop(pool); // the last handle: no buffer is live
-        let left = crate::sync::lock(&live).len();
-        exit_tx.send(()).unwrap();
-        t.join().unwrap();
         assert!(
-            crate::sync::lock(&live).is_empty(),
-            "the thread's exit gave everything back"
+            pool.r.core.cache.is_large(16 << 20),
+            "16 MiB is a large block here"
         );
-        assert_eq!(left, 0, "the pool's memory went back while the thread lived");
     }
 }

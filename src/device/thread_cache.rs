@@ -17,15 +17,17 @@
 //! shared lists carry no handles (the buffer that takes one clones its own).
 //!
 //! Handles in the bins are never the last of their stream or pool (the stream's entry in
-//! the table and the thread's table entry hold their own), so the slow paths here drop
-//! them freely: no drop in this file destroys a stream or a pool.
+//! the table holds its own, and every slow path's caller holds a handle of the pool), so
+//! the slow paths here drop them freely: no drop in this file destroys a stream or a
+//! pool. The thread's table entry holds the pool only weakly: when the program has
+//! dropped every handle, the pool's collection takes the bins (`close.rs`).
 
 mod slow;
 
 use super::order::StreamOrder;
 use super::size_class::class_size;
 use crate::cuda::StreamId;
-use crate::sync::{Arc, AtomicBool, AtomicU64, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, Ordering};
 use crate::thread_registry::ThreadCounters;
 
 /// Streams a thread keeps bins for; a further stream evicts the one holding least.
@@ -53,19 +55,62 @@ pub(crate) struct SlotStats {
     pub(crate) blocks: AtomicU64,
 }
 
-/// One thread's counters for one pool, written only by that thread (`Relaxed` stores,
-/// never a read-modify-write) and read by `stats()`; and the flag other threads set to
-/// ask for the thread's blocks back. Aligned to its own cache lines.
+/// One thread's counters for one pool, written only by that thread (plain stores, never
+/// a read-modify-write) and read by `stats()` and by the collection of a dropped pool
+/// (`device/close.rs`); the flag other threads set to ask for the thread's blocks back;
+/// and the claim on the cache by which a dropped pool's last handle takes the blocks of a
+/// thread that will not touch the pool again. Aligned to its own cache lines.
+///
+/// Invariant (the one `close.rs` relies on): the published parked handles (blocks minus
+/// `bare`, over the slots) never exceed the pool handles the bins hold, plus those the
+/// owner took out of them and has not dropped yet: a block's count is published after it
+/// entered a bin, and its removal before its handles are dropped. Every change of a
+/// slot's block count is seen in `hits` (the hot pop), `takes` (a slow path's removal),
+/// or as a rise of the count itself (a push), so two equal readings of them all mean
+/// that the owner changed nothing in between.
 #[repr(align(128))]
 #[derive(Debug, Default)]
 pub(crate) struct ThreadStats {
-    /// Set by `trim()` and the out-of-memory path of another thread: the owner moves its
-    /// blocks to the shared cache at its next allocation or free.
+    /// Set by `trim()`, the out-of-memory path of another thread and a pool's close: the
+    /// owner moves its blocks to the shared cache at its next allocation or free.
     pub(crate) reclaim: AtomicBool,
     /// Allocations served from the bins.
     pub(crate) hits: AtomicU64,
+    /// Removals of blocks by slow paths (each publishes before it drops handles).
+    pub(crate) takes: AtomicU64,
+    /// Blocks in the bins that carry no handles (put there by slow paths).
+    pub(crate) bare: AtomicU64,
+    /// Who may touch the cache besides its owner's operations: `close::FREE`, `BUSY`
+    /// (the owner flushes it outside an operation), `EXITING`, `CLAIMED` (another thread
+    /// takes its blocks), `GONE` (taken: empty for good).
+    pub(crate) state: AtomicU8,
+    /// The owner's cache (a `ThreadCache<B, P>` of the pool's types), for a claim; set
+    /// once when the cache is boxed in the thread's table, where it stays until dropped.
+    pub(crate) cache: AtomicPtr<()>,
     /// Per stream slot (the index of the stream in [`ThreadCache`]'s table).
     pub(crate) slots: [SlotStats; MAX_STREAMS],
+}
+
+impl ThreadStats {
+    /// What the collection of a dropped pool reads of one thread: its monotonic counts
+    /// (`hits`, `takes`), `bare`, and each slot's blocks (`Acquire`: the owner's changes
+    /// before a publication are seen with it).
+    pub(crate) fn reading(&self) -> [u64; 3 + MAX_STREAMS] {
+        let mut r = [0; 3 + MAX_STREAMS];
+        r[0] = self.hits.load(Ordering::Acquire);
+        r[1] = self.takes.load(Ordering::Acquire);
+        r[2] = self.bare.load(Ordering::Acquire);
+        for (k, slot) in self.slots.iter().enumerate() {
+            r[3 + k] = slot.blocks.load(Ordering::Acquire);
+        }
+        r
+    }
+
+    /// The pool handles a [`reading`](Self::reading) says the bins hold.
+    pub(crate) fn parked(reading: &[u64; 3 + MAX_STREAMS]) -> u64 {
+        let blocks: u64 = reading[3..].iter().sum();
+        blocks.saturating_sub(reading[2])
+    }
 }
 
 impl ThreadCounters for ThreadStats {
@@ -212,6 +257,9 @@ pub(crate) struct ThreadCache<B: StreamOrder, P> {
     bytes: usize,
     max_bytes: usize,
     hits: u64,
+    /// The owner's copies of `stats.takes` and `stats.bare`.
+    takes: u64,
+    bare: u64,
     /// The published counters; the per-slot byte and block counts live only there (the
     /// owner is their one writer).
     stats: Arc<ThreadStats>,
@@ -235,6 +283,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             bytes: 0,
             max_bytes,
             hits: 0,
+            takes: 0,
+            bare: 0,
             stats,
         }
     }
@@ -324,8 +374,32 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         );
         slot.bytes
             .store(b.wrapping_add_signed(bytes as i64), Ordering::Relaxed);
+        // Release: a collection that reads the count sees the bins as they were when it
+        // was published (a plain `mov` on x86-64).
         slot.blocks
-            .store(n.wrapping_add_signed(blocks as i64), Ordering::Relaxed);
+            .store(n.wrapping_add_signed(blocks as i64), Ordering::Release);
+    }
+
+    /// A slow path's removal of `blocks` blocks (`bare` of them without handles) of
+    /// `size` bytes from slot `i`: published (`takes` first) before the caller drops
+    /// their handles.
+    pub(super) fn count_taken(&mut self, i: usize, blocks: usize, bare: usize, size: usize) {
+        if blocks == 0 {
+            return;
+        }
+        self.takes += 1;
+        self.stats.takes.store(self.takes, Ordering::Relaxed);
+        self.add_bare(-(bare as i64));
+        self.count(i, -(blocks as isize), size);
+    }
+
+    /// Adds `n` (negative: removes) to the blocks without handles.
+    #[inline(always)]
+    fn add_bare(&mut self, n: i64) {
+        if n != 0 {
+            self.bare = self.bare.wrapping_add_signed(n);
+            self.stats.bare.store(self.bare, Ordering::Relaxed);
+        }
     }
 
     /// Bytes of free blocks of slot `i`.
@@ -345,16 +419,22 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let bin = self.found_bin(i, class)?;
         let (ptr, handles) = bin.pop()?;
         let size = bin.size;
-        self.count(i, -1, size);
         self.hits += 1;
         self.stats.hits.store(self.hits, Ordering::Relaxed);
+        if handles.is_none() {
+            self.add_bare(-1);
+        }
+        self.count(i, -1, size);
         Some((ptr, handles))
     }
 
     /// The free fast path: keeps a freed block of `class` of stream `id` with the freed
     /// buffer's handles. Gives the handles back when the block does not fit (unknown
-    /// stream, bin full or not yet allocated, over budget, reclaim asked): the caller
-    /// takes the slow path.
+    /// stream, bin full or not yet allocated, over budget): the caller takes the slow
+    /// path. A reclaim request is read *after* the push, by the caller
+    /// ([`reclaim_requested`](Self::reclaim_requested)): the push is published first, so
+    /// that a pool's close, which raises the flag and then reads the counts, sees either
+    /// the block or its flag read by this thread (`close.rs`).
     #[inline(always)]
     pub(crate) fn push(
         &mut self,
@@ -364,9 +444,6 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         stream: B::Stream,
         pool: P,
     ) -> Result<(), Handles<B, P>> {
-        if self.reclaim_requested() {
-            return Err((stream, pool));
-        }
         let Some(i) = self.find(id) else {
             return Err((stream, pool));
         };
@@ -395,9 +472,12 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let k = self.large.iter().rposition(|l| l.bytes == bytes && l.slot == i)?;
         let taken = self.take_large_at(k);
         self.large_misses = 0;
-        self.count(i, -1, bytes);
         self.hits += 1;
         self.stats.hits.store(self.hits, Ordering::Relaxed);
+        if taken.1.is_none() {
+            self.add_bare(-1);
+        }
+        self.count(i, -1, bytes);
         Some(taken)
     }
 
@@ -442,8 +522,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             self.ghost_next = self.ghost_next.wrapping_add(1);
             return Err(handles);
         }
-        if self.reclaim_requested() || self.large.len() >= LARGE_SLOTS || bytes > self.max_bytes - self.bytes
-        {
+        if self.large.len() >= LARGE_SLOTS || bytes > self.max_bytes - self.bytes {
             return Err(handles);
         }
         let Some(i) = self.find(id) else {
@@ -451,6 +530,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         };
         let n = self.large.len();
         debug_assert!(n < self.large.capacity(), "large slots allocated at LARGE_SLOTS");
+        let bare = handles.is_none();
         let (stream, pool) = split(handles);
         // SAFETY: `n < LARGE_SLOTS` (checked above) and the vector is made with that
         // capacity and never shrunk: entry `n` is allocated and uninitialized. Its fields
@@ -463,6 +543,9 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             core::ptr::addr_of_mut!((*e).stream).write(stream);
             core::ptr::addr_of_mut!((*e).pool).write(pool);
             self.large.set_len(n + 1);
+        }
+        if bare {
+            self.add_bare(1);
         }
         self.count(i, 1, bytes);
         Ok(())
@@ -500,8 +583,9 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
                 }
             };
             let l = self.large.remove(k);
-            self.count(slot, -1, l.bytes);
+            self.count_taken(slot, 1, usize::from(l.pool.is_none()), l.bytes);
             out.push((stream, l.ptr, l.bytes));
+            drop(l); // its handles, after the removal was published
         }
         out
     }
@@ -526,7 +610,12 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         if bin.entries.len() >= bin.entries.capacity() || size > room {
             return false;
         }
-        bin.push_within_capacity(ptr, handles.take());
+        let handles = handles.take();
+        let bare = handles.is_none();
+        bin.push_within_capacity(ptr, handles);
+        if bare {
+            self.add_bare(1);
+        }
         self.count(i, 1, size);
         true
     }

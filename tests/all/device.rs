@@ -303,3 +303,52 @@ fn cached_memory_left_for_the_release_at_exit() {
     let st = pool.stats();
     assert!(st.cached_bytes + st.pending_bytes > 0, "{st:?}");
 }
+
+/// Issue 23, item 1: a pool dropped while a worker thread that cached its blocks lives on
+/// gives its device memory back at once, not at the worker's exit. The worker allocates
+/// 8 GiB in 512 MiB blocks (on the page heap, which keeps freed chunks mapped) and a small
+/// block that stays in its bin with a handle of the pool; the last handle's drop on this
+/// thread then collects the pool, and the device's free memory rises by the pool's
+/// reservation while the worker still lives. (Other tests of this process allocate
+/// meanwhile: the bound leaves them 2 GiB.)
+#[test]
+fn a_dropped_pool_gives_its_device_memory_back_while_its_worker_lives() {
+    gpu!();
+    let pool = DevicePool::new(0, DevicePoolConfig::default()).unwrap();
+    let (used_tx, used_rx) = std::sync::mpsc::channel();
+    let (exit_tx, exit_rx) = std::sync::mpsc::channel::<()>();
+    let worker = {
+        let pool = pool.clone();
+        std::thread::spawn(move || {
+            let s = stream();
+            let big: Vec<_> = (0..16)
+                .map(|_| pool.alloc::<u8>(512 * MIB, &s).unwrap())
+                .collect();
+            drop(big);
+            drop(pool.alloc::<u8>(4096, &s).unwrap()); // into this thread's bin
+            drop(pool.alloc::<u8>(4096, &s).unwrap()); // a hit: the bin holds a handle
+            s.synchronize().unwrap();
+            drop(pool);
+            used_tx.send(()).unwrap();
+            exit_rx.recv().ok(); // lives on, as a worker of a thread pool does
+        })
+    };
+    used_rx.recv().unwrap();
+    let st = pool.stats();
+    assert!(
+        st.reserved_bytes >= 8 << 30,
+        "the pool reserves the worker's 8 GiB: {st:?}"
+    );
+    assert_eq!(st.live_buffers, 0, "{st:?}");
+    let (before, _) = cudalloc::cuda::mem_info(0).unwrap();
+    drop(pool);
+    let (after, _) = cudalloc::cuda::mem_info(0).unwrap();
+    exit_tx.send(()).unwrap();
+    worker.join().unwrap();
+    assert!(
+        after >= before + (6 << 30),
+        "device free memory {} MiB before the drop, {} MiB after, while the worker lived",
+        before >> 20,
+        after >> 20
+    );
+}

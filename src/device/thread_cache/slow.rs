@@ -4,7 +4,8 @@
 //! flush of everything. They keep the invariant of [`ThreadCache`]'s counts by changing
 //! bins only through `count` (bytes == sum over bins of len * size == sum of the published
 //! slot bytes; bytes <= max_bytes), and they drop the handles of the blocks they take
-//! (never the last of a stream or a pool: see the module docs of `thread_cache.rs`).
+//! (never the last of a stream: see the module docs of `thread_cache.rs`) only after the
+//! removal is published (`count_taken`: the invariant of [`ThreadStats`]).
 
 use super::*;
 
@@ -59,11 +60,19 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             if bin.entries.is_empty() || !take(c) {
                 continue;
             }
-            let (n, size) = (bin.entries.len(), bin.size);
-            out.push((c, bin.entries.drain(..).map(|e| e.ptr).collect()));
-            self.count(i, -(n as isize), size);
+            let size = bin.size;
+            let taken: Vec<Entry<B, P>> = bin.entries.drain(..).collect();
+            out.push((c, self.taken(i, taken, size)));
         }
         out
+    }
+
+    /// The addresses of `entries`, blocks of `size` bytes just removed from slot `i`:
+    /// their removal published, then their handles dropped.
+    fn taken(&mut self, i: usize, entries: Vec<Entry<B, P>>, size: usize) -> Vec<u64> {
+        let bare = entries.iter().filter(|e| e.pool.is_none()).count();
+        self.count_taken(i, entries.len(), bare, size);
+        entries.into_iter().map(|e| e.ptr).collect()
     }
 
     /// A handle of slot `i`'s stream.
@@ -74,16 +83,18 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     /// Takes one block of `class` of stream `stream` (slow path: its handles dropped).
     pub(crate) fn take_block(&mut self, stream: &B::Stream, class: usize) -> Option<u64> {
         let i = self.find(B::stream_id(stream))?;
-        self.take(i, class).map(|(p, _)| p)
+        self.take(i, class)
     }
 
-    /// Takes the newest block of `class` of slot `i`.
-    fn take(&mut self, i: usize, class: usize) -> Option<(u64, Option<Handles<B, P>>)> {
+    /// Takes the newest block of `class` of slot `i` (its handles dropped once the
+    /// removal is published).
+    fn take(&mut self, i: usize, class: usize) -> Option<u64> {
         let bin = self.bin(i, class)?;
-        let taken = bin.pop()?;
+        let (ptr, handles) = bin.pop()?;
         let size = bin.size;
-        self.count(i, -1, size);
-        Some(taken)
+        self.count_taken(i, 1, usize::from(handles.is_none()), size);
+        drop(handles);
+        Some(ptr)
     }
 
     /// Keeps a block of `class` for slot `i` (with no handles; allocating the bin if
@@ -139,9 +150,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             return Vec::new();
         };
         let (n, size) = (bin.entries.len().div_ceil(2), bin.size);
-        let taken: Vec<u64> = bin.entries.drain(..n).map(|e| e.ptr).collect();
-        self.count(i, -(n as isize), size);
-        taken
+        let taken: Vec<Entry<B, P>> = bin.entries.drain(..n).collect();
+        self.taken(i, taken, size)
     }
 
     /// Takes every block except those of `class` of slot `keep`: makes room for the
@@ -180,9 +190,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let stream = self.stream_of(i)?;
         let bin = self.bin(i, class)?;
         let (k, size) = (n.clamp(1, bin.entries.len()), bin.size);
-        let taken: Vec<u64> = bin.entries.drain(..k).map(|e| e.ptr).collect();
-        self.count(i, -(k as isize), size);
-        Some((stream, taken))
+        let taken: Vec<Entry<B, P>> = bin.entries.drain(..k).collect();
+        Some((stream, self.taken(i, taken, size)))
     }
 
     /// Takes the largest blocks until at least `excess` bytes are taken (or the cache
@@ -200,7 +209,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             class -= 1;
             for (i, stream) in &slots {
                 while excess > 0 {
-                    let Some((ptr, _)) = self.take(*i, class) else {
+                    let Some(ptr) = self.take(*i, class) else {
                         break;
                     };
                     out.push((stream.clone(), class, ptr));
@@ -212,8 +221,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     }
 
     /// Takes everything: every stream's blocks and handles, leaving the cache empty
-    /// (the thread exits, or another thread asked for its blocks). Clears the reclaim
-    /// flag.
+    /// (the thread exits, or another thread asked for its blocks; the caller clears the
+    /// reclaim flag, `Cache::flush_thread`).
     pub(crate) fn take_all(&mut self) -> Vec<Evicted<B>> {
         let mut out = Vec::new();
         for i in 0..MAX_STREAMS {
@@ -230,7 +239,6 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             }
         }
         self.last = 0;
-        self.stats.reclaim.store(false, Ordering::Relaxed);
         out
     }
 
