@@ -60,19 +60,28 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
             if bin.entries.is_empty() || !take(c) {
                 continue;
             }
-            let size = bin.size;
-            let taken: Vec<Entry<B, P>> = bin.entries.drain(..).collect();
-            out.push((c, self.taken(i, taken, size)));
+            let n = bin.entries.len();
+            out.push((c, self.take_first(i, c, n)));
         }
         out
     }
 
-    /// The addresses of `entries`, blocks of `size` bytes just removed from slot `i`:
-    /// their removal published, then their handles dropped.
-    fn taken(&mut self, i: usize, entries: Vec<Entry<B, P>>, size: usize) -> Vec<u64> {
-        let bare = entries.iter().filter(|e| e.pool.is_none()).count();
-        self.count_taken(i, entries.len(), bare, size);
-        entries.into_iter().map(|e| e.ptr).collect()
+    /// The addresses of the `n` oldest blocks of `class` of slot `i` (at most its
+    /// length), taken out: their removal published first, then their handles dropped.
+    fn take_first(&mut self, i: usize, class: usize, n: usize) -> Vec<u64> {
+        let Some(bin) = self.bin(i, class) else {
+            return Vec::new();
+        };
+        let n = n.min(bin.entries.len());
+        let (size, bare) = (
+            bin.size,
+            bin.entries[..n].iter().filter(|e| e.pool.is_none()).count(),
+        );
+        self.count_taken(i, n, bare, size);
+        match self.bin(i, class) {
+            Some(bin) => bin.entries.drain(..n).map(|e| e.ptr).collect(),
+            None => Vec::new(),
+        }
     }
 
     /// A handle of slot `i`'s stream.
@@ -87,7 +96,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     }
 
     /// Takes the newest block of `class` of slot `i` (its handles dropped once the
-    /// removal is published).
+    /// removal is published). Inlined: `take_largest` tries it on every class.
+    #[inline(always)]
     fn take(&mut self, i: usize, class: usize) -> Option<u64> {
         let bin = self.bin(i, class)?;
         let (ptr, handles) = bin.pop()?;
@@ -149,9 +159,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let Some(bin) = self.bin(i, class) else {
             return Vec::new();
         };
-        let (n, size) = (bin.entries.len().div_ceil(2), bin.size);
-        let taken: Vec<Entry<B, P>> = bin.entries.drain(..n).collect();
-        self.taken(i, taken, size)
+        let n = bin.entries.len().div_ceil(2);
+        self.take_first(i, class, n)
     }
 
     /// Takes every block except those of `class` of slot `keep`: makes room for the
@@ -189,9 +198,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         })?;
         let stream = self.stream_of(i)?;
         let bin = self.bin(i, class)?;
-        let (k, size) = (n.clamp(1, bin.entries.len()), bin.size);
-        let taken: Vec<Entry<B, P>> = bin.entries.drain(..k).collect();
-        Some((stream, self.taken(i, taken, size)))
+        let k = n.clamp(1, bin.entries.len());
+        Some((stream, self.take_first(i, class, k)))
     }
 
     /// Takes the largest blocks until at least `excess` bytes are taken (or the cache
