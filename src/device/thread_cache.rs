@@ -64,7 +64,9 @@ pub(crate) struct SlotStats {
 /// Invariant (the one `close.rs` relies on): the published parked handles (blocks minus
 /// `bare`, over the slots) never exceed the pool handles the bins hold, plus those the
 /// owner took out of them and has not dropped yet: a block's count is published after it
-/// entered a bin, and its removal before its handles are dropped. Every change of a
+/// entered a bin, and its removal before its handles are dropped; where a block without
+/// handles comes or goes, `bare` rises before the block count and falls after it, so that
+/// no moment between the two stores counts a handle too many. Every change of a
 /// slot's block count is seen in `hits` (the hot pop), `takes` (a slow path's removal),
 /// or as a rise of the count itself (a push), so two equal readings of them all mean
 /// that the owner changed nothing in between.
@@ -389,8 +391,8 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         }
         self.takes += 1;
         self.stats.takes.store(self.takes, Ordering::Relaxed);
-        self.add_bare(-(bare as i64));
         self.count(i, -(blocks as isize), size);
+        self.add_bare(-(bare as i64));
     }
 
     /// Adds `n` (negative: removes) to the blocks without handles.
@@ -421,10 +423,10 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let size = bin.size;
         self.hits += 1;
         self.stats.hits.store(self.hits, Ordering::Relaxed);
+        self.count(i, -1, size);
         if handles.is_none() {
             self.add_bare(-1);
         }
-        self.count(i, -1, size);
         Some((ptr, handles))
     }
 
@@ -474,10 +476,10 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         self.large_misses = 0;
         self.hits += 1;
         self.stats.hits.store(self.hits, Ordering::Relaxed);
+        self.count(i, -1, bytes);
         if taken.1.is_none() {
             self.add_bare(-1);
         }
-        self.count(i, -1, bytes);
         Some(taken)
     }
 

@@ -286,6 +286,18 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
                 self.bytes,
                 self.max_bytes
             );
+            let bare = self
+                .bins
+                .iter()
+                .flat_map(|b| &b.entries)
+                .filter(|e| e.pool.is_none())
+                .count()
+                + self.large.iter().filter(|l| l.pool.is_none()).count();
+            debug_assert_eq!(
+                (bare as u64, bare as u64),
+                (self.bare, self.stats.bare.load(Ordering::Relaxed)),
+                "blocks without handles"
+            );
         }
     }
 }
