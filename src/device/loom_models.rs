@@ -192,9 +192,7 @@ fn a_claim_races_the_owners_exit() {
                 // SAFETY: the box made above, freed here once.
                 let mut owner = unsafe { Box::from_raw(boxed.0) };
                 let flushed = close::exiting(owner.stats());
-                if flushed {
-                    c.retire_thread_cache(&mut owner);
-                }
+                flushed.then(|| c.retire_thread_cache(&mut owner));
                 assert_eq!(owner.bytes(), 0, "the cache is empty when its owner frees it");
                 flushed
             })

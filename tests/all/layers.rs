@@ -94,6 +94,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "device/tests/pages.rs",
     "device/tests/threads.rs",
     "device/thread_cache.rs",
+    "device/thread_cache/published.rs",
     "device/thread_cache/slow.rs",
     "direct.rs",
     "error.rs",
