@@ -77,7 +77,7 @@ pub(crate) mod global {
     /// Channels between the threads of a run (the staging pipeline's fill workers),
     /// never part of a loom model.
     pub(crate) use std::sync::mpsc;
-    pub(crate) use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+    pub(crate) use std::sync::{Arc, Barrier, Mutex, MutexGuard, OnceLock, Weak};
 
     /// [`lock`](super::lock) for `std` mutexes in statics.
     pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -3,7 +3,7 @@
 //! holds are its live map; a block freed twice panics there.
 
 use super::*;
-use crate::sync::global::{mpsc, Mutex};
+use crate::sync::global::{mpsc, Arc, Barrier, Mutex};
 use crate::sync::lock;
 use std::collections::BTreeMap;
 
@@ -43,7 +43,7 @@ impl Drop for Worker {
     }
 }
 
-type Live = std::sync::Arc<Mutex<BTreeMap<u64, usize>>>;
+type Live = Arc<Mutex<BTreeMap<u64, usize>>>;
 
 fn live_of<M: Branch>(pool: &SimPool<M>) -> Live {
     pool.r.core.cache.backend.live_map()
@@ -166,7 +166,7 @@ fn threads_exiting_while_the_last_handle_drops_give_every_block_back_once() {
     for round in 0..200 {
         let pool = SimPool::new(64 << 20);
         let live = live_of(&pool);
-        let start = std::sync::Arc::new(std::sync::Barrier::new(5));
+        let start = Arc::new(Barrier::new(5));
         let threads: Vec<_> = (0..4)
             .map(|k| {
                 let (p, start) = (pool.clone(), start.clone());
@@ -198,7 +198,7 @@ fn workers_freeing_while_the_last_handle_drops_give_every_block_back() {
     for round in 0..200 {
         let pool = SimPool::new(64 << 20);
         let live = live_of(&pool);
-        let start = std::sync::Arc::new(std::sync::Barrier::new(5));
+        let start = Arc::new(Barrier::new(5));
         let (done_tx, done_rx) = mpsc::channel();
         for (k, w) in workers.iter().enumerate() {
             let (p, start, done) = (pool.clone(), start.clone(), done_tx.clone());
