@@ -83,8 +83,7 @@ impl<P: PoolHandle> Drop for LocalCache<P> {
         // not hold it). Without one the pool was collected (and this cache, then free,
         // claimed) and dropped.
         let Some(pool) = P::upgrade(&self.owner) else {
-            exiting(self.cache.stats());
-            return;
+            return; // claimed (`GONE`) by the collector, which held the pool meanwhile
         };
         if exiting(self.cache.stats()) {
             pool.core().cache.retire_thread_cache(&mut self.cache);
@@ -221,17 +220,14 @@ fn collect<P: PoolHandle>(own: &P, live: &[crate::sync::Arc<ThreadStats>]) -> Op
         return None;
     }
     own.core().collected.store(true, Ordering::Release);
-    Some(live.iter().filter_map(|t| claim::<P>(t)).flatten().collect())
+    // SAFETY: the pool is quiescent (obligation 1); its registry's caches are all
+    // `ThreadCache<P::B, P>` (obligation 2).
+    let taken = live.iter().filter_map(|t| unsafe { claim_cache::<P::B, P>(t) });
+    Some(taken.flatten().collect())
 }
 
 /// Takes the blocks of the thread cache `t` publishes for, if it is `FREE` (the owner
 /// neither exits nor flushes), leaving it `GONE`.
-fn claim<P: PoolHandle>(t: &ThreadStats) -> Option<Vec<Evicted<P::B>>> {
-    // SAFETY: called by `collect` on a quiescent pool (its obligation 1).
-    unsafe { claim_cache::<P::B, P>(t) }
-}
-
-/// [`claim`] for a cache of any types.
 ///
 /// # Safety
 /// 1. The owner of the cache runs no operation on it and will not (the pool is
