@@ -7,7 +7,7 @@ pub(crate) use loom::{
     cell::UnsafeCell,
     sync::{
         atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering},
-        Arc, Mutex, MutexGuard,
+        Arc, Condvar, Mutex, MutexGuard,
     },
     thread,
 };
@@ -16,7 +16,7 @@ pub(crate) use loom::{
 pub(crate) use std::{
     sync::{
         atomic::{fence, AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering},
-        Arc, Mutex, MutexGuard, Weak,
+        Arc, Condvar, Mutex, MutexGuard, Weak,
     },
     thread,
 };
@@ -59,6 +59,19 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// (const-initialized, no lazy-init check on access), loom's under `--cfg loom` (whose
 /// thread-locals are per model thread and dropped when the model thread ends), so the code
 /// that uses it (the pools' thread caches) is the same text in both and loom checks it.
+/// Waits on `cv`, giving `guard`'s lock up meanwhile, and takes it again (poisoning
+/// ignored, as [`lock`] ignores it).
+pub(crate) fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    #[cfg(loom)]
+    {
+        cv.wait(guard).unwrap()
+    }
+    #[cfg(not(loom))]
+    {
+        cv.wait(guard).unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
 macro_rules! thread_local_const {
     ($(#[$attr:meta])* $vis:vis static $name:ident: $t:ty = $init:expr;) => {
         #[cfg(not(loom))]

@@ -1,5 +1,5 @@
 //! Loom models of the device cache's concurrent parts, running the real code of
-//! `cache.rs` and `thread_cache.rs` against the simulated GPU of `device/fake/`. Run with
+//! `cache.rs`, `thread_cache.rs` and the page heap against the simulated GPU of `device/fake/`. Run with
 //! `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib loom`.
 //!
 //! Each model keeps to two or three threads and a handful of operations. Whenever a block
@@ -9,7 +9,9 @@
 
 use super::cache::{Cache, Settings};
 use super::close;
-use super::fake::{FakeBackend, FakeStream};
+use super::config::PageTuning;
+use super::fake::{FakeBackend, FakePhys, FakeStream};
+use super::pages::PageHeap;
 use super::thread_cache::ThreadCache;
 use crate::sync::{thread, Arc, Ordering};
 
@@ -221,5 +223,49 @@ fn a_claim_races_the_owners_exit() {
         );
         c.trim::<()>(None);
         assert_eq!(c.backend.live_blocks(), 0);
+    });
+}
+
+/// The page heap lets its lock go across driver calls (`pages/held.rs`): a thread
+/// growing the heap (a region, a handle, a map, an access call, each with the lock let
+/// go) races an allocation on another stream that may land in the rest of the chunk being
+/// mapped, and a free. Every block is mapped with access when used (a block placed in a
+/// chunk still waiting for its access call would break that), and ordered after the last
+/// use of the memory under it; nothing is left and no rule of the simulated memory is
+/// broken at the end.
+#[test]
+fn a_mapping_races_a_fit_in_its_chunk_and_a_free() {
+    const MIB: usize = 1 << 20;
+    loom::model(|| {
+        let phys = FakePhys::new(2 * MIB, usize::MAX);
+        let heap = Arc::new((
+            PageHeap::new(phys.clone(), PageTuning::new(4 * MIB, 32)),
+            FakeBackend::new(u64::MAX),
+        ));
+        let (s, t) = (FakeStream::new(), FakeStream::new());
+        let x = heap.0.alloc(&heap.1, 4 * MIB, &s).unwrap();
+        assert!(phys.use_block(x, 4 * MIB, &s));
+        let mapper = {
+            let (heap, phys, t) = (heap.clone(), phys.clone(), t.clone());
+            thread::spawn(move || {
+                // A chunk and a half: the rest of its second chunk stays free.
+                let y = heap.0.alloc(&heap.1, 6 * MIB, &t).unwrap();
+                assert!(phys.use_block(y, 6 * MIB, &t));
+                y
+            })
+        };
+        let z = heap.0.alloc(&heap.1, 2 * MIB, &s).unwrap();
+        assert!(phys.use_block(z, 2 * MIB, &s));
+        // SAFETY: x is freed once, after its use was queued on s.
+        unsafe { heap.0.free(&heap.1, x, &s) };
+        let y = mapper.join().unwrap();
+        // SAFETY: each block is freed once, after its use was queued on its stream.
+        unsafe {
+            heap.0.free(&heap.1, y, &t);
+            heap.0.free(&heap.1, z, &s);
+        }
+        heap.0.trim_to(&heap.1, 0);
+        assert_eq!(phys.violations(), 0);
+        assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
     });
 }

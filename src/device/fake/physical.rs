@@ -23,6 +23,19 @@ use crate::sync::{lock, Arc, Mutex};
 #[derive(Clone, Debug)]
 pub(crate) struct FakePhys {
     pub(crate) state: Arc<Mutex<PhysState>>,
+    /// Called at the start of every operation, before the books are locked
+    /// ([`FakePhys::with_hook`]).
+    hook: Option<Hook>,
+}
+
+/// A function called with each operation of a [`FakePhys`] as it begins.
+#[derive(Clone)]
+struct Hook(crate::sync::global::Arc<dyn Fn(PhysOp) + Send + Sync>);
+
+impl core::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str("Hook")
+    }
 }
 
 /// A mapping: bytes, handle, the devices with access (bit d: device d; the fake's own
@@ -63,6 +76,9 @@ pub(crate) enum PhysOp {
     Map,
     Unmap,
     SetAccess,
+    Release,
+    Reserve,
+    FreeRange,
 }
 
 impl PhysState {
@@ -151,6 +167,30 @@ impl FakePhys {
                 next_va: 1 << 44,
                 ..PhysState::default()
             })),
+            hook: None,
+        }
+    }
+
+    /// This memory calling `hook` with each operation as it begins, with no lock of its
+    /// own held (a test may block there, or look at the caller's locks).
+    #[cfg(test)]
+    pub(crate) fn with_hook(self, hook: impl Fn(PhysOp) + Send + Sync + 'static) -> Self {
+        Self {
+            hook: Some(Hook(crate::sync::global::Arc::new(hook))),
+            ..self
+        }
+    }
+
+    /// Runs the hook, if there is one, for `op`; in tests, first checks that the caller
+    /// holds no page heap's lock (no lock is held across a driver call).
+    fn called(&self, op: PhysOp) {
+        #[cfg(all(test, not(loom)))]
+        assert!(
+            !crate::device::pages::locked_here(),
+            "fake phys: {op:?} called under a page heap's lock"
+        );
+        if let Some(h) = &self.hook {
+            (h.0)(op);
         }
     }
 
@@ -253,6 +293,7 @@ impl Phys for FakePhys {
     }
 
     fn create(&self, bytes: usize) -> Result<u64> {
+        self.called(PhysOp::Create);
         let mut st = lock(&self.state);
         let g = st.granule;
         if bytes == 0 || bytes % g != 0 {
@@ -273,6 +314,7 @@ impl Phys for FakePhys {
     }
 
     unsafe fn release(&self, handle: u64) -> Result<()> {
+        self.called(PhysOp::Release);
         let mut st = lock(&self.state);
         match st.handles.remove(&handle) {
             Some((bytes, maps)) => {
@@ -288,6 +330,7 @@ impl Phys for FakePhys {
     }
 
     fn reserve(&self, bytes: usize) -> Result<u64> {
+        self.called(PhysOp::Reserve);
         let mut st = lock(&self.state);
         if bytes == 0 || bytes % st.granule != 0 {
             st.violation(format!("reserve of {bytes} bytes"));
@@ -300,6 +343,7 @@ impl Phys for FakePhys {
     }
 
     unsafe fn free_range(&self, va: u64, bytes: usize) -> Result<()> {
+        self.called(PhysOp::FreeRange);
         let mut st = lock(&self.state);
         if st.ranges.remove(&va) != Some(bytes) {
             st.violation(format!("free of unknown range {va:#x} ({bytes} bytes)"));
@@ -311,6 +355,7 @@ impl Phys for FakePhys {
     }
 
     unsafe fn map(&self, va: u64, bytes: usize, handle: u64) -> Result<()> {
+        self.called(PhysOp::Map);
         let mut st = lock(&self.state);
         if st.fails(PhysOp::Map) {
             return Err(INJECTED);
@@ -347,6 +392,7 @@ impl Phys for FakePhys {
     }
 
     unsafe fn unmap(&self, va: u64, bytes: usize) -> Result<()> {
+        self.called(PhysOp::Unmap);
         let mut st = lock(&self.state);
         if st.fails(PhysOp::Unmap) {
             return Err(INJECTED);
@@ -371,6 +417,7 @@ impl Phys for FakePhys {
     }
 
     unsafe fn set_access(&self, va: u64, bytes: usize, peers: &[usize]) -> Result<()> {
+        self.called(PhysOp::SetAccess);
         let mask = peers.iter().fold(1u64, |m, &p| m | 1 << p);
         let mut st = lock(&self.state);
         if st.fails(PhysOp::SetAccess) {

@@ -8,9 +8,11 @@
 //! 16 MiB handles). A failed create of a group's handle falls back to one handle per
 //! chunk (out-of-memory behaviour unchanged).
 //!
-//! Invariants (under the heap's lock):
+//! Invariants (under the heap's lock; mapping is done by the turn's holder with the lock
+//! let go across each driver call, `held.rs`):
 //! - a chunk has a handle exactly while it is mapped, and every mapping a block may use
-//!   has access for the device and every peer in `peers`: a span whose access call
+//!   has access for the device and every peer in `peers` (a chunk mapped and not yet
+//!   granted access is `granting`, and only the block being mapped is placed there): a span whose access call
 //!   failed is unmapped again at once (its chunks' handles spare, a group's released); a
 //!   chunk (or group) whose unmap fails there stays mapped without access and is *lost*:
 //!   its units leave the free runs for good (`space.rs`), so no block is placed there.
@@ -19,7 +21,7 @@
 //!   group's handle is always new (nothing to order after).
 
 use super::clocks::{retag, Stamps};
-use super::stats::timed;
+use super::held::Held;
 use super::{
     PageHeap, Reclaim, Reclaimed, State, GROWTH_GROUP_MIN, IDLE_FLOOR_CHUNKS, PLACE_TRIES, RECLAIM_TRIES,
 };
@@ -31,31 +33,32 @@ use crate::sync::lock;
 use crate::trace::Code;
 
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
-    /// Where a block of `n` units goes: the smallest free run that fits whose first `n`
-    /// units are all mapped, among the [`PLACE_TRIES`] smallest that fit; else the one of
-    /// those with the fewest chunks to map (the smallest among equals).
-    pub(super) fn place(&self, st: &State<B>, n: usize) -> Option<usize> {
+    /// Where a block of `n` units goes, and how many of its chunks are not ready (not
+    /// mapped, or mapped and not yet granted access): the smallest free run that fits
+    /// whose first `n` units are all ready, among the [`PLACE_TRIES`] smallest that fit;
+    /// else the one of those with the fewest chunks not ready (the smallest among equals).
+    pub(super) fn place(&self, st: &State<B>, n: usize) -> Option<(usize, usize)> {
         let mut best: Option<(usize, usize)> = None;
         for start in st.free.fitting(n).take(PLACE_TRIES) {
-            let unmapped = self
+            let unready = self
                 .chunks_of(start, n)
-                .filter(|&(c, _)| st.chunks[c].handle.is_none())
+                .filter(|&(c, _)| st.chunks[c].handle.is_none() || st.chunks[c].granting)
                 .count();
-            if unmapped == 0 {
-                return Some(start);
+            if unready == 0 {
+                return Some((start, 0));
             }
-            if best.is_none_or(|(u, _)| unmapped < u) {
-                best = Some((unmapped, start));
+            if best.is_none_or(|(u, _)| unready < u) {
+                best = Some((unready, start));
             }
         }
-        best.map(|(_, start)| start)
+        best.map(|(unready, start)| (start, unready))
     }
 
     /// Maps every chunk of the run of `n` units from `start` that is not mapped,
     /// adding to `after` the marks of handles taken from chunks whose work is pending.
     pub(super) fn map_chunks(
         &self,
-        st: &mut State<B>,
+        st: &mut Held<'_, B>,
         b: &B,
         start: usize,
         n: usize,
@@ -105,7 +108,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// mapped: how far it got (to `to`, or the first chunk that is mapped).
     fn map_each(
         &self,
-        st: &mut State<B>,
+        st: &mut Held<'_, B>,
         b: &B,
         from: usize,
         to: usize,
@@ -142,7 +145,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// map, one access call. `Ok(false)` (nothing changed) if the handle could not be
     /// charged or created; an error if the map or the access call failed (the group
     /// unmapped again and released, or lost where its unmap failed too).
-    fn map_group(&self, st: &mut State<B>, b: &B, from: usize, to: usize) -> Result<bool> {
+    fn map_group(&self, st: &mut Held<'_, B>, b: &B, from: usize, to: usize) -> Result<bool> {
         let (k, bytes) = (to - from, (to - from) * self.chunk_bytes());
         let Ok(h) = self.create_handle(st, bytes) else {
             return Ok(false);
@@ -151,9 +154,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         let va = self.va_of(st, from * self.chunk_units);
         // SAFETY: chunks from..to are consecutive in one region (a run's chunks) and none
         // is mapped; h is new, of their bytes.
-        if let Err(e) = timed(&mut st.stats.driver_ns.map, || unsafe {
-            self.phys.map(va, bytes, h)
-        }) {
+        if let Err(e) = st.driver(|ns| &mut ns.map, || unsafe { self.phys.map(va, bytes, h) }) {
             // SAFETY: h was never mapped, and is forgotten here.
             unsafe { self.release_handle(st, h, bytes) };
             return Err(e);
@@ -161,15 +162,19 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         for ch in &mut st.chunks[from..to] {
             ch.handle = Some(h);
             ch.group = Some((from, k));
+            ch.granting = true;
         }
         st.stats.maps += 1;
         b.trace().segment(Code::SegmentMap, va as usize, bytes);
         st.stats.accesses += 1;
-        // SAFETY: the group was just mapped whole.
-        let access = timed(&mut st.stats.driver_ns.access, || unsafe {
-            self.phys.set_access(va, bytes, &st.peers)
-        });
+        let peers = st.peers.clone();
+        let access = st.driver(
+            |ns| &mut ns.access,
+            // SAFETY: the group was just mapped whole.
+            || unsafe { self.phys.set_access(va, bytes, &peers) },
+        );
         let Err(e) = access else {
+            self.granted(st, from, to);
             return Ok(true);
         };
         st.stats.access_failures += 1;
@@ -183,16 +188,17 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     ///
     /// # Safety
     /// 1. The group is one mapping of `h` at `va`, and no work was queued on it.
-    unsafe fn undo_group(&self, st: &mut State<B>, b: &B, (from, to): (usize, usize), h: u64, va: u64) {
+    unsafe fn undo_group(&self, st: &mut Held<'_, B>, b: &B, (from, to): (usize, usize), h: u64, va: u64) {
         let bytes = (to - from) * self.chunk_bytes();
         // SAFETY: obligation 1.
-        match unsafe { self.phys.unmap(va, bytes) } {
+        match st.driver(|ns| &mut ns.unmap, || unsafe { self.phys.unmap(va, bytes) }) {
             Ok(()) => {
                 st.stats.unmaps += 1;
                 b.trace().segment(Code::SegmentUnmap, va as usize, bytes);
                 for ch in &mut st.chunks[from..to] {
                     ch.handle = None;
                     ch.group = None;
+                    ch.granting = false;
                 }
                 // SAFETY: just unmapped, its only mapping; forgotten here.
                 unsafe { self.release_handle(st, h, bytes) };
@@ -209,7 +215,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// mapped: how far it got, and the error that stopped it before `end`, if one did.
     fn map_span(
         &self,
-        st: &mut State<B>,
+        st: &mut Held<'_, B>,
         b: &B,
         from: usize,
         end: usize,
@@ -226,7 +232,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Maps a handle at chunk `c` (not mapped), without access yet.
-    fn map_one(&self, st: &mut State<B>, b: &B, c: usize, after: &mut Stamps) -> Result<()> {
+    fn map_one(&self, st: &mut Held<'_, B>, b: &B, c: usize, after: &mut Stamps) -> Result<()> {
         let cb = self.chunk_bytes();
         let (h, pending) = self.handle(st, b)?;
         let first = c * self.chunk_units;
@@ -235,20 +241,20 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             // pass its marks on too.
             let pending = retag(pending, first, first + self.chunk_units);
             self.stamp_free(st, first, first + self.chunk_units, &pending);
-            st.clocks.merge(after, pending);
+            let s: &mut State<B> = st;
+            s.clocks.merge(after, pending);
         }
         let va = self.va_of(st, first);
         // SAFETY: the chunk lies in a reserved region, and nothing is mapped there (no
         // handle is recorded for it); h is live, of a chunk's bytes, and mapped nowhere
         // (spare, unmapped from an idle chunk, or new) or only at a retired chunk whose
         // work the allocation is ordered after.
-        if let Err(e) = timed(&mut st.stats.driver_ns.map, || unsafe {
-            self.phys.map(va, cb, h)
-        }) {
+        if let Err(e) = st.driver(|ns| &mut ns.map, || unsafe { self.phys.map(va, cb, h) }) {
             st.spare.push(h);
             return Err(e);
         }
         st.chunks[c].handle = Some(h);
+        st.chunks[c].granting = true;
         st.stats.maps += 1;
         b.trace().segment(Code::SegmentMap, va as usize, cb);
         Ok(())
@@ -257,24 +263,28 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Sets access on chunks `from..to` (consecutive, just mapped) for the device and its
     /// peers; where that fails, unmaps them again (their handles spare; a chunk whose
     /// unmap fails stays mapped without access, lost: its units out of the free runs).
-    fn grant_span(&self, st: &mut State<B>, b: &B, from: usize, to: usize) -> Result<()> {
+    fn grant_span(&self, st: &mut Held<'_, B>, b: &B, from: usize, to: usize) -> Result<()> {
         let cb = self.chunk_bytes();
         let va = self.va_of(st, from * self.chunk_units);
         st.stats.accesses += 1;
-        // SAFETY: chunks from..to are consecutive and were all mapped by `map_span`.
-        let access = timed(&mut st.stats.driver_ns.access, || unsafe {
-            self.phys.set_access(va, (to - from) * cb, &st.peers)
-        });
+        let peers = st.peers.clone();
+        let access = st.driver(
+            |ns| &mut ns.access,
+            // SAFETY: chunks from..to are consecutive and were all mapped by `map_span`.
+            || unsafe { self.phys.set_access(va, (to - from) * cb, &peers) },
+        );
         let Err(e) = access else {
+            self.granted(st, from, to);
             return Ok(());
         };
         st.stats.access_failures += 1;
         for c in from..to {
             let va = self.va_of(st, c * self.chunk_units);
             // SAFETY: mapped by `map_span`, and no work was queued on it.
-            match unsafe { self.phys.unmap(va, cb) } {
+            match st.driver(|ns| &mut ns.unmap, || unsafe { self.phys.unmap(va, cb) }) {
                 Ok(()) => {
                     b.trace().segment(Code::SegmentUnmap, va as usize, cb);
+                    st.chunks[c].granting = false;
                     if let Some(h) = st.chunks[c].handle.take() {
                         st.spare.push(h);
                     }
@@ -296,7 +306,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Where it would take a handle from an idle chunk of a group, it releases the group
     /// instead (its handle is never mapped elsewhere) and goes on: to create (the heap
     /// reserved no more for it), and out of memory, to retry the create.
-    fn handle(&self, st: &mut State<B>, b: &B) -> Result<(u64, Stamps)> {
+    fn handle(&self, st: &mut Held<'_, B>, b: &B) -> Result<(u64, Stamps)> {
         if let Some(h) = st.spare.pop() {
             return Ok((h, Vec::new()));
         }
@@ -329,11 +339,11 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// A new handle of `bytes`, charged to the pool's reservations first (given back if
     /// the create fails) and counted in the stats: the one place handles are made (see
     /// `release_handle` for the other end).
-    fn create_handle(&self, st: &mut State<B>, bytes: usize) -> Result<u64> {
+    fn create_handle(&self, st: &mut Held<'_, B>, bytes: usize) -> Result<u64> {
         self.reservations.take(bytes)?;
-        let h = timed(&mut st.stats.driver_ns.create, || self.phys.create(bytes)).inspect_err(|_| {
-            self.reservations.give(bytes);
-        })?;
+        let h = st
+            .driver(|ns| &mut ns.create, || self.phys.create(bytes))
+            .inspect_err(|_| self.reservations.give(bytes))?;
         st.stats.creates += 1;
         st.stats.reserved += bytes;
         st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
@@ -341,15 +351,23 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Lets device `peer` access every block, present and future: access is set on every
-    /// mapped chunk (span by span) and every later mapping includes it. Under the heap's
-    /// lock, so no mapping is made meanwhile without it. On an error the peer is not
-    /// recorded (some chunks may have access already).
+    /// mapped chunk (span by span) and every later mapping includes it. With the turn, so
+    /// no mapping is made meanwhile without it. On an error the peer is not recorded
+    /// (some chunks may have access already).
     pub(crate) fn enable_peer(&self, peer: usize) -> Result<()> {
-        let mut guard = lock(&self.state);
-        let st = &mut *guard;
-        if st.peers.contains(&peer) {
-            return Ok(());
-        }
+        let mut st = self.held();
+        self.take_turn(&mut st);
+        let granted = if st.peers.contains(&peer) {
+            Ok(())
+        } else {
+            self.grant_peer(&mut st, peer)
+        };
+        self.end_turn(&mut st);
+        granted
+    }
+
+    /// With the turn: sets access for `peer` on every mapped chunk, then records it.
+    fn grant_peer(&self, st: &mut Held<'_, B>, peer: usize) -> Result<()> {
         let cb = self.chunk_bytes();
         let mut c = 0;
         while c < st.chunks.len() {
@@ -365,14 +383,23 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }
             let va = self.va_of(st, from * self.chunk_units);
             st.stats.accesses += 1;
-            // SAFETY: every chunk with a handle is mapped (in blocks, idle, retired or
-            // stuck), and chunks from..c are consecutive in one region.
-            timed(&mut st.stats.driver_ns.access, || unsafe {
-                self.phys.set_access(va, (c - from) * cb, &[peer])
-            })?;
+            st.driver(
+                |ns| &mut ns.access,
+                // SAFETY: every chunk with a handle is mapped (in blocks, idle, retired
+                // or stuck), and chunks from..c are consecutive in one region; only the
+                // turn's holder maps or unmaps, so they stay so while the lock is let go.
+                || unsafe { self.phys.set_access(va, (c - from) * cb, &[peer]) },
+            )?;
         }
         st.peers.push(peer);
         Ok(())
+    }
+
+    /// Marks chunks `from..to`, just granted access, ready for any block.
+    fn granted(&self, st: &mut State<B>, from: usize, to: usize) {
+        for ch in &mut st.chunks[from..to] {
+            ch.granting = false;
+        }
     }
 
     /// Whether [`enable_peer`](Self::enable_peer) gave `peer` access.

@@ -87,8 +87,11 @@
 //! - **Trim** (`trim_to(keep)`) releases spare handles, then unmaps and releases idle
 //!   chunks (from the highest address, waiting on the host for their marks) until the
 //!   heap reserves less than `keep`; trimming to 0 also frees the regions left empty.
-//! - One lock guards the heap, driver calls included: only misses of the cache's large
-//!   blocks come here, and in a steady state most of them map nothing.
+//! - **No lock across a driver call** (`held.rs`): one lock guards the heap's books, and
+//!   one thread at a time (the one holding the *turn*) changes what is mapped, letting the
+//!   lock go across each of its driver calls. Frees, blocks that fit in mapped memory and
+//!   the stats go on meanwhile; a block that needs a mapping waits for the turn and is
+//!   placed again, in what was freed meanwhile if that now holds it.
 //!
 //! The algorithm is generic over [`Phys`] (the physical operations) and the cache's
 //! [`StreamOrder`] (its marks), so CPU tests drive it with `device/fake/`, whose fake
@@ -107,10 +110,12 @@
 //! - `map.rs`: placement, mapping and access (peers too);
 //! - `trim.rs`: trimming and the shutdown;
 //! - `early.rs`: the blocks left to the driver pool before the heap begins;
-//! - this file: the heap, its state and lock, `alloc` and `free`.
+//! - `held.rs`: the lock, let go across driver calls, and the turn to change mappings;
+//! - this file: the heap, its state, `alloc` and `free`.
 
 mod clocks;
 mod early;
+mod held;
 mod map;
 mod reclaim;
 mod space;
@@ -123,6 +128,9 @@ use std::collections::{BTreeSet, HashMap};
 use std::marker::PhantomData;
 
 use self::clocks::{retag, Clocks, Stamps};
+#[cfg(all(test, not(loom)))]
+pub(crate) use self::held::locked_here;
+use self::held::Held;
 use self::space::{Chunk, Region};
 pub(crate) use self::stats::PageStats;
 use super::config::PageTuning;
@@ -132,7 +140,7 @@ use super::reserve::{PoolSide, Reservations};
 use super::runs::Runs;
 use crate::cuda::record_drop_error;
 use crate::error::{Error, Result};
-use crate::sync::{lock, Arc, AtomicBool, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicBool, Condvar, Mutex, Ordering};
 
 /// The most bytes of one step of the address index (blocks are multiples of it; less on
 /// a device whose granule is smaller).
@@ -220,6 +228,8 @@ struct State<B: StreamOrder> {
     live: HashMap<u64, (usize, usize)>,
     /// Other devices that may access every mapping (`enable_peer`).
     peers: Vec<usize>,
+    /// A thread holds the turn to change mappings (`held.rs`).
+    mapping: bool,
     /// The streams that freed here with work that may be pending, the numbering of
     /// frees and of heap operations.
     clocks: Clocks<B>,
@@ -261,6 +271,8 @@ pub(crate) struct PageHeap<P: Phys, B: StreamOrder> {
     /// the pool's limit holds for the heap and the driver pool together.
     reservations: Arc<Reservations>,
     state: Mutex<State<B>>,
+    /// Signalled when the turn to change mappings is given up (`held.rs`).
+    turn: Condvar,
     /// Whether takers are ordered after other streams' frees (off only in negative
     /// controls, `test-hooks`).
     guard: AtomicBool,
@@ -304,9 +316,11 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 retired: Vec::new(),
                 live: HashMap::new(),
                 peers: Vec::new(),
+                mapping: false,
                 clocks: Clocks::default(),
                 stats: PageStats::default(),
             }),
+            turn: Condvar::new(),
             guard: AtomicBool::new(true),
             early: early::Early::default(),
             _backend: PhantomData,
@@ -437,23 +451,24 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         let g = self.unit;
         let n = bytes.div_ceil(g).max(1);
         let len = n.checked_mul(g).ok_or(Error::OutOfMemory { requested: bytes })?;
-        let mut st = lock(&self.state);
-        st.clocks.begin_op();
-        self.poll(&mut st, b, POLL, false);
-        let start = match self.place(&st, n) {
-            Some(start) => start,
-            None => self.add_region(&mut st, n)?,
+        let mut st = self.held();
+        // A block that fits in mapped memory is taken at once; one that needs a mapping
+        // takes the turn, or waits for it and is placed again (`held.rs`).
+        let (start, after) = loop {
+            st.clocks.begin_op();
+            self.poll_in_turn(&mut st, b);
+            if let Some((start, 0)) = self.place(&st, n) {
+                break (start, self.take_placed(&mut st, start, n)?);
+            }
+            if self.try_turn(&mut st) {
+                let placed = self.alloc_mapped(&mut st, b, n);
+                self.end_turn(&mut st);
+                break placed?;
+            }
+            self.await_turn(&mut st);
         };
-        let Some(mut after) = self.take_units(&mut st, start, n) else {
-            log::error!("cudalloc: page heap index lost a free run (internal bug); the allocation fails");
-            return Err(Error::OutOfMemory { requested: bytes });
-        };
-        // Map the chunks that are not, and order `stream` after the last users of these
-        // units and of the handles mapped.
-        let ordered = self
-            .map_chunks(&mut st, b, start, n, &mut after)
-            .and_then(|()| self.order_taker(&mut st, b, stream, &after));
-        if let Err(e) = ordered {
+        // Order `stream` after the last users of these units and of the handles mapped.
+        if let Err(e) = self.order_taker(&mut st, b, stream, &after) {
             self.give_back(&mut st, start, n, retag(after, start, start + n));
             return Err(e);
         }
@@ -462,6 +477,42 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         st.stats.block_bytes += len;
         st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
         Ok(va)
+    }
+
+    /// With the turn: places a block of `n` units (in a new region if no free run holds
+    /// it), takes its units and maps its chunks that are not; the block's first unit and
+    /// the stamps to order its stream after. On an error nothing is taken.
+    fn alloc_mapped(&self, st: &mut Held<'_, B>, b: &B, n: usize) -> Result<(usize, Stamps)> {
+        let start = match self.place(st, n) {
+            Some((start, _)) => start,
+            None => self.add_region(st, n)?,
+        };
+        let mut after = self.take_placed(st, start, n)?;
+        if let Err(e) = self.map_chunks(st, b, start, n, &mut after) {
+            self.give_back(st, start, n, retag(after, start, start + n));
+            return Err(e);
+        }
+        Ok((start, after))
+    }
+
+    /// [`take_units`](Self::take_units) of a run just placed; an error where the index
+    /// lost the run (an internal bug).
+    fn take_placed(&self, st: &mut State<B>, start: usize, n: usize) -> Result<Stamps> {
+        self.take_units(st, start, n).ok_or_else(|| {
+            log::error!("cudalloc: page heap index lost a free run (internal bug); the allocation fails");
+            Error::OutOfMemory {
+                requested: n * self.unit,
+            }
+        })
+    }
+
+    /// Unmaps the retired chunks whose work completed, if there are any and no thread
+    /// holds the turn (which polls them itself).
+    fn poll_in_turn(&self, st: &mut Held<'_, B>, b: &B) {
+        if !st.retired.is_empty() && self.try_turn(st) {
+            self.poll(st, b, POLL, false);
+            self.end_turn(st);
+        }
     }
 
     /// Makes work queued on `stream` from now on run after the frees of `after` by other
@@ -482,7 +533,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// 1. `ptr` came from [`PageHeap::alloc`] of this heap, is freed once, and every use of
     ///    it is ordered before this point of `stream`.
     pub(crate) unsafe fn free(&self, b: &B, ptr: u64, stream: &B::Stream) {
-        let mut st = lock(&self.state);
+        let mut st = self.held();
         let Some((start, n)) = st.live.remove(&ptr) else {
             drop(st);
             return record_drop_error(
@@ -497,7 +548,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         st.stats.block_bytes -= n * self.unit;
         let freed = st.clocks.number_free(stream, start, start + n);
         self.give_back(&mut st, start, n, vec![freed]);
-        self.poll(&mut st, b, POLL, false);
+        self.poll_in_turn(&mut st, b);
         st.clocks.forget(MAX_CLOCKS);
         let dead = st.clocks.take_dead();
         drop(st);

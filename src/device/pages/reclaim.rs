@@ -5,6 +5,9 @@
 //! (one handle over several chunks) is taken only whole: unmapped and its handle
 //! released, once all its chunks are idle and their frees completed.
 //!
+//! All of it runs with the turn (`held.rs`): an idle chunk's units leave the free runs
+//! (carved) before the lock is let go for its unmap, and come back after it.
+//!
 //! Invariants (under the heap's lock):
 //! - a chunk is unmapped only once the work of every free that touched its units is
 //!   known complete (settled, or waited for on the host), and never while a block holds
@@ -20,7 +23,7 @@
 use std::ops::ControlFlow;
 
 use super::clocks::{touching, Freed, Stamps};
-use super::stats::timed;
+use super::held::Held;
 use super::{PageHeap, Reclaim, Reclaimed, State};
 use crate::cuda::record_drop_error;
 use crate::device::order::StreamOrder;
@@ -30,7 +33,13 @@ use crate::trace::Code;
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Takes the handle of an idle chunk (trying at most `tries`, from the highest
     /// address), as `how` says, with the marks to order its next use after.
-    pub(super) fn reclaim(&self, st: &mut State<B>, b: &B, tries: usize, how: Reclaim) -> Option<Reclaimed> {
+    pub(super) fn reclaim(
+        &self,
+        st: &mut Held<'_, B>,
+        b: &B,
+        tries: usize,
+        how: Reclaim,
+    ) -> Option<Reclaimed> {
         let pending = match self.take_idle(st, b, tries, how) {
             ControlFlow::Break(taken) => return taken,
             ControlFlow::Continue(pending) => pending,
@@ -47,7 +56,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// (not of a group) found pending and the first unit of its free run.
     fn take_idle(
         &self,
-        st: &mut State<B>,
+        st: &mut Held<'_, B>,
         b: &B,
         tries: usize,
         how: Reclaim,
@@ -75,12 +84,21 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 pending = pending.or(Some((c, rs)));
                 continue;
             }
-            st.idle.remove(&c);
+            let Some(stamps) = self.carve(st, c, 1, rs) else {
+                continue;
+            };
             // SAFETY: the chunk was mapped by `map_chunks` with a chunk's bytes; no block
-            // holds a unit of it, and the marks of every free of its units completed (a
-            // run keeps the latest mark of each stream until it completes).
-            if unsafe { self.unmap_chunks(st, b, c, 1) } {
-                let h = st.chunks[c].handle.take();
+            // holds a unit of it (nor can: its units are carved out), and the marks of
+            // every free of its units completed (a run keeps the latest mark of each
+            // stream until it completes).
+            let unmapped = unsafe { self.unmap_chunks(st, b, c, 1) };
+            let h = if unmapped {
+                st.chunks[c].handle.take()
+            } else {
+                None
+            };
+            self.give_back(st, first, self.chunk_units, stamps);
+            if unmapped {
                 return ControlFlow::Break(h.map(|h| Reclaimed::Handle(h, Vec::new())));
             }
         }
@@ -90,7 +108,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Unmaps and releases group `g..g + k` if all of its chunks are idle and the frees of
     /// all its units completed (settled, or with `wait` waited for on the host): whether it
     /// did. A group that fails its unmap stays mapped, its chunks stuck.
-    fn release_idle_group(&self, st: &mut State<B>, b: &B, g: usize, k: usize, wait: bool) -> bool {
+    fn release_idle_group(&self, st: &mut Held<'_, B>, b: &B, g: usize, k: usize, wait: bool) -> bool {
         if !(g..g + k).all(|c| st.idle.contains(&c)) {
             return false;
         }
@@ -104,26 +122,28 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         if !self.frees_done(st, b, &frees, wait) {
             return false;
         }
-        for c in g..g + k {
-            st.idle.remove(&c);
-        }
         let Some(h) = st.chunks[g].handle else {
             return false;
         };
-        // SAFETY: the group was mapped whole by `map_group` (k chunks' bytes, one handle);
-        // no block holds a unit of it and the marks of every free of its units completed.
-        if !unsafe { self.unmap_chunks(st, b, g, k) } {
+        let Some(stamps) = self.carve(st, g, k, rs) else {
             return false;
+        };
+        // SAFETY: the group was mapped whole by `map_group` (k chunks' bytes, one handle);
+        // no block holds a unit of it (nor can: its units are carved out) and the marks
+        // of every free of its units completed.
+        let unmapped = unsafe { self.unmap_chunks(st, b, g, k) };
+        if unmapped {
+            for c in g..g + k {
+                st.chunks[c].handle = None;
+                st.chunks[c].group = None;
+            }
+            // SAFETY: its only mapping just went (a group's handle is mapped nowhere
+            // else), and it is forgotten here.
+            unsafe { self.release_handle(st, h, k * self.chunk_bytes()) };
+            st.stats.group_releases += 1;
         }
-        for c in g..g + k {
-            st.chunks[c].handle = None;
-            st.chunks[c].group = None;
-        }
-        // SAFETY: its only mapping just went (a group's handle is mapped nowhere else),
-        // and it is forgotten here.
-        unsafe { self.release_handle(st, h, k * self.chunk_bytes()) };
-        st.stats.group_releases += 1;
-        true
+        self.give_back(st, first, end - first, stamps);
+        unmapped
     }
 
     /// Releases `h`, of `bytes`, mapped nowhere: `stats.reserved` and the reservations
@@ -131,11 +151,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     ///
     /// # Safety
     /// 1. `h` is live, of `bytes`, mapped nowhere, and forgotten by the caller.
-    pub(super) unsafe fn release_handle(&self, st: &mut State<B>, h: u64, bytes: usize) {
+    pub(super) unsafe fn release_handle(&self, st: &mut Held<'_, B>, h: u64, bytes: usize) {
         // SAFETY: obligation 1.
-        match timed(&mut st.stats.driver_ns.release, || unsafe {
-            self.phys.release(h)
-        }) {
+        match st.driver(|ns| &mut ns.release, || unsafe { self.phys.release(h) }) {
             Ok(()) => {
                 st.stats.reserved -= bytes;
                 self.reservations.give(bytes);
@@ -150,29 +168,14 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// those marks, goes to a new mapping.
     fn retire_pending(&self, st: &mut State<B>, c: usize, rs: usize) -> Option<(u64, Stamps)> {
         let h = st.chunks[c].handle?;
-        let run = self.take_run(st, rs)?;
-        let (first, end) = (c * self.chunk_units, (c + 1) * self.chunk_units);
-        if rs < first {
-            self.put_run(st, rs, first - rs, touching(&run.stamps, rs, first));
-        }
-        if rs + run.len > end {
-            self.put_run(
-                st,
-                end,
-                rs + run.len - end,
-                touching(&run.stamps, end, rs + run.len),
-            );
-        }
-        st.idle.remove(&c);
-        st.chunks[c].used = self.chunk_units;
-        let mine = touching(&run.stamps, first, end);
+        let mine = self.carve(st, c, 1, rs)?;
         st.retired.push((c, mine.clone()));
         Some((h, mine))
     }
 
     /// Unmaps retired chunks whose marks completed (querying at most `max` chunks; with
     /// `wait`, after waiting on the host), and frees their units.
-    pub(super) fn poll(&self, st: &mut State<B>, b: &B, max: usize, wait: bool) {
+    pub(super) fn poll(&self, st: &mut Held<'_, B>, b: &B, max: usize, wait: bool) {
         let mut i = 0;
         let mut seen = 0;
         while i < st.retired.len() && seen < max {
@@ -213,15 +216,14 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     ///
     /// # Safety
     /// 1. Chunks `c..c + k` are one mapping (by `map_chunks`: one chunk, or a group).
-    /// 2. No block holds a unit of it, and the work of every free of its units completed.
-    unsafe fn unmap_chunks(&self, st: &mut State<B>, b: &B, c: usize, k: usize) -> bool {
+    /// 2. No block holds a unit of it, nor can while the lock is let go (its units are
+    ///    out of the free runs), and the work of every free of its units completed.
+    unsafe fn unmap_chunks(&self, st: &mut Held<'_, B>, b: &B, c: usize, k: usize) -> bool {
         let va = self.va_of(st, c * self.chunk_units);
         let cb = k * self.chunk_bytes();
         // SAFETY: 1 and 2 are the caller's: the range is a whole mapping, and no work
         // can touch it any more.
-        match timed(&mut st.stats.driver_ns.unmap, || unsafe {
-            self.phys.unmap(va, cb)
-        }) {
+        match st.driver(|ns| &mut ns.unmap, || unsafe { self.phys.unmap(va, cb) }) {
             Ok(()) => {
                 st.stats.unmaps += 1;
                 b.trace().segment(Code::SegmentUnmap, va as usize, cb);

@@ -27,6 +27,7 @@
 //! [`give_back`]: super::PageHeap::give_back
 
 use super::clocks::{touching, Stamps};
+use super::held::Held;
 use super::{PageHeap, State};
 use crate::cuda::record_drop_error;
 use crate::device::order::StreamOrder;
@@ -54,6 +55,9 @@ pub(super) struct Chunk {
     /// The group this chunk is part of: (its first chunk, its chunks), all mapped with
     /// one handle (see the module docs).
     pub(super) group: Option<(usize, usize)>,
+    /// Mapped, access not granted yet: the turn's holder is mapping it for a block, and
+    /// no other block is placed there (`held.rs`).
+    pub(super) granting: bool,
 }
 
 /// A reserved range of virtual addresses: units `first..first + units` of the
@@ -87,7 +91,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 
     /// Reserves a region for at least `n` units; returns its first unit (a free run
     /// of the whole region).
-    pub(super) fn add_region(&self, st: &mut State<B>, n: usize) -> Result<usize> {
+    pub(super) fn add_region(&self, st: &mut Held<'_, B>, n: usize) -> Result<usize> {
         let cu = self.chunk_units;
         let too_large = || Error::OutOfMemory {
             requested: n.saturating_mul(self.unit),
@@ -97,18 +101,20 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             .checked_next_multiple_of(cu)
             .ok_or_else(too_large)?;
         let bytes = units.checked_mul(self.unit).ok_or_else(too_large)?;
-        let va = self.phys.reserve(bytes)?;
+        let va = st.unlocked(|| self.phys.reserve(bytes))?;
         st.stats.range_reserves += 1;
         let first = st.next_index;
         st.next_index = first + units + cu;
         st.regions.push(Region { first, units, va });
-        st.chunks.resize_with(st.next_index / cu, Chunk::default);
+        let chunks = st.next_index / cu;
+        st.chunks.resize_with(chunks, Chunk::default);
         self.put_run(st, first, units, Vec::new());
         Ok(first)
     }
 
-    /// Frees the regions with no block and no mapping.
-    pub(super) fn free_empty_regions(&self, st: &mut State<B>) {
+    /// Frees the regions with no block and no mapping (with the turn: each region's run
+    /// leaves the free runs before the lock is let go for the driver call).
+    pub(super) fn free_empty_regions(&self, st: &mut Held<'_, B>) {
         let cu = self.chunk_units;
         let mut i = 0;
         while i < st.regions.len() {
@@ -120,12 +126,12 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 i += 1;
                 continue;
             }
-            // SAFETY: the range came from reserve, nothing is mapped in it, and it is
-            // forgotten here.
-            if let Err(e) = unsafe { self.phys.free_range(va, units * self.unit) } {
+            let _ = self.take_run(st, first);
+            // SAFETY: the range came from reserve, nothing is mapped in it (and nothing
+            // is placed there: its run is gone), and it is forgotten here.
+            if let Err(e) = st.unlocked(|| unsafe { self.phys.free_range(va, units * self.unit) }) {
                 record_drop_error("cuMemAddressFree", e);
             }
-            let _ = self.take_run(st, first);
             st.regions.remove(i);
         }
     }
@@ -231,6 +237,31 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
 }
 
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
+    /// Takes the units of chunks `c..c + k` (idle, so wholly free) out of the free run
+    /// starting at `rs` that holds them, counted used, so that no block is placed there
+    /// while their mapping changes; the rest of the run stays free. The stamps of the
+    /// frees that touched them (`None` if the index lost the run: an internal bug).
+    pub(super) fn carve(&self, st: &mut State<B>, c: usize, k: usize, rs: usize) -> Option<Stamps> {
+        let run = self.take_run(st, rs)?;
+        let (first, end) = (c * self.chunk_units, (c + k) * self.chunk_units);
+        debug_assert!(
+            rs <= first && end <= rs + run.len,
+            "page heap: carving units not free"
+        );
+        if rs < first {
+            self.put_run(st, rs, first - rs, touching(&run.stamps, rs, first));
+        }
+        if rs + run.len > end {
+            let rest = touching(&run.stamps, end, rs + run.len);
+            self.put_run(st, end, rs + run.len - end, rest);
+        }
+        for ch in c..c + k {
+            st.idle.remove(&ch);
+            st.chunks[ch].used = self.chunk_units;
+        }
+        Some(touching(&run.stamps, first, end))
+    }
+
     /// Marks chunks `from..to` lost (mapped without access, never unmapped again) and
     /// takes their free units out of the free runs for good; the units of the
     /// allocation at hand in them stay out when it gives its run back.
@@ -240,6 +271,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             let ch = &mut st.chunks[c];
             ch.stuck = true;
             ch.lost = true;
+            ch.granting = false;
             ch.used = self.chunk_units;
             st.idle.remove(&c);
         }

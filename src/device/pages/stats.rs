@@ -36,8 +36,8 @@ pub(crate) struct PageStats {
     pub(crate) driver_ns: DriverNs,
 }
 
-/// Nanoseconds spent in each of the driver calls the heap times (the rollback of a
-/// mapping that failed its access call, and the calls on address ranges, are not timed).
+/// Nanoseconds spent in each of the driver calls the heap times (all but the calls on
+/// address ranges), added by `Held::driver`, which makes them with the heap's lock let go.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct DriverNs {
     /// `cuMemCreate`.
@@ -50,12 +50,4 @@ pub(crate) struct DriverNs {
     pub(crate) unmap: u64,
     /// `cuMemRelease`.
     pub(crate) release: u64,
-}
-
-/// Runs a driver call, adding its time to `ns` (a field of [`DriverNs`]).
-pub(super) fn timed<R>(ns: &mut u64, f: impl FnOnce() -> R) -> R {
-    let t = std::time::Instant::now();
-    let r = f();
-    *ns += t.elapsed().as_nanos() as u64;
-    r
 }

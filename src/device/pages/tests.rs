@@ -15,6 +15,8 @@ const GRANULE: usize = 2 * MIB;
 const TUNING: PageTuning = PageTuning::new(4 * MIB, 32);
 const CHUNK: usize = TUNING.chunk_bytes;
 
+mod unlocked;
+
 type Heap = PageHeap<FakePhys, FakeBackend>;
 
 /// A heap of `tuning` over fake physical memory of at most `limit` bytes, groups from

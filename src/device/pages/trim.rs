@@ -12,7 +12,6 @@ use super::{PageHeap, Reclaim, Reclaimed, MAX_CLOCKS};
 use crate::cuda::record_drop_error;
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
-use crate::sync::lock;
 
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Trims this heap and says what the driver pool beside it (reserving `pool_reserved`
@@ -27,7 +26,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// heap reserves less than `keep` bytes (0: all it can, and the regions left empty
     /// are freed).
     pub(crate) fn trim_to(&self, b: &B, keep: usize) {
-        let mut st = lock(&self.state);
+        let mut st = self.held();
+        self.take_turn(&mut st);
         st.clocks.begin_op();
         let all = keep == 0;
         let keep = keep.max(1);
@@ -54,6 +54,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         if all {
             self.free_empty_regions(&mut st);
         }
+        self.end_turn(&mut st);
         st.clocks.forget(if all { 0 } else { MAX_CLOCKS });
         let dead = st.clocks.take_dead();
         drop(st);
@@ -65,8 +66,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// once unmapped).
     pub(crate) fn shutdown(&self, b: &B) {
         self.trim_to(b, 0);
-        let mut st = lock(&self.state);
-        let st = &mut *st;
+        let mut st = self.held();
+        self.take_turn(&mut st);
         st.clocks.forget_all();
         // A handle may be mapped at two chunks (its own and a retired one): released once.
         let mut handles: std::collections::BTreeSet<u64> = st.spare.drain(..).collect();
@@ -74,9 +75,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         for h in handles {
             // SAFETY: the pool is being dropped: nothing allocates from it again; a
             // handle released while mapped is freed by the driver at its unmap.
-            if let Err(e) = unsafe { self.phys.release(h) } {
+            if let Err(e) = st.unlocked(|| unsafe { self.phys.release(h) }) {
                 record_drop_error("cuMemRelease", e);
             }
         }
+        self.end_turn(&mut st);
+        let dead = st.clocks.take_dead();
+        drop(st);
+        drop(dead);
     }
 }

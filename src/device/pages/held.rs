@@ -1,0 +1,174 @@
+//! The heap's lock and the mapper's turn: no lock is held across a driver call.
+//!
+//! Every operation locks the heap's state ([`Held`]). The operations that change what is
+//! mapped (map, set access, unmap, create, release, reserve or free an address range)
+//! are made by one thread at a time, the one holding the *turn* (`State::mapping`), and
+//! it makes each driver call with the lock let go ([`Held::driver`]) and takes it again
+//! after. Meanwhile the other threads free blocks, take blocks that fit in memory already
+//! mapped and read the stats; a thread whose block needs a mapping waits for the turn on
+//! the heap's condition variable and then places its block again (frees made meanwhile
+//! may now hold it; PyTorch's and RMM's pools serialize their growth the same way, on
+//! their one lock). Threads that mapped at once instead (the lock-free attempt of
+//! 2026-12-02, BENCHMARKS.md) reserved more (1.276 against 1.100 the peak request on
+//! the H200's 16-thread run), since each grew the heap where waiting would have found
+//! units freed, and were no faster.
+//!
+//! Invariants, which make the unlocked windows safe (the state read around a driver
+//! call by the turn's holder cannot change under it):
+//! - only the turn's holder changes a chunk's handle, the idle and spare handles' books,
+//!   the retired chunks, the regions and the peers;
+//! - a chunk whose handle is set but whose access is not yet granted is `granting`, and
+//!   no block is placed there by another thread (placement counts it as unmapped, which
+//!   needs the turn);
+//! - units about to be unmapped (an idle chunk moved or released, a region freed) are
+//!   out of the free runs before the lock is let go, and come back (unmapped) after.
+//!
+//! Still made under the lock: the event calls of the stream order (`cuEventQuery`,
+//! `cuStreamQuery`, `cuEventRecord`, `cuStreamWaitEvent`: a microsecond or two each,
+//! and their bookkeeping is the state itself), and a trim's host waits for frees not yet
+//! complete (a trim is asked for by the user or by the recovery from out of memory,
+//! which synchronizes first).
+
+use std::ops::{Deref, DerefMut};
+use std::time::Instant;
+
+use super::stats::DriverNs;
+use super::{PageHeap, State};
+use crate::device::order::StreamOrder;
+use crate::device::phys::Phys;
+use crate::sync::{lock, wait, Mutex, MutexGuard};
+
+/// The heap's state, locked; it lets the lock go across a driver call
+/// ([`driver`](Self::driver)).
+pub(super) struct Held<'a, B: StreamOrder> {
+    mutex: &'a Mutex<State<B>>,
+    /// `None` only inside [`unlocked`](Self::unlocked), whose closure cannot reach
+    /// `self`: every other access finds the guard.
+    guard: Option<MutexGuard<'a, State<B>>>,
+}
+
+#[cfg(all(test, not(loom)))]
+std::thread_local! {
+    /// The heap locks this thread holds through [`Held`] (tests only).
+    static LOCKED: core::cell::Cell<usize> = const { core::cell::Cell::new(0) };
+}
+
+/// Counts a lock taken (+1) or let go (-1) by this thread (tests only).
+#[inline(always)]
+fn note(_delta: isize) {
+    #[cfg(all(test, not(loom)))]
+    LOCKED.with(|l| l.set(l.get().wrapping_add_signed(_delta)));
+}
+
+/// Whether this thread holds a page heap's lock (tests: the simulated physical memory
+/// fails every test that makes a driver call under it).
+#[cfg(all(test, not(loom)))]
+pub(crate) fn locked_here() -> bool {
+    LOCKED.with(|l| l.get() > 0)
+}
+
+impl<'a, B: StreamOrder> Held<'a, B> {
+    pub(super) fn new(mutex: &'a Mutex<State<B>>) -> Self {
+        let guard = Some(lock(mutex));
+        note(1);
+        Self { mutex, guard }
+    }
+
+    fn guard(&self) -> &MutexGuard<'a, State<B>> {
+        match &self.guard {
+            Some(g) => g,
+            // Unreachable: `unlocked` puts the guard back before it returns, and its
+            // closure cannot reach `self`.
+            None => unreachable!("page heap: the state read while unlocked"),
+        }
+    }
+
+    /// Runs `f` with the lock let go, then takes it again.
+    pub(super) fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        debug_assert!(self.mapping, "page heap: a driver call without the turn");
+        self.guard = None;
+        note(-1);
+        let r = f();
+        self.guard = Some(lock(self.mutex));
+        note(1);
+        r
+    }
+
+    /// Makes the driver call `f` with the lock let go (only the turn's holder does), and
+    /// adds its time to the slot of [`DriverNs`] that `slot` picks.
+    pub(super) fn driver<R>(&mut self, slot: fn(&mut DriverNs) -> &mut u64, f: impl FnOnce() -> R) -> R {
+        let (r, ns) = self.unlocked(|| {
+            let t = Instant::now();
+            let r = f();
+            (r, t.elapsed().as_nanos() as u64)
+        });
+        *slot(&mut self.stats.driver_ns) += ns;
+        r
+    }
+
+    /// Waits on `cv` (the turn's condition variable), the lock let go meanwhile.
+    fn wait(&mut self, cv: &crate::sync::Condvar) {
+        if let Some(g) = self.guard.take() {
+            self.guard = Some(wait(cv, g));
+        }
+    }
+}
+
+impl<B: StreamOrder> Drop for Held<'_, B> {
+    fn drop(&mut self) {
+        if self.guard.is_some() {
+            note(-1);
+        }
+    }
+}
+
+impl<B: StreamOrder> Deref for Held<'_, B> {
+    type Target = State<B>;
+
+    fn deref(&self) -> &State<B> {
+        self.guard()
+    }
+}
+
+impl<B: StreamOrder> DerefMut for Held<'_, B> {
+    fn deref_mut(&mut self) -> &mut State<B> {
+        match &mut self.guard {
+            Some(g) => g,
+            None => unreachable!("page heap: the state written while unlocked"),
+        }
+    }
+}
+
+impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
+    /// The heap's state, locked.
+    pub(super) fn held(&self) -> Held<'_, B> {
+        Held::new(&self.state)
+    }
+
+    /// Takes the turn, waiting while another thread holds it.
+    pub(super) fn take_turn(&self, st: &mut Held<'_, B>) {
+        while st.mapping {
+            st.wait(&self.turn);
+        }
+        st.mapping = true;
+    }
+
+    /// Takes the turn if no thread holds it: whether it did.
+    pub(super) fn try_turn(&self, st: &mut Held<'_, B>) -> bool {
+        !std::mem::replace(&mut st.mapping, true)
+    }
+
+    /// Gives the turn up and wakes the threads waiting for it (they place their blocks
+    /// again).
+    pub(super) fn end_turn(&self, st: &mut Held<'_, B>) {
+        st.mapping = false;
+        self.turn.notify_all();
+    }
+
+    /// Waits until no thread holds the turn (its mapping is done), without taking it.
+    pub(super) fn await_turn(&self, st: &mut Held<'_, B>) {
+        if st.mapping {
+            st.wait(&self.turn);
+        }
+    }
+}
