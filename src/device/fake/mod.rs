@@ -264,6 +264,16 @@ impl FakeBackend {
     }
 }
 
+/// In tests, fails a host wait made under a page heap's lock (which would stop every
+/// other thread's frees for as long as the GPU works).
+fn no_heap_lock(_call: &str) {
+    #[cfg(all(test, not(loom)))]
+    assert!(
+        !crate::device::pages::locked_here(),
+        "fake: {_call} under a page heap's lock"
+    );
+}
+
 impl StreamOrder for FakeBackend {
     type Stream = FakeStream;
     type Mark = FakeMark;
@@ -314,6 +324,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn wait_host(&self, mark: &FakeMark) -> Result<()> {
+        no_heap_lock("wait_host");
         mark.lane.completed.fetch_max(mark.pos, Ordering::SeqCst);
         registry::complete_through(&mark.clock);
         Ok(())
@@ -332,6 +343,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn synchronize(&self, stream: &FakeStream) -> Result<()> {
+        no_heap_lock("synchronize");
         self.syncs.fetch_add(1, Ordering::SeqCst);
         stream.complete_all();
         Ok(())

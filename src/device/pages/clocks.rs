@@ -14,7 +14,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use super::stats::PageStats;
-use crate::cuda::{record_drop_error, StreamId};
+use crate::cuda::StreamId;
 use crate::device::order::StreamOrder;
 use crate::error::Result;
 
@@ -213,32 +213,26 @@ impl<B: StreamOrder> Clocks<B> {
         Ok(())
     }
 
-    /// Waits on the host until the work of the frees `f` stands for completed (the first
-    /// mark after them, else the whole stream); whether it did (a failed wait is counted
-    /// and the work stays pending).
-    pub(super) fn wait_done(&mut self, b: &B, f: &Freed) -> bool {
-        if self.settle(b, f) {
-            return true;
-        }
-        let Some(c) = self.by_stream.get_mut(&f.stream) else {
-            return true;
+    /// The streams with frees not known to have completed, each with the number of its
+    /// latest free: what a host wait made without the heap's lock (a trim's) synchronizes,
+    /// and then reports with [`completed_to`](Self::completed_to).
+    pub(super) fn pending(&self) -> Vec<(B::Stream, u64)> {
+        self.by_stream
+            .values()
+            .filter(|c| c.done < c.freed)
+            .map(|c| (c.stream.clone(), c.freed))
+            .collect()
+    }
+
+    /// Records that every free of stream `id` up to `seq` completed (its work was waited
+    /// for on the host); its marks up to there go.
+    pub(super) fn completed_to(&mut self, id: StreamId, seq: u64) {
+        let Some(c) = self.by_stream.get_mut(&id) else {
+            return;
         };
-        let waited = match c.marks.iter().position(|&(seq, _)| seq >= f.seq) {
-            Some(i) => b.wait_host(&c.marks[i].1).map(|()| c.marks[i].0),
-            None => b.synchronize(&c.stream).map(|()| c.freed),
-        };
-        match waited {
-            Ok(seq) => {
-                c.done = c.done.max(seq);
-                while c.marks.front().is_some_and(|&(s, _)| s <= c.done) {
-                    c.marks.pop_front();
-                }
-                true
-            }
-            Err(e) => {
-                record_drop_error("waiting for a page block's frees", e);
-                false
-            }
+        c.done = c.done.max(seq.min(c.freed));
+        while c.marks.front().is_some_and(|&(s, _)| s <= c.done) {
+            c.marks.pop_front();
         }
     }
 

@@ -23,11 +23,13 @@
 //! - units about to be unmapped (an idle chunk moved or released, a region freed) are
 //!   out of the free runs before the lock is let go, and come back (unmapped) after.
 //!
-//! Still made under the lock: the event calls of the stream order (`cuEventQuery`,
-//! `cuStreamQuery`, `cuEventRecord`, `cuStreamWaitEvent`: a microsecond or two each,
-//! and their bookkeeping is the state itself), and a trim's host waits for frees not yet
-//! complete (a trim is asked for by the user or by the recovery from out of memory,
-//! which synchronizes first).
+//! A trim's host waits are made with the lock let go too (`trim.rs`). Still made under
+//! the lock: the event calls of the stream order (`cuEventQuery`, `cuStreamQuery`,
+//! `cuEventRecord`, `cuStreamWaitEvent`: a microsecond or two each, never a wait, and
+//! their bookkeeping is the state itself).
+//!
+//! A panic inside a driver call (none is expected: the driver returns errors) gives the
+//! turn up as the guard unwinds, so the heap's other threads do not wait for it forever.
 
 use std::ops::{Deref, DerefMut};
 use std::time::Instant;
@@ -36,7 +38,7 @@ use super::stats::DriverNs;
 use super::{PageHeap, State};
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
-use crate::sync::{lock, wait, Mutex, MutexGuard};
+use crate::sync::{lock, wait, Condvar, Mutex, MutexGuard};
 
 /// The heap's state, locked; it lets the lock go across a driver call
 /// ([`driver`](Self::driver)).
@@ -45,6 +47,12 @@ pub(super) struct Held<'a, B: StreamOrder> {
     /// `None` only inside [`unlocked`](Self::unlocked), whose closure cannot reach
     /// `self`: every other access finds the guard.
     guard: Option<MutexGuard<'a, State<B>>>,
+    /// The turn's condition variable.
+    turn: &'a Condvar,
+    /// Whether this thread took the turn through this guard and has not given it up: a
+    /// guard dropped so (a panic in a driver call) gives it up, so that the heap's other
+    /// threads are not left waiting for it.
+    mine: bool,
 }
 
 #[cfg(all(test, not(loom)))]
@@ -68,10 +76,15 @@ pub(crate) fn locked_here() -> bool {
 }
 
 impl<'a, B: StreamOrder> Held<'a, B> {
-    pub(super) fn new(mutex: &'a Mutex<State<B>>) -> Self {
+    pub(super) fn new(mutex: &'a Mutex<State<B>>, turn: &'a Condvar) -> Self {
         let guard = Some(lock(mutex));
         note(1);
-        Self { mutex, guard }
+        Self {
+            mutex,
+            guard,
+            turn,
+            mine: false,
+        }
     }
 
     fn guard(&self) -> &MutexGuard<'a, State<B>> {
@@ -106,16 +119,39 @@ impl<'a, B: StreamOrder> Held<'a, B> {
         r
     }
 
-    /// Waits on `cv` (the turn's condition variable), the lock let go meanwhile.
-    fn wait(&mut self, cv: &crate::sync::Condvar) {
+    /// Waits on the turn's condition variable, the lock let go meanwhile.
+    fn wait(&mut self) {
         if let Some(g) = self.guard.take() {
-            self.guard = Some(wait(cv, g));
+            self.guard = Some(wait(self.turn, g));
         }
+    }
+
+    /// Takes the turn if no thread holds it: whether it did.
+    fn try_take(&mut self) -> bool {
+        let took = !std::mem::replace(&mut self.mapping, true);
+        self.mine |= took;
+        took
+    }
+
+    /// Gives the turn up and wakes the threads waiting for it.
+    fn give_up(&mut self) {
+        debug_assert!(self.mine, "page heap: a turn given up that was not taken");
+        self.mapping = false;
+        self.mine = false;
+        self.turn.notify_all();
     }
 }
 
 impl<B: StreamOrder> Drop for Held<'_, B> {
     fn drop(&mut self) {
+        if self.mine {
+            // Only on a panic with the turn (every path gives it up otherwise).
+            if self.guard.is_none() {
+                self.guard = Some(lock(self.mutex));
+                note(1);
+            }
+            self.give_up();
+        }
         if self.guard.is_some() {
             note(-1);
         }
@@ -142,33 +178,31 @@ impl<B: StreamOrder> DerefMut for Held<'_, B> {
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// The heap's state, locked.
     pub(super) fn held(&self) -> Held<'_, B> {
-        Held::new(&self.state)
+        Held::new(&self.state, &self.turn)
     }
 
     /// Takes the turn, waiting while another thread holds it.
     pub(super) fn take_turn(&self, st: &mut Held<'_, B>) {
-        while st.mapping {
-            st.wait(&self.turn);
+        while !st.try_take() {
+            st.wait();
         }
-        st.mapping = true;
     }
 
     /// Takes the turn if no thread holds it: whether it did.
     pub(super) fn try_turn(&self, st: &mut Held<'_, B>) -> bool {
-        !std::mem::replace(&mut st.mapping, true)
+        st.try_take()
     }
 
     /// Gives the turn up and wakes the threads waiting for it (they place their blocks
     /// again).
     pub(super) fn end_turn(&self, st: &mut Held<'_, B>) {
-        st.mapping = false;
-        self.turn.notify_all();
+        st.give_up();
     }
 
     /// Waits until no thread holds the turn (its mapping is done), without taking it.
     pub(super) fn await_turn(&self, st: &mut Held<'_, B>) {
         if st.mapping {
-            st.wait(&self.turn);
+            st.wait();
         }
     }
 }

@@ -85,7 +85,7 @@
 //!   and finally trims (below) after synchronizing. A failed allocation gives its run and
 //!   its chunks back as they were.
 //! - **Trim** (`trim_to(keep)`) releases spare handles, then unmaps and releases idle
-//!   chunks (from the highest address, waiting on the host for their marks) until the
+//!   chunks (from the highest address, after synchronizing, with the lock let go, the streams of the frees so far) until the
 //!   heap reserves less than `keep`; trimming to 0 also frees the regions left empty.
 //! - **No lock across a driver call** (`held.rs`): one lock guards the heap's books, and
 //!   one thread at a time (the one holding the *turn*) changes what is mapped, letting the
@@ -196,8 +196,8 @@ enum Reclaimed {
 /// How [`PageHeap::reclaim`] may take an idle chunk's handle.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Reclaim {
-    /// After waiting on the host for the chunk's work.
-    Wait,
+    /// Only where the work completed (a trim, which waited on the host first).
+    Done,
     /// Where the work completed, else the first pending one, its old mapping retired.
     Retire,
 }
@@ -510,7 +510,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// holds the turn (which polls them itself).
     fn poll_in_turn(&self, st: &mut Held<'_, B>, b: &B) {
         if !st.retired.is_empty() && self.try_turn(st) {
-            self.poll(st, b, POLL, false);
+            self.poll(st, b, POLL);
             self.end_turn(st);
         }
     }

@@ -10,7 +10,7 @@
 //!
 //! Invariants (under the heap's lock):
 //! - a chunk is unmapped only once the work of every free that touched its units is
-//!   known complete (settled, or waited for on the host), and never while a block holds
+//!   known complete (settled: a trim waits on the host first), and never while a block holds
 //!   one of its units;
 //! - a retired chunk has no unit in a free run or a block (`used` is all of them), keeps
 //!   its handle recorded until its old mapping goes, and holds the stamps of its frees;
@@ -40,7 +40,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         tries: usize,
         how: Reclaim,
     ) -> Option<Reclaimed> {
-        let pending = match self.take_idle(st, b, tries, how) {
+        let pending = match self.take_idle(st, b, tries) {
             ControlFlow::Break(taken) => return taken,
             ControlFlow::Continue(pending) => pending,
         };
@@ -50,7 +50,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Unmaps the first idle chunk (of at most `tries`, from the highest address) whose
-    /// frees completed (`how`: settled, or waited for on the host) and breaks with its
+    /// frees completed and breaks with its
     /// handle (`None` if it had none), or with `Released` where that chunk is of a group
     /// (wholly idle: unmapped and released whole); else continues with the first chunk
     /// (not of a group) found pending and the first unit of its free run.
@@ -59,7 +59,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         st: &mut Held<'_, B>,
         b: &B,
         tries: usize,
-        how: Reclaim,
     ) -> ControlFlow<Option<Reclaimed>, Option<(usize, usize)>> {
         let mut below = usize::MAX;
         let mut pending = None;
@@ -70,7 +69,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             below = c;
             if let Some((g, k)) = st.chunks[c].group {
                 below = g;
-                if self.release_idle_group(st, b, g, k, how == Reclaim::Wait) {
+                if self.release_idle_group(st, b, g, k) {
                     return ControlFlow::Break(Some(Reclaimed::Released));
                 }
                 continue;
@@ -80,7 +79,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 continue;
             };
             let frees = touching(stamps, first, first + self.chunk_units);
-            if !self.frees_done(st, b, &frees, how == Reclaim::Wait) {
+            if !self.frees_done(st, b, &frees) {
                 pending = pending.or(Some((c, rs)));
                 continue;
             }
@@ -106,9 +105,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Unmaps and releases group `g..g + k` if all of its chunks are idle and the frees of
-    /// all its units completed (settled, or with `wait` waited for on the host): whether it
-    /// did. A group that fails its unmap stays mapped, its chunks stuck.
-    fn release_idle_group(&self, st: &mut Held<'_, B>, b: &B, g: usize, k: usize, wait: bool) -> bool {
+    /// all its units completed: whether it did. A group that fails its unmap stays mapped, its chunks stuck.
+    fn release_idle_group(&self, st: &mut Held<'_, B>, b: &B, g: usize, k: usize) -> bool {
         if !(g..g + k).all(|c| st.idle.contains(&c)) {
             return false;
         }
@@ -119,7 +117,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         };
         debug_assert!(rs + len >= end, "page heap: an idle group's units in two runs");
         let frees = touching(stamps, first, end);
-        if !self.frees_done(st, b, &frees, wait) {
+        if !self.frees_done(st, b, &frees) {
             return false;
         }
         let Some(h) = st.chunks[g].handle else {
@@ -173,15 +171,15 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         Some((h, mine))
     }
 
-    /// Unmaps retired chunks whose marks completed (querying at most `max` chunks; with
-    /// `wait`, after waiting on the host), and frees their units.
-    pub(super) fn poll(&self, st: &mut Held<'_, B>, b: &B, max: usize, wait: bool) {
+    /// Unmaps retired chunks whose marks completed (querying at most `max` chunks), and
+    /// frees their units.
+    pub(super) fn poll(&self, st: &mut Held<'_, B>, b: &B, max: usize) {
         let mut i = 0;
         let mut seen = 0;
         while i < st.retired.len() && seen < max {
             seen += 1;
             let frees = st.retired[i].1.clone();
-            if !self.frees_done(st, b, &frees, wait) {
+            if !self.frees_done(st, b, &frees) {
                 i += 1;
                 continue;
             }
@@ -198,17 +196,10 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
     }
 
-    /// Whether the work of every free of `frees` is known complete: settled (asking the
-    /// driver at most once per stream and operation), or with `wait`, waited for on the
-    /// host. Stops at the first that is not.
-    fn frees_done(&self, st: &mut State<B>, b: &B, frees: &[Freed], wait: bool) -> bool {
-        frees.iter().all(|s| {
-            if wait {
-                st.clocks.wait_done(b, s)
-            } else {
-                st.clocks.settle(b, s)
-            }
-        })
+    /// Whether the work of every free of `frees` is known complete (settled: asking the
+    /// driver at most once per stream and operation). Stops at the first that is not.
+    fn frees_done(&self, st: &mut State<B>, b: &B, frees: &[Freed]) -> bool {
+        frees.iter().all(|s| st.clocks.settle(b, s))
     }
 
     /// Unmaps the mapping of chunks `c..c + k` (their handle stays recorded for the

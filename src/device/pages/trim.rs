@@ -1,6 +1,6 @@
 //! Giving memory back to the driver: trimming to a number of bytes (spare handles first,
-//! then idle chunks from the highest address, waiting on the host for their frees), and
-//! the shutdown at the backend's drop.
+//! then idle chunks from the highest address, after waiting on the host, with the lock
+//! let go, for the frees numbered so far), and the shutdown at the backend's drop.
 //!
 //! Invariants: a handle is released only when it is mapped nowhere (spare, or just
 //! unmapped, and not still mapped at a retired chunk); every handle a trim releases
@@ -8,6 +8,7 @@
 //! bytes (the shutdown releases the rest without counting: the pool is going, and a
 //! group's handle, recorded at each of its chunks, once).
 
+use super::held::Held;
 use super::{PageHeap, Reclaim, Reclaimed, MAX_CLOCKS};
 use crate::cuda::record_drop_error;
 use crate::device::order::StreamOrder;
@@ -21,8 +22,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         keep.saturating_sub(self.reserved())
     }
 
-    /// Releases spare handles, then idle chunks from the highest address (waiting on the
-    /// host for their marks; a group when all of its chunks are idle, whole), until the
+    /// Releases spare handles, then idle chunks from the highest address (whose frees
+    /// completed: the streams of the frees numbered before the trim are synchronized
+    /// first; a group when all of its chunks are idle, whole), until the
     /// heap reserves less than `keep` bytes (0: all it can, and the regions left empty
     /// are freed).
     pub(crate) fn trim_to(&self, b: &B, keep: usize) {
@@ -31,11 +33,12 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         st.clocks.begin_op();
         let all = keep == 0;
         let keep = keep.max(1);
-        self.poll(&mut st, b, usize::MAX, true);
+        self.wait_for_frees(&mut st, b);
+        self.poll(&mut st, b, usize::MAX);
         while st.stats.reserved >= keep {
             let h = match st.spare.pop() {
                 Some(h) => h,
-                None => match self.reclaim(&mut st, b, usize::MAX, Reclaim::Wait) {
+                None => match self.reclaim(&mut st, b, usize::MAX, Reclaim::Done) {
                     Some(Reclaimed::Handle(h, _)) => h,
                     // A group, unmapped and released whole.
                     Some(Reclaimed::Released) => continue,
@@ -59,6 +62,30 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         let dead = st.clocks.take_dead();
         drop(st);
         drop(dead);
+    }
+
+    /// With the turn: waits on the host, with the lock let go, for the work of every free
+    /// numbered so far whose work may be pending (synchronizing its stream), so that what
+    /// a trim unmaps is settled; a failed wait is counted and that work stays pending.
+    fn wait_for_frees(&self, st: &mut Held<'_, B>, b: &B) {
+        let pending = st.clocks.pending();
+        if pending.is_empty() {
+            return;
+        }
+        // The stream handles are dropped with the lock let go (the last handle of a
+        // stream destroys it: a driver call).
+        let waited: Vec<_> = st.unlocked(|| {
+            pending
+                .into_iter()
+                .map(|(s, seq)| (B::stream_id(&s), seq, b.synchronize(&s)))
+                .collect()
+        });
+        for (id, seq, r) in waited {
+            match r {
+                Ok(()) => st.clocks.completed_to(id, seq),
+                Err(e) => record_drop_error("waiting for a page block's frees", e),
+            }
+        }
     }
 
     /// Gives everything back, at the backend's drop: trims to 0, then releases the

@@ -182,10 +182,7 @@ fn a_failed_query_or_wait_counts_as_pending() {
     clocks.order_after(&order, &S::new(), &f, &mut stats).unwrap();
     assert_eq!((stats.marks, stats.waits), (1, 1), "ordered after the free");
     clocks.begin_op();
-    assert!(
-        !clocks.wait_done(&order, &f),
-        "the mark's query and host wait failed"
-    );
+    assert!(!clocks.settle(&order, &f), "the mark's query failed");
     assert!(!clocks.completed(&f));
     order.failing.store(false, Ordering::Relaxed);
     clocks.begin_op();
@@ -233,31 +230,30 @@ fn order_after_completed_work_records_nothing() {
 }
 
 #[test]
-fn wait_done_waits_for_the_first_mark_after_the_free_else_the_stream() {
-    let (a, t) = (S::new(), S::new());
+fn a_host_wait_completes_the_frees_numbered_before_it_and_no_later_one() {
+    let (a, b, t) = (S::new(), S::new(), S::new());
     a.busy();
     let order = Script::default();
     let mut clocks = Clocks::<Script>::default();
     let mut stats = PageStats::default();
     let f1 = clocks.number_free(&a, 0, 1);
     let f2 = clocks.number_free(&a, 1, 2);
+    let done = clocks.number_free(&b, 2, 3);
     clocks.begin_op();
+    assert!(clocks.settle(&order, &done), "b is idle");
     clocks.order_after(&order, &t, &f1, &mut stats).unwrap();
-    a.busy();
-    let f3 = clocks.number_free(&a, 2, 3);
-    clocks.begin_op();
-    assert!(clocks.wait_done(&order, &f1));
-    assert!(clocks.completed(&f2), "the mark covered f2 too");
-    assert!(!clocks.completed(&f3), "f3 came after the mark");
-    assert!(a.0.completed.load(Ordering::Relaxed) < a.0.queued.load(Ordering::Relaxed));
+    let pending = clocks.pending();
+    assert_eq!(pending.len(), 1, "only a has frees that may be pending");
+    let (stream, seq) = &pending[0];
+    assert_eq!((stream.0.id, *seq), (a.0.id, f2.seq));
+    // Freed after the wait began: not covered by it.
+    let f3 = clocks.number_free(&a, 3, 4);
+    order.synchronize(stream).unwrap();
+    clocks.completed_to(Script::stream_id(stream), *seq);
+    assert!(clocks.completed(&f1) && clocks.completed(&f2));
+    assert!(!clocks.completed(&f3), "f3 came after the wait");
     clocks.check();
-    clocks.begin_op();
-    assert!(
-        clocks.wait_done(&order, &f3),
-        "no mark after f3: the stream is synchronized"
-    );
-    assert!(clocks.completed(&f3));
-    clocks.check();
+    assert_eq!(clocks.pending().len(), 1, "f3 is still pending");
 }
 
 #[test]

@@ -190,3 +190,28 @@ fn a_block_that_needs_a_mapping_waits_for_the_turn_and_takes_memory_freed_meanwh
     r.free(placed, &s);
     super::trim_clean(&r.h, &r.b, &phys);
 }
+
+#[test]
+fn a_panic_in_a_driver_call_gives_the_turn_up() {
+    let phys = FakePhys::new(GRANULE, usize::MAX).with_hook({
+        let once = Mutex::new(true);
+        move |op| {
+            if op == PhysOp::Map && std::mem::take(&mut *once.lock().unwrap()) {
+                panic!("a driver call panics");
+            }
+        }
+    });
+    let r = Arc::new(Rig {
+        h: PageHeap::new(phys.clone(), TUNING),
+        b: FakeBackend::new(u64::MAX),
+    });
+    let s = FakeStream::new();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.alloc(16 * MIB, &s)));
+    assert!(panicked.is_err());
+    // Another thread's block needs a mapping: it gets the turn, not a wait forever.
+    let (done_tx, done) = mpsc::channel();
+    let (rt, st) = (r.clone(), s.clone());
+    std::thread::spawn(move || done_tx.send(rt.alloc(16 * MIB, &st)).unwrap());
+    let p = done.recv_timeout(PROMPT).expect("the turn was left taken");
+    assert!(phys.use_block(p, 16 * MIB, &s));
+}
