@@ -84,9 +84,10 @@
 //!   is taken before the error goes up to the cache, which releases its blocks, retries,
 //!   and finally trims (below) after synchronizing. A failed allocation gives its run and
 //!   its chunks back as they were.
-//! - **Trim** (`trim_to(keep)`) releases spare handles, then unmaps and releases idle
-//!   chunks (from the highest address, after synchronizing, with the lock let go, the streams of the frees so far) until the
-//!   heap reserves less than `keep`; trimming to 0 also frees the regions left empty.
+//! - **Trim** (`trim_to(keep)`) synchronizes the streams of the frees so far (with the
+//!   lock let go), then releases spare handles, then unmaps and releases idle chunks
+//!   (from the highest address) until the heap reserves less than `keep`; trimming to 0
+//!   also frees the regions left empty.
 //! - **No lock across a driver call** (`held.rs`): one lock guards the heap's books, and
 //!   one thread at a time (the one holding the *turn*) changes what is mapped, letting the
 //!   lock go across each of its driver calls. Frees, blocks that fit in mapped memory and
