@@ -51,8 +51,11 @@
 //!   shaped as the H200's default (blocks from 2 MiB up in the large slots, as
 //!   `device_hit`'s 16 and 128 MiB rows), `sim_cache` all by class. The ratio
 //!   `sim / malloc` compares hot-path changes across runs and machines.
+//! - `device_threads_sim` (no GPU needed): `device_threads`' workload on the simulated
+//!   default pool whose driver calls sleep the H100's measured costs
+//!   (`DriverCosts::H100`): what waiting for another thread's driver calls costs.
 //!
-//! Without a CUDA driver the bench runs `device_hit_sim` only and says why. `--quick` (criterion's flag) also
+//! Without a CUDA driver the bench runs the simulated groups only and says why. `--quick` (criterion's flag) also
 //! shrinks the workloads: three sizes, 10^4 random allocations. Filters pick groups (the
 //! memory runs of `device_random` happen only when no filter excludes that group):
 //!
@@ -65,7 +68,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput};
 use cudalloc::cuda::{copy_async, default_pool_reserved, device_count, Stream};
-use cudalloc::device::sim::{SimPool, SimStream};
+use cudalloc::device::sim::{DriverCosts, SimPool, SimStream};
 use cudalloc::device::{Backing, PageTuning};
 use cudalloc::device::{DeviceArena, DevicePool, DevicePoolConfig};
 use cudalloc::testing::{AsyncDeviceMemory, DeviceMemory};
@@ -518,20 +521,20 @@ fn device_random(c: &mut Criterion) {
 /// Threads of `device_threads`, allocations each, blocks live at most per thread.
 const THREADS: usize = 16;
 
-/// One run of `device_threads`: `THREADS` threads, each on its own stream, allocating
+/// One run of `device_threads`: `threads` threads, each on its own stream, allocating
 /// blocks of 4..64 MiB (keeping at most 8 live, freeing a random one when full or at
-/// random) with `alloc`; the wall time of the whole and the peak of the bytes requested
-/// by all threads together.
+/// random) with `alloc` (size, thread); the wall time of the whole and the peak of the
+/// bytes requested by all threads together.
 fn threads_run<T>(
     alloc: impl Fn(usize, usize) -> T + Sync,
     per_thread: usize,
-    streams: &[Stream],
+    threads: usize,
 ) -> (Duration, usize) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let (live, peak) = (AtomicUsize::new(0), AtomicUsize::new(0));
-    let barrier = std::sync::Barrier::new(streams.len() + 1);
+    let barrier = std::sync::Barrier::new(threads + 1);
     let t0 = std::thread::scope(|s| {
-        for t in 0..streams.len() {
+        for t in 0..threads {
             let (alloc, live, peak, barrier) = (&alloc, &live, &peak, &barrier);
             s.spawn(move || {
                 let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1));
@@ -558,9 +561,7 @@ fn threads_run<T>(
         barrier.wait();
         Instant::now()
     });
-    let elapsed = t0.elapsed();
-    streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
-    (elapsed, peak.load(Ordering::Relaxed))
+    (t0.elapsed(), peak.load(Ordering::Relaxed))
 }
 
 /// 16 threads allocating and freeing large blocks of changing sizes at once, each on its
@@ -591,8 +592,9 @@ fn device_threads() {
                     let (elapsed, peak) = threads_run(
                         |size, t| pool.alloc::<u8>(size, &streams[t]).expect("pool"),
                         per_thread,
-                        &streams,
+                        THREADS,
                     );
+                    streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
                     let reserved = pool.stats().peak_reserved_bytes;
                     pool.trim();
                     (elapsed, peak, reserved as f64)
@@ -602,8 +604,9 @@ fn device_threads() {
                     let (elapsed, peak) = threads_run(
                         |size, t| AsyncDeviceMemory::new(size, &streams[t]).expect("cuMemAllocAsync"),
                         per_thread,
-                        &streams,
+                        THREADS,
                     );
+                    streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
                     let high = default_pool_reserved(0, false).map_or(0, |(_, h)| h);
                     (elapsed, peak, high as f64)
                 }
@@ -623,6 +626,41 @@ fn device_threads() {
             times[i][1], times[i], ratios[i]
         );
     }
+}
+
+/// `device_threads` on the simulated GPU (no GPU needed): the default pool's shape over
+/// a simulated page heap whose driver calls take the H100's measured costs
+/// (`DriverCosts::H100`, slept), 16 threads, three runs; the median time and the peak
+/// reserved / peak requested. It shows what the heap's lock costs when other threads
+/// wait for its driver calls (`pages/held.rs`). `cargo bench --bench device --
+/// device_threads_sim`
+fn device_threads_sim() {
+    if !wanted("device_threads_sim") {
+        return;
+    }
+    let per_thread = if quick() { 200 } else { 1000 };
+    let streams: Vec<SimStream> = (0..THREADS).map(|_| SimStream::new()).collect();
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let pool = SimPool::paged_with_costs(64 << 20, DriverCosts::H100);
+        let (elapsed, peak) = threads_run(
+            |size, t| pool.alloc(size, &streams[t]).expect("sim"),
+            per_thread,
+            THREADS,
+        );
+        runs.push((
+            elapsed.as_secs_f64() * 1e3,
+            pool.peak_reserved() as f64 / peak as f64,
+        ));
+    }
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    println!(
+        "device_threads_sim: {THREADS} threads x {per_thread} allocations of 4..64 MiB, simulated \
+         driver at the H100's costs: median {:.1} ms (runs {:.1?} ms, reserved/requested {:.3?})",
+        runs[1].0,
+        runs.iter().map(|r| r.0).collect::<Vec<_>>(),
+        runs.iter().map(|r| r.1).collect::<Vec<_>>(),
+    );
 }
 
 /// What a miss costs on physical pages (see the module docs).
@@ -788,10 +826,12 @@ fn device_peer_copy(c: &mut Criterion) {
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     device_hit_sim(&mut c);
+    device_threads_sim();
     if !cudalloc::cuda::driver_available() {
         device_hit_nvtx(&mut c, None);
         eprintln!(
-            "device bench: no CUDA driver: only device_hit_sim and device_hit_nvtx's simulated rows ran"
+            "device bench: no CUDA driver: only device_hit_sim, device_threads_sim and device_hit_nvtx's \
+             simulated rows ran"
         );
         c.final_summary();
         return;

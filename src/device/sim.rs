@@ -9,6 +9,7 @@
 
 use super::cache::{Cache, Settings};
 use super::config::PageTuning;
+pub use super::fake::DriverCosts;
 use super::fake::{FakeBackend, FakePhys, FakeStream};
 use super::local::{self, Core, LocalCache, Owned, PoolHandle};
 use super::order::StreamOrder;
@@ -248,15 +249,38 @@ impl SimPool {
     /// assert_eq!(pool.hits(), 1);
     /// ```
     pub fn paged(thread_cache_bytes: usize) -> Self {
+        Self::paged_costing(thread_cache_bytes, None)
+    }
+
+    /// [`SimPool::paged`] whose simulated driver takes `costs` for each physical-memory
+    /// call (the page heap's growth and moves then take time as on a GPU; the
+    /// `device_threads_sim` benchmark).
+    ///
+    /// ```
+    /// use cudalloc::device::sim::{DriverCosts, SimPool, SimStream};
+    /// let pool = SimPool::paged_with_costs(0, DriverCosts::H100);
+    /// let t = std::time::Instant::now();
+    /// drop(pool.alloc(16 << 20, &SimStream::new()).unwrap());
+    /// assert!(t.elapsed() >= DriverCosts::H100.create + DriverCosts::H100.access);
+    /// ```
+    pub fn paged_with_costs(thread_cache_bytes: usize, costs: DriverCosts) -> Self {
+        Self::paged_costing(thread_cache_bytes, Some(costs))
+    }
+
+    fn paged_costing(thread_cache_bytes: usize, costs: Option<DriverCosts>) -> Self {
         let mut settings = Settings::new((1 << 30).min(PAGE_MIN - 1), thread_cache_bytes, None);
         settings.max_large_bytes = 1 << 30;
-        Self::on_pages(settings)
+        Self::on_pages(settings, costs)
     }
 
     /// A pool of `settings` over a simulated page heap shaped as the H200's (2 MiB
-    /// granules, blocks from [`PAGE_MIN`] up on the heap).
-    fn on_pages(settings: Settings) -> Self {
+    /// granules, blocks from [`PAGE_MIN`] up on the heap), its driver taking `costs`.
+    fn on_pages(settings: Settings, costs: Option<DriverCosts>) -> Self {
         let phys = FakePhys::new(GRANULE, usize::MAX);
+        let phys = match costs {
+            Some(c) => phys.with_costs(c),
+            None => phys,
+        };
         let backend = FakeBackend::paged(u64::MAX, phys, PAGE_MIN, PageTuning::default());
         Self::around(Cache::new(backend, settings))
     }
@@ -272,7 +296,7 @@ impl SimPool {
     /// assert_eq!(pool.hits(), 0, "nothing is cached");
     /// ```
     pub fn paged_uncached() -> Self {
-        Self::on_pages(Settings::new(0, 0, None))
+        Self::on_pages(Settings::new(0, 0, None), None)
     }
 
     /// The pool without its cache, on the simulated driver pool alone: every block from

@@ -13,6 +13,7 @@ mod pool_model;
 
 use std::collections::BTreeMap;
 
+pub use self::physical::DriverCosts;
 pub(crate) use self::physical::FakePhys;
 #[cfg(test)]
 pub(crate) use self::physical::PhysOp;

@@ -3,6 +3,7 @@
 //! counted (see the type's docs).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use super::FakeStream;
 use crate::device::phys::Phys;
@@ -26,6 +27,49 @@ pub(crate) struct FakePhys {
     /// Called at the start of every operation, before the books are locked
     /// ([`FakePhys::with_hook`]).
     hook: Option<Hook>,
+    /// What each operation takes, slept before it ([`FakePhys::with_costs`]).
+    costs: Option<DriverCosts>,
+}
+
+/// What the simulated physical memory's operations take, as a GPU's driver would: each
+/// operation sleeps its cost (at least: the sleep may overshoot) before it runs, with no
+/// lock of its own held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriverCosts {
+    /// `cuMemCreate`.
+    pub create: Duration,
+    /// `cuMemMap`.
+    pub map: Duration,
+    /// `cuMemSetAccess` (one mapping).
+    pub access: Duration,
+    /// `cuMemUnmap`.
+    pub unmap: Duration,
+    /// `cuMemRelease`.
+    pub release: Duration,
+}
+
+impl DriverCosts {
+    /// The costs measured on an H100 80GB HBM3 with driver 580 (`tools/vmm_costs.c`,
+    /// BENCHMARKS.md, 2026-12-05): create 17 us, map 1 us, access 33 us, unmap 34 us
+    /// (the H200's figure), release 10 us.
+    pub const H100: Self = Self {
+        create: Duration::from_micros(17),
+        map: Duration::from_micros(1),
+        access: Duration::from_micros(33),
+        unmap: Duration::from_micros(34),
+        release: Duration::from_micros(10),
+    };
+
+    fn of(&self, op: PhysOp) -> Duration {
+        match op {
+            PhysOp::Create => self.create,
+            PhysOp::Map => self.map,
+            PhysOp::SetAccess => self.access,
+            PhysOp::Unmap => self.unmap,
+            PhysOp::Release => self.release,
+            PhysOp::Reserve | PhysOp::FreeRange => Duration::ZERO,
+        }
+    }
 }
 
 /// A function called with each operation of a [`FakePhys`] as it begins.
@@ -168,6 +212,15 @@ impl FakePhys {
                 ..PhysState::default()
             })),
             hook: None,
+            costs: None,
+        }
+    }
+
+    /// This memory taking `costs` for its operations.
+    pub(crate) fn with_costs(self, costs: DriverCosts) -> Self {
+        Self {
+            costs: Some(costs),
+            ..self
         }
     }
 
@@ -191,6 +244,12 @@ impl FakePhys {
         );
         if let Some(h) = &self.hook {
             (h.0)(op);
+        }
+        if let Some(c) = &self.costs {
+            let d = c.of(op);
+            if !d.is_zero() {
+                std::thread::sleep(d);
+            }
         }
     }
 
