@@ -98,7 +98,7 @@ impl<'a, B: StreamOrder> Held<'a, B> {
 
     /// Runs `f` with the lock let go, then takes it again.
     pub(super) fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
-        debug_assert!(self.mapping, "page heap: a driver call without the turn");
+        debug_assert!(self.mine, "page heap: a driver call without the turn");
         self.guard = None;
         note(-1);
         let r = f();
