@@ -62,6 +62,12 @@ impl<T: ThreadCounters> ThreadRegistry<T> {
     }
 
     /// Runs `f` with every registered thread's counters under the registry's lock (no
+    /// thread registers or retires meanwhile; `f` takes no other lock of the pool).
+    pub(crate) fn locked<R>(&self, f: impl FnOnce(&[Arc<T>]) -> R) -> R {
+        f(&lock(&self.inner).live)
+    }
+
+    /// Runs `f` with every registered thread's counters under the registry's lock (no
     /// thread registers or retires meanwhile; `f` takes no other lock of the pool), then
     /// retires those for which `stay` says no, keeping what they served in the totals.
     pub(crate) fn sweep<R>(&self, f: impl FnOnce(&[Arc<T>]) -> R, mut stay: impl FnMut(&T) -> bool) -> R {

@@ -117,17 +117,14 @@ impl<B: super::backend::Backend> Core<B> {
 /// handle made again from a buffer meanwhile ([`reopen`]) leaves the pool open.
 pub(crate) fn close<B: super::backend::Backend>(core: &Core<B>) {
     let cache = &core.cache;
-    cache.threads().sweep(
-        |live| {
-            if core.users.load(Ordering::SeqCst) == 0 {
-                cache.closing.store(true, Ordering::SeqCst);
-                for t in live {
-                    t.reclaim.store(true, Ordering::SeqCst);
-                }
+    cache.threads().locked(|live| {
+        if core.users.load(Ordering::SeqCst) == 0 {
+            cache.closing.store(true, Ordering::SeqCst);
+            for t in live {
+                t.reclaim.store(true, Ordering::SeqCst);
             }
-        },
-        |_| true,
-    );
+        }
+    });
     heavy_barrier();
 }
 
@@ -135,14 +132,11 @@ pub(crate) fn close<B: super::backend::Backend>(core: &Core<B>) {
 /// pool is open again (the flags the close raised go down at each thread's flush).
 pub(crate) fn reopen<B: super::backend::Backend>(core: &Core<B>) {
     let cache = &core.cache;
-    cache.threads().sweep(
-        |_| {
-            if core.users.load(Ordering::SeqCst) > 0 {
-                cache.closing.store(false, Ordering::SeqCst);
-            }
-        },
-        |_| true,
-    );
+    cache.threads().locked(|_| {
+        if core.users.load(Ordering::SeqCst) > 0 {
+            cache.closing.store(false, Ordering::SeqCst);
+        }
+    });
 }
 
 /// The drop of an internal handle `h` (from its type's `Drop`). While the pool is open,
