@@ -265,8 +265,8 @@ impl FakeBackend {
     }
 }
 
-/// In tests, fails a host wait made under a page heap's lock (which would stop every
-/// other thread's frees for as long as the GPU works).
+/// In tests, fails a driver call of the stream order (a query, a record, a wait) made
+/// under a page heap's lock.
 fn no_heap_lock(_call: &str) {
     #[cfg(all(test, not(loom)))]
     assert!(
@@ -284,6 +284,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn mark(&self, stream: &FakeStream) -> Result<FakeMark> {
+        no_heap_lock("mark");
         if self.fail_marks.load(Ordering::SeqCst) {
             return Err(Error::InvalidArgument("fake: marks fail"));
         }
@@ -303,6 +304,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn wait(&self, stream: &FakeStream, mark: &FakeMark) -> Result<()> {
+        no_heap_lock("wait");
         debug_assert_eq!(mark.clock.get(&mark.stream), Some(&mark.pos));
         let mut clock = lock(&stream.lane.clock);
         for (&s, &p) in &mark.clock {
@@ -315,6 +317,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn is_complete(&self, mark: &FakeMark) -> Result<bool> {
+        no_heap_lock("is_complete");
         let done = mark.lane.completed.load(Ordering::SeqCst) >= mark.pos;
         if done {
             // What the mark's stream waited for before it completed too (a GPU stream
@@ -332,6 +335,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn is_idle(&self, stream: &FakeStream) -> Result<bool> {
+        no_heap_lock("is_idle");
         self.idle_queries.fetch_add(1, Ordering::SeqCst);
         // As `complete_all` reads them: the waits first, then the work queued.
         let clock = lock(&stream.lane.clock).clone();

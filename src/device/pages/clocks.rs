@@ -5,6 +5,14 @@
 //! be pending and orders a taker after it. Tested on its own below, with a scripted
 //! [`StreamOrder`] (no physical memory, no simulator).
 //!
+//! The driver is asked with the heap's lock let go, in three steps: under the lock,
+//! [`Clocks::asks`] (or [`Clocks::refresh`]) copies what a question needs ([`Ask`]: the
+//! stream, its latest free, its marks shared by reference count); without it, [`answer`]
+//! queries, records a mark and makes a taker wait; under the lock again,
+//! [`Clocks::answered`] keeps what was learned ([`Answer`]). What is learned only ever
+//! grows `done` (a mark recorded, or a stream found idle, after the lock was let go still
+//! covers every free numbered before), so answers arriving late or in any order are safe.
+//!
 //! Invariant, per [`Clock`]: `done <= freed <= seq` (the heap's latest number), and the
 //! marks are in strictly increasing order of number, each in `done + 1..=freed`. A
 //! stream without a clock has no free that may be pending: a clock goes only once
@@ -13,10 +21,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::stats::PageStats;
 use crate::cuda::StreamId;
 use crate::device::order::StreamOrder;
 use crate::error::Result;
+use crate::sync::global::Arc;
 
 /// Frees of units by one stream, as a free run remembers them: the sequence number of
 /// the latest (under the heap's lock, so in the stream's order) and the hull of the units
@@ -61,11 +69,8 @@ struct Clock<B: StreamOrder> {
     /// Every free of the stream numbered up to this has completed.
     done: u64,
     /// Marks recorded on the stream, oldest first, each after every free up to its
-    /// number.
-    marks: VecDeque<(u64, B::Mark)>,
-    /// The heap operation that last asked the driver about this stream (at most once an
-    /// operation).
-    asked: u64,
+    /// number (shared with the questions being asked about them).
+    marks: VecDeque<(u64, Arc<B::Mark>)>,
 }
 
 /// The clocks of the streams that freed units here with work that may be pending, with
@@ -74,11 +79,27 @@ pub(super) struct Clocks<B: StreamOrder> {
     by_stream: HashMap<StreamId, Clock<B>>,
     /// The latest free's sequence number.
     seq: u64,
-    /// Heap operations so far (a stream is asked about at most once in one).
-    op: u64,
-    /// Handles of streams whose clocks went, dropped after the heap's lock (the last
-    /// handle of an owned stream destroys it: a driver call).
-    dead: Vec<B::Stream>,
+    /// What goes after the heap's lock ([`take_dead`](Self::take_dead)).
+    dead: Dead<B>,
+    /// Empty vectors kept for the next questions and answers (no allocation per taker).
+    spare: (Vec<Ask<B>>, Vec<Answer<B>>),
+}
+
+/// Handles of streams whose clocks went and marks no longer needed, dropped after the
+/// heap's lock (the last handle of an owned stream destroys it, and a mark beyond the
+/// event pool's idle ones is destroyed: driver calls).
+pub(super) struct Dead<B: StreamOrder> {
+    pub(super) streams: Vec<B::Stream>,
+    marks: Vec<Arc<B::Mark>>,
+}
+
+impl<B: StreamOrder> Default for Dead<B> {
+    fn default() -> Self {
+        Self {
+            streams: Vec::new(),
+            marks: Vec::new(),
+        }
+    }
 }
 
 impl<B: StreamOrder> Default for Clocks<B> {
@@ -86,18 +107,107 @@ impl<B: StreamOrder> Default for Clocks<B> {
         Self {
             by_stream: HashMap::new(),
             seq: 0,
-            op: 0,
-            dead: Vec::new(),
+            dead: Dead::default(),
+            spare: (Vec::new(), Vec::new()),
         }
     }
 }
 
-impl<B: StreamOrder> Clocks<B> {
-    /// Starts a heap operation: the driver may be asked about each stream once more.
-    pub(super) fn begin_op(&mut self) {
-        self.op += 1;
-    }
+/// A question for the driver about one stream's frees, asked with the heap's lock let go
+/// ([`answer`]).
+pub(super) struct Ask<B: StreamOrder> {
+    id: StreamId,
+    stream: B::Stream,
+    /// The stream's latest free when asked.
+    freed: u64,
+    /// The free to know complete, or to order a taker after.
+    need: u64,
+    /// The mark to ask first: the first after `need` if there is one (to wait for),
+    /// else the newest; and whether it is the newest (a stream with a mark pending is
+    /// not asked whether it is idle).
+    probe: Option<(u64, Arc<B::Mark>)>,
+    newest: bool,
+    /// The oldest mark, asked when the probe is pending (so that completed marks go).
+    oldest: Option<(u64, Arc<B::Mark>)>,
+}
 
+/// What the driver answered about one stream: every free up to `done` completed (0:
+/// nothing learned), and the mark recorded (with the free it covers), if one was.
+pub(super) struct Answer<B: StreamOrder> {
+    id: StreamId,
+    done: u64,
+    mark: Option<(u64, Arc<B::Mark>)>,
+    /// Marks recorded and waits made.
+    pub(super) marks: u64,
+    pub(super) waits: u64,
+}
+
+/// Asks the driver about `ask`'s stream (with no lock held): its probe mark (and, if that
+/// is pending, its oldest mark), then, with no mark pending, whether the stream is idle.
+/// With a `taker`, if the free needed may still be pending, makes it wait (no host wait)
+/// for the first mark after that free, recorded now if there is none (it covers every
+/// free of its stream so far). A failed query counts as pending; a failed record or wait
+/// is the error.
+pub(super) fn answer<B: StreamOrder>(
+    b: &B,
+    ask: Ask<B>,
+    taker: Option<&B::Stream>,
+) -> (Answer<B>, Result<()>) {
+    let mut a = Answer {
+        id: ask.id,
+        done: 0,
+        mark: None,
+        marks: 0,
+        waits: 0,
+    };
+    let complete = |m: &Arc<B::Mark>| matches!(b.is_complete(m), Ok(true));
+    let probe_pending = match &ask.probe {
+        Some((seq, m)) if complete(m) => {
+            a.done = *seq;
+            false
+        }
+        Some(_) => true,
+        None => false,
+    };
+    if probe_pending {
+        if let Some((seq, m)) = ask
+            .oldest
+            .as_ref()
+            .filter(|(s, _)| ask.probe.as_ref().is_some_and(|p| p.0 != *s))
+        {
+            if complete(m) {
+                a.done = *seq;
+            }
+        }
+    }
+    let quiet = !probe_pending && (ask.newest || ask.probe.is_none());
+    if quiet && a.done < ask.freed && matches!(b.is_idle(&ask.stream), Ok(true)) {
+        a.done = ask.freed;
+    }
+    let Some(taker) = taker.filter(|_| a.done < ask.need) else {
+        return (a, Ok(()));
+    };
+    let covering = ask.probe.as_ref().filter(|(seq, _)| *seq >= ask.need);
+    let waited = match covering {
+        Some((_, m)) => b.wait(taker, m),
+        None => match b.mark(&ask.stream) {
+            Ok(m) => {
+                a.marks += 1;
+                let m = Arc::new(m);
+                let w = b.wait(taker, &m);
+                a.mark = Some((ask.freed, m));
+                w
+            }
+            Err(e) => Err(e),
+        },
+    };
+    if waited.is_ok() {
+        a.waits += 1;
+    }
+    (a, waited)
+}
+
+impl<B: StreamOrder> Clocks<B> {
     /// Numbers a free of units `lo..hi` on `stream` (under the heap's lock: the frees of
     /// one stream are numbered in its order). No driver call: another stream that takes
     /// these units first asks whether the work completed ([`Clocks::order_after`]).
@@ -113,7 +223,6 @@ impl<B: StreamOrder> Clocks<B> {
                 // A stream without a clock has no free pending (see `completed`).
                 done: seq - 1,
                 marks: VecDeque::new(),
-                asked: 0,
             })
             .freed = seq;
         Freed {
@@ -153,64 +262,80 @@ impl<B: StreamOrder> Clocks<B> {
         }
     }
 
-    /// Whether the frees `f` stands for are known to have completed, asking the driver
-    /// (the stream's oldest marks; without a pending mark, whether the stream is idle) at
-    /// most once per stream and heap operation. A failed query counts as pending.
-    pub(super) fn settle(&mut self, b: &B, f: &Freed) -> bool {
-        if self.completed(f) {
-            return true;
-        }
-        let op = self.op;
-        let Some(c) = self.by_stream.get_mut(&f.stream) else {
-            return true;
-        };
-        if c.asked == op {
-            return false;
-        }
-        c.asked = op;
-        // Marks of one stream complete in order.
-        while let Some((seq, m)) = c.marks.front() {
-            if !matches!(b.is_complete(m), Ok(true)) {
-                break;
-            }
-            c.done = c.done.max(*seq);
-            c.marks.pop_front();
-        }
-        // A pending mark means pending work: only without one is the stream asked.
-        if f.seq > c.done && c.marks.is_empty() && matches!(b.is_idle(&c.stream), Ok(true)) {
-            c.done = c.freed;
-        }
-        f.seq <= c.done
+    /// The questions to order a taker after the frees of `stamps` (those of other
+    /// streams) not known complete, one per stream ([`answer`] with the taker).
+    pub(super) fn asks<'s>(&mut self, stamps: impl Iterator<Item = &'s Freed>) -> Vec<Ask<B>> {
+        let mut asks = core::mem::take(&mut self.spare.0);
+        asks.extend(
+            stamps
+                .filter(|f| !self.completed(f))
+                .filter_map(|f| self.ask(f.stream, f.seq)),
+        );
+        asks
     }
 
-    /// Makes work queued on `stream` from now on run after the work of the frees `f`
-    /// stands for: nothing if it completed, else a wait (no host wait) for the first mark
-    /// recorded after them, recorded now if there is none (it covers every free of its
-    /// stream so far). Counts marks and waits in `stats`.
-    pub(super) fn order_after(
-        &mut self,
-        b: &B,
-        stream: &B::Stream,
-        f: &Freed,
-        stats: &mut PageStats,
-    ) -> Result<()> {
-        if self.settle(b, f) {
-            return Ok(());
-        }
-        let Some(c) = self.by_stream.get_mut(&f.stream) else {
-            return Ok(());
+    /// An empty vector for answers (kept from earlier questions).
+    pub(super) fn answers(&mut self) -> Vec<Answer<B>> {
+        core::mem::take(&mut self.spare.1)
+    }
+
+    /// Keeps the vectors of questions and answers, emptied, for the next ones.
+    pub(super) fn recycle(&mut self, mut asks: Vec<Ask<B>>, mut answers: Vec<Answer<B>>) {
+        debug_assert!(asks.is_empty() && answers.is_empty());
+        // Empty already: nothing is dropped here (no stream handle, no mark).
+        asks.clear();
+        answers.clear();
+        self.spare = (asks, answers);
+    }
+
+    /// The questions that learn what completed of every stream with frees that may be
+    /// pending ([`answer`] without a taker).
+    pub(super) fn refresh(&self) -> Vec<Ask<B>> {
+        self.by_stream
+            .iter()
+            .filter(|(_, c)| c.done < c.freed)
+            .filter_map(|(&id, c)| self.ask(id, c.freed))
+            .collect()
+    }
+
+    fn ask(&self, id: StreamId, need: u64) -> Option<Ask<B>> {
+        let c = self.by_stream.get(&id)?;
+        let share = |(seq, m): &(u64, Arc<B::Mark>)| (*seq, m.clone());
+        // The first mark after the free (marks are in order of number), else the newest.
+        let at = c.marks.partition_point(|&(seq, _)| seq < need);
+        let (probe, newest) = match c.marks.get(at) {
+            Some(m) => (Some(share(m)), at + 1 == c.marks.len()),
+            None => (c.marks.back().map(share), true),
         };
-        let i = match c.marks.iter().position(|&(seq, _)| seq >= f.seq) {
-            Some(i) => i,
-            None => {
-                c.marks.push_back((c.freed, b.mark(&c.stream)?));
-                stats.marks += 1;
-                c.marks.len() - 1
+        Some(Ask {
+            id,
+            stream: c.stream.clone(),
+            freed: c.freed,
+            need,
+            probe,
+            newest,
+            oldest: c.marks.front().map(share),
+        })
+    }
+
+    /// Keeps what the driver answered: frees known complete, and marks recorded (in
+    /// order, unless one covering the same free is kept already, or all it covers is
+    /// known complete).
+    pub(super) fn answered(&mut self, answers: impl IntoIterator<Item = Answer<B>>) {
+        for a in answers {
+            self.completed_to(a.id, a.done);
+            let Some((seq, m)) = a.mark else { continue };
+            let Some(c) = self.by_stream.get_mut(&a.id) else {
+                self.dead.marks.push(m);
+                continue;
+            };
+            let at = c.marks.partition_point(|&(s, _)| s < seq);
+            if seq <= c.done || c.marks.get(at).is_some_and(|&(s, _)| s == seq) {
+                self.dead.marks.push(m);
+            } else {
+                c.marks.insert(at, (seq, m));
             }
-        };
-        b.wait(stream, &c.marks[i].1)?;
-        stats.waits += 1;
-        Ok(())
+        }
     }
 
     /// The streams with frees not known to have completed, each with the number of its
@@ -232,7 +357,7 @@ impl<B: StreamOrder> Clocks<B> {
         };
         c.done = c.done.max(seq.min(c.freed));
         while c.marks.front().is_some_and(|&(s, _)| s <= c.done) {
-            c.marks.pop_front();
+            self.dead.marks.extend(c.marks.pop_front().map(|(_, m)| m));
         }
     }
 
@@ -250,18 +375,22 @@ impl<B: StreamOrder> Clocks<B> {
             .collect();
         for id in gone {
             if let Some(c) = self.by_stream.remove(&id) {
-                self.dead.push(c.stream);
+                self.dead.streams.push(c.stream);
             }
         }
     }
 
     /// Forgets every clock, pending or not (the heap is shutting down).
     pub(super) fn forget_all(&mut self) {
-        self.dead.extend(self.by_stream.drain().map(|(_, c)| c.stream));
+        for (_, c) in self.by_stream.drain() {
+            self.dead.streams.push(c.stream);
+            self.dead.marks.extend(c.marks.into_iter().map(|(_, m)| m));
+        }
     }
 
-    /// The handles of forgotten streams, for the caller to drop after the heap's lock.
-    pub(super) fn take_dead(&mut self) -> Vec<B::Stream> {
+    /// The handles of forgotten streams and the marks no longer needed, for the caller to
+    /// drop after the heap's lock.
+    pub(super) fn take_dead(&mut self) -> Dead<B> {
         core::mem::take(&mut self.dead)
     }
 

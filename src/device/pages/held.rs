@@ -1,7 +1,7 @@
 //! The heap's lock and the mapper's turn: no lock is held across a driver call.
 //!
-//! Every operation locks the heap's state ([`Held`]). The operations that change what is
-//! mapped (map, set access, unmap, create, release, reserve or free an address range)
+//! Every operation locks the heap's state ([`Held`]) and lets the lock go across each
+//! driver call ([`Held::unlocked`]). The operations that change what is mapped (map, set access, unmap, create, release, reserve or free an address range)
 //! are made by one thread at a time, the one holding the *turn* (`State::mapping`), and
 //! it makes each driver call with the lock let go ([`Held::driver`]) and takes it again
 //! after. Meanwhile the other threads free blocks, take blocks that fit in memory already
@@ -23,10 +23,15 @@
 //! - units about to be unmapped (an idle chunk moved or released, a region freed) are
 //!   out of the free runs before the lock is let go, and come back (unmapped) after.
 //!
-//! A trim's host waits are made with the lock let go too (`trim.rs`). Still made under
-//! the lock: the event calls of the stream order (`cuEventQuery`, `cuStreamQuery`,
-//! `cuEventRecord`, `cuStreamWaitEvent`: a microsecond or two each, never a wait, and
-//! their bookkeeping is the state itself).
+//! The stream order's driver calls (`cuEventQuery`, `cuStreamQuery`, `cuEventRecord`,
+//! `cuStreamWaitEvent`) are made with the lock let go too, by any thread: the questions
+//! are copied out under the lock and the answers kept after it (`clocks.rs`; a block's
+//! units are its taker's meanwhile). The turn's holder learns what completed once per
+//! operation, before it reclaims or polls ([`PageHeap::refresh`]), so that no lock is let
+//! go between finding an idle chunk's run and carving it. A trim's host waits are made
+//! with the lock let go too (`trim.rs`), and stream handles and marks that go are
+//! dropped after the lock (the last handle of a stream, or a mark beyond the event pool's
+//! idle ones, is destroyed: a driver call).
 //!
 //! A panic inside a driver call (none is expected: the driver returns errors) gives the
 //! turn up as the guard unwinds, so the heap's other threads do not wait for it forever.
@@ -34,10 +39,13 @@
 use std::ops::{Deref, DerefMut};
 use std::time::Instant;
 
+use super::clocks::{answer, Stamps};
 use super::stats::DriverNs;
 use super::{PageHeap, State};
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
+use crate::error::Result;
+use crate::sync::Ordering;
 use crate::sync::{lock, wait, Condvar, Mutex, MutexGuard};
 
 /// The heap's state, locked; it lets the lock go across a driver call
@@ -53,6 +61,8 @@ pub(super) struct Held<'a, B: StreamOrder> {
     /// guard dropped so (a panic in a driver call) gives it up, so that the heap's other
     /// threads are not left waiting for it.
     mine: bool,
+    /// Whether this operation learned already what completed ([`PageHeap::refresh`]).
+    refreshed: bool,
 }
 
 #[cfg(all(test, not(loom)))]
@@ -84,6 +94,7 @@ impl<'a, B: StreamOrder> Held<'a, B> {
             guard,
             turn,
             mine: false,
+            refreshed: false,
         }
     }
 
@@ -98,7 +109,6 @@ impl<'a, B: StreamOrder> Held<'a, B> {
 
     /// Runs `f` with the lock let go, then takes it again.
     pub(super) fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
-        debug_assert!(self.mine, "page heap: a driver call without the turn");
         self.guard = None;
         note(-1);
         let r = f();
@@ -110,6 +120,7 @@ impl<'a, B: StreamOrder> Held<'a, B> {
     /// Makes the driver call `f` with the lock let go (only the turn's holder does), and
     /// adds its time to the slot of [`DriverNs`] that `slot` picks.
     pub(super) fn driver<R>(&mut self, slot: fn(&mut DriverNs) -> &mut u64, f: impl FnOnce() -> R) -> R {
+        debug_assert!(self.mine, "page heap: a physical-memory call without the turn");
         let (r, ns) = self.unlocked(|| {
             let t = Instant::now();
             let r = f();
@@ -197,6 +208,59 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// again).
     pub(super) fn end_turn(&self, st: &mut Held<'_, B>) {
         st.give_up();
+    }
+
+    /// Learns, with the lock let go, what completed of every stream with frees that may be
+    /// pending (its marks queried, else whether it is idle), once per operation: what
+    /// reclaiming and polling then read without asking the driver.
+    pub(super) fn refresh(&self, st: &mut Held<'_, B>, b: &B) {
+        if std::mem::replace(&mut st.refreshed, true) {
+            return;
+        }
+        let asks = st.clocks.refresh();
+        if asks.is_empty() {
+            return;
+        }
+        let answers: Vec<_> = st.unlocked(|| asks.into_iter().map(|a| answer(b, a, None).0).collect());
+        st.clocks.answered(answers);
+    }
+
+    /// Makes work queued on `stream` from now on run after the frees of `after` by other
+    /// streams not known complete, asking the driver with the lock let go (unless the
+    /// guard is off: negative controls).
+    pub(super) fn order_taker(
+        &self,
+        st: &mut Held<'_, B>,
+        b: &B,
+        stream: &B::Stream,
+        after: &Stamps,
+    ) -> Result<()> {
+        if !self.guard.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let me = B::stream_id(stream);
+        let mut asks = st.clocks.asks(after.iter().filter(|s| s.stream != me));
+        if asks.is_empty() {
+            st.clocks.recycle(asks, Vec::new());
+            return Ok(());
+        }
+        let mut answers = st.clocks.answers();
+        let ordered = st.unlocked(|| {
+            let mut ordered = Ok(());
+            for a in asks.drain(..) {
+                let (got, r) = answer(b, a, Some(stream));
+                answers.push(got);
+                ordered = ordered.and(r);
+            }
+            ordered
+        });
+        for a in &answers {
+            st.stats.marks += a.marks;
+            st.stats.waits += a.waits;
+        }
+        st.clocks.answered(answers.drain(..));
+        st.clocks.recycle(asks, answers);
+        ordered
     }
 
     /// Waits until no thread holds the turn (its mapping is done), without taking it.

@@ -71,13 +71,13 @@
 //!   by the parts they touch when a run is split. The heap keeps a clock per stream
 //!   that freed here: every free up to `done` completed, and the marks (events) recorded
 //!   on it so far. An allocation on stream T that takes units a free of stream S touched
-//!   (S not T) asks the clock: completed, else S's oldest marks are queried, else (no mark
-//!   pending) whether S is idle (`cuStreamQuery`), at most once per stream and heap
-//!   operation; only if the work may still be pending does it record a mark on S (one,
-//!   covering every free of S so far) and make T wait for it (`cuStreamWaitEvent`, no
-//!   host wait). A failed query counts as pending. On RMM's random workload (no kernels,
-//!   so the streams are idle) this records no event at all, where the first version
-//!   recorded one per free. An idle chunk is unmapped only once the frees touching it
+//!   (S not T) asks the clock: completed, else S's first mark after that free is queried
+//!   (and its oldest), else (no mark pending) whether S is idle (`cuStreamQuery`); only
+//!   if the work may still be pending does it record a mark on S (one, covering every
+//!   free of S so far) and make T wait for it (`cuStreamWaitEvent`, no host wait). These
+//!   questions are asked with the heap's lock let go (`held.rs`). A failed query counts
+//!   as pending. On RMM's random workload (no kernels, so the streams are idle) this
+//!   records no event at all, where the first version recorded one per free. An idle chunk is unmapped only once the frees touching it
 //!   completed. A handle moved from a chunk whose work is pending passes that chunk's
 //!   frees on to its new chunk.
 //! - **Out of memory**: when `cuMemCreate` fails, every idle chunk whose work completed
@@ -102,7 +102,7 @@
 //! Each states its invariants in its own docs. Bottom up:
 //! - `stats.rs`: [`PageStats`], with the driver's time by call ([`DriverNs`](stats::DriverNs));
 //! - `clocks.rs`: the stream order of frees ([`Freed`](clocks::Freed) stamps, the
-//!   [`Clocks`](clocks::Clocks) of the streams, settle, order after, wait, forget), unit
+//!   [`Clocks`](clocks::Clocks) of the streams, the driver's questions and answers, forget), unit
 //!   tested on its own;
 //! - `device/runs.rs` (beside this directory, shared by nothing else): the free-run
 //!   index, property-tested on its own;
@@ -141,7 +141,7 @@ use super::reserve::{PoolSide, Reservations};
 use super::runs::Runs;
 use crate::cuda::record_drop_error;
 use crate::error::{Error, Result};
-use crate::sync::{lock, Arc, AtomicBool, Condvar, Mutex, Ordering};
+use crate::sync::{lock, Arc, AtomicBool, Condvar, Mutex};
 
 /// The most bytes of one step of the address index (blocks are multiples of it; less on
 /// a device whose granule is smaller).
@@ -423,7 +423,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// only) or on.
     #[cfg(feature = "test-hooks")]
     pub(crate) fn set_guard(&self, on: bool) {
-        self.guard.store(on, Ordering::Relaxed);
+        self.guard.store(on, crate::sync::Ordering::Relaxed);
     }
 
     pub(crate) fn stats(&self) -> PageStats {
@@ -456,7 +456,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         // A block that fits in mapped memory is taken at once; one that needs a mapping
         // takes the turn, or waits for it and is placed again (`held.rs`).
         let (start, after) = loop {
-            st.clocks.begin_op();
             self.poll_in_turn(&mut st, b);
             if let Some((start, 0)) = self.place(&st, n) {
                 break (start, self.take_placed(&mut st, start, n)?);
@@ -469,15 +468,24 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             self.await_turn(&mut st);
         };
         // Order `stream` after the last users of these units and of the handles mapped.
-        if let Err(e) = self.order_taker(&mut st, b, stream, &after) {
-            self.give_back(&mut st, start, n, retag(after, start, start + n));
-            return Err(e);
-        }
-        let va = self.va_of(&st, start);
-        st.live.insert(va, (start, n));
-        st.stats.block_bytes += len;
-        st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
-        Ok(va)
+        let ordered = self.order_taker(&mut st, b, stream, &after);
+        let placed = match ordered {
+            Ok(()) => {
+                let va = self.va_of(&st, start);
+                st.live.insert(va, (start, n));
+                st.stats.block_bytes += len;
+                st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
+                Ok(va)
+            }
+            Err(e) => {
+                self.give_back(&mut st, start, n, retag(after, start, start + n));
+                Err(e)
+            }
+        };
+        let dead = st.clocks.take_dead();
+        drop(st);
+        drop(dead);
+        placed
     }
 
     /// With the turn: places a block of `n` units (in a new region if no free run holds
@@ -516,18 +524,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
     }
 
-    /// Makes work queued on `stream` from now on run after the frees of `after` by other
-    /// streams (unless the guard is off: negative controls).
-    fn order_taker(&self, st: &mut State<B>, b: &B, stream: &B::Stream, after: &Stamps) -> Result<()> {
-        let me = B::stream_id(stream);
-        for s in after.iter().filter(|s| s.stream != me) {
-            if self.guard.load(Ordering::Relaxed) {
-                st.clocks.order_after(b, stream, s, &mut st.stats)?;
-            }
-        }
-        Ok(())
-    }
-
     /// Frees the block at `ptr` in the order of `stream`.
     ///
     /// # Safety
@@ -544,8 +540,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         };
         // Numbered under the lock: the frees of one stream are numbered in its order. No
         // mark is recorded: another stream that takes these units first asks whether the
-        // work completed, and records one only if it may not have (`order_after`).
-        st.clocks.begin_op();
+        // work completed, and records one only if it may not have (`order_taker`).
         st.stats.block_bytes -= n * self.unit;
         let freed = st.clocks.number_free(stream, start, start + n);
         self.give_back(&mut st, start, n, vec![freed]);

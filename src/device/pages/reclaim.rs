@@ -10,7 +10,7 @@
 //!
 //! Invariants (under the heap's lock):
 //! - a chunk is unmapped only once the work of every free that touched its units is
-//!   known complete (settled: a trim waits on the host first), and never while a block holds
+//!   known complete (asked with the lock let go; a trim waits on the host first), and never while a block holds
 //!   one of its units;
 //! - a retired chunk has no unit in a free run or a block (`used` is all of them), keeps
 //!   its handle recorded until its old mapping goes, and holds the stamps of its frees;
@@ -40,11 +40,18 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         tries: usize,
         how: Reclaim,
     ) -> Option<Reclaimed> {
+        self.refresh(st, b);
         let pending = match self.take_idle(st, b, tries) {
             ControlFlow::Break(taken) => return taken,
             ControlFlow::Continue(pending) => pending,
         };
-        let (c, rs) = pending.filter(|_| how == Reclaim::Retire)?;
+        let c = pending.filter(|_| how == Reclaim::Retire)?;
+        // Looked up again: the lock may have been let go since (unmapping another chunk),
+        // and a block may have taken the chunk meanwhile.
+        if !st.idle.contains(&c) {
+            return None;
+        }
+        let (rs, _, _) = st.free.at_or_before(c * self.chunk_units)?;
         let (h, stamps) = self.retire_pending(st, c, rs)?;
         Some(Reclaimed::Handle(h, stamps))
     }
@@ -53,13 +60,15 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// frees completed and breaks with its
     /// handle (`None` if it had none), or with `Released` where that chunk is of a group
     /// (wholly idle: unmapped and released whole); else continues with the first chunk
-    /// (not of a group) found pending and the first unit of its free run.
+    /// (not of a group) found pending. What completed is read as the operation's
+    /// [`refresh`](Self::refresh) left it: no lock is let go between finding a chunk's
+    /// run and carving it.
     fn take_idle(
         &self,
         st: &mut Held<'_, B>,
         b: &B,
         tries: usize,
-    ) -> ControlFlow<Option<Reclaimed>, Option<(usize, usize)>> {
+    ) -> ControlFlow<Option<Reclaimed>, Option<usize>> {
         let mut below = usize::MAX;
         let mut pending = None;
         for _ in 0..tries {
@@ -79,8 +88,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 continue;
             };
             let frees = touching(stamps, first, first + self.chunk_units);
-            if !self.frees_done(st, b, &frees) {
-                pending = pending.or(Some((c, rs)));
+            if !self.frees_done(st, &frees) {
+                pending = pending.or(Some(c));
                 continue;
             }
             let Some(stamps) = self.carve(st, c, 1, rs) else {
@@ -117,7 +126,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         };
         debug_assert!(rs + len >= end, "page heap: an idle group's units in two runs");
         let frees = touching(stamps, first, end);
-        if !self.frees_done(st, b, &frees) {
+        if !self.frees_done(st, &frees) {
             return false;
         }
         let Some(h) = st.chunks[g].handle else {
@@ -174,12 +183,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Unmaps retired chunks whose marks completed (querying at most `max` chunks), and
     /// frees their units.
     pub(super) fn poll(&self, st: &mut Held<'_, B>, b: &B, max: usize) {
+        self.refresh(st, b);
         let mut i = 0;
         let mut seen = 0;
         while i < st.retired.len() && seen < max {
             seen += 1;
             let frees = st.retired[i].1.clone();
-            if !self.frees_done(st, b, &frees) {
+            if !self.frees_done(st, &frees) {
                 i += 1;
                 continue;
             }
@@ -196,10 +206,10 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         }
     }
 
-    /// Whether the work of every free of `frees` is known complete (settled: asking the
-    /// driver at most once per stream and operation). Stops at the first that is not.
-    fn frees_done(&self, st: &mut State<B>, b: &B, frees: &[Freed]) -> bool {
-        frees.iter().all(|s| st.clocks.settle(b, s))
+    /// Whether the work of every free of `frees` is known complete (as the operation's
+    /// [`refresh`](Self::refresh) left it: no driver call here).
+    fn frees_done(&self, st: &State<B>, frees: &[Freed]) -> bool {
+        frees.iter().all(|s| st.clocks.completed(s))
     }
 
     /// Unmaps the mapping of chunks `c..c + k` (their handle stays recorded for the

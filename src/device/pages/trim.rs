@@ -30,7 +30,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     pub(crate) fn trim_to(&self, b: &B, keep: usize) {
         let mut st = self.held();
         self.take_turn(&mut st);
-        st.clocks.begin_op();
         let all = keep == 0;
         let keep = keep.max(1);
         self.wait_for_frees(&mut st, b);

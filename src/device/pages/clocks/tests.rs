@@ -115,6 +115,30 @@ fn merge_keeps_the_latest_free_of_each_stream_with_the_hull() {
     clocks.check();
 }
 
+/// Learns what completed, as the heap's refresh does (without its lock).
+fn refresh(clocks: &mut Clocks<Script>, order: &Script) {
+    let answers: Vec<_> = clocks
+        .refresh()
+        .into_iter()
+        .map(|a| answer(order, a, None).0)
+        .collect();
+    clocks.answered(answers);
+}
+
+/// Orders `taker` after `f`, as the heap's `order_taker` does: the marks recorded and the
+/// waits made, and the first error.
+fn ordered(clocks: &mut Clocks<Script>, order: &Script, taker: &S, f: &Freed) -> (u64, u64, Result<()>) {
+    let (mut marks, mut waits, mut res) = (0, 0, Ok(()));
+    let mut answers = Vec::new();
+    for a in clocks.asks([f].into_iter()) {
+        let (got, r) = answer(order, a, Some(taker));
+        (marks, waits, res) = (marks + got.marks, waits + got.waits, res.and(r));
+        answers.push(got);
+    }
+    clocks.answered(answers);
+    (marks, waits, res)
+}
+
 #[test]
 fn merge_drops_frees_known_complete() {
     let (a, b) = (S::new(), S::new());
@@ -123,9 +147,9 @@ fn merge_drops_frees_known_complete() {
     let mut clocks = Clocks::<Script>::default();
     let fa = clocks.number_free(&a, 0, 1);
     let fb = clocks.number_free(&b, 1, 2);
-    clocks.begin_op();
-    assert!(clocks.settle(&order, &fa), "a is idle");
-    assert!(!clocks.settle(&order, &fb), "b is busy");
+    refresh(&mut clocks, &order);
+    assert!(clocks.completed(&fa), "a is idle");
+    assert!(!clocks.completed(&fb), "b is busy");
     let mut into = vec![fa];
     clocks.merge(&mut into, vec![fa, fb]);
     assert_eq!(into, vec![fb]);
@@ -142,51 +166,59 @@ fn touching_keeps_the_overlapping_and_retag_moves_them() {
 }
 
 #[test]
-fn settle_asks_about_a_stream_once_per_operation() {
-    let a = S::new();
+fn a_refresh_asks_the_newest_mark_and_the_stream_only_without_a_pending_mark() {
+    let (a, t) = (S::new(), S::new());
     a.busy();
     let order = Script::default();
     let mut clocks = Clocks::<Script>::default();
     let f = clocks.number_free(&a, 0, 1);
-    clocks.begin_op();
-    assert!(!clocks.settle(&order, &f));
-    assert_eq!(order.queries(), 1);
+    refresh(&mut clocks, &order);
+    assert_eq!(order.queries(), 1, "no mark: the stream is asked");
+    assert!(!clocks.completed(&f));
+    assert_eq!(order_pair(ordered(&mut clocks, &order, &t, &f)), (1, 1));
+    assert_eq!(order.queries(), 2);
+    refresh(&mut clocks, &order);
+    assert_eq!(order.queries(), 3, "the mark is asked, not the stream");
+    assert!(!clocks.completed(&f));
     a.finish();
-    assert!(
-        !clocks.settle(&order, &f),
-        "not asked again in the same operation"
+    refresh(&mut clocks, &order);
+    assert_eq!(order.queries(), 4);
+    assert!(clocks.completed(&f), "the mark completed");
+    assert_eq!(
+        clocks.take_dead().marks.len(),
+        1,
+        "the completed mark goes after the lock"
     );
-    assert_eq!(order.queries(), 1);
-    clocks.begin_op();
-    assert!(clocks.settle(&order, &f));
-    assert_eq!(order.queries(), 2);
-    assert!(clocks.settle(&order, &f), "known now, without asking");
-    assert_eq!(order.queries(), 2);
+    refresh(&mut clocks, &order);
+    assert_eq!(order.queries(), 4, "nothing pending: nothing asked");
     clocks.check();
 }
 
+/// (marks, waits) of an [`ordered`] that must succeed.
+fn order_pair((marks, waits, r): (u64, u64, Result<()>)) -> (u64, u64) {
+    r.unwrap();
+    (marks, waits)
+}
+
 #[test]
-fn a_failed_query_or_wait_counts_as_pending() {
-    let a = S::new();
+fn a_failed_query_counts_as_pending() {
+    let (a, t) = (S::new(), S::new());
     let order = Script::default();
     order.failing.store(true, Ordering::Relaxed);
     let mut clocks = Clocks::<Script>::default();
     let f = clocks.number_free(&a, 0, 1);
-    clocks.begin_op();
-    assert!(
-        !clocks.settle(&order, &f),
-        "the stream is idle, but the query failed"
+    refresh(&mut clocks, &order);
+    assert!(!clocks.completed(&f), "the stream is idle, but the query failed");
+    assert_eq!(
+        order_pair(ordered(&mut clocks, &order, &t, &f)),
+        (1, 1),
+        "ordered after the free"
     );
-    let mut stats = PageStats::default();
-    clocks.begin_op();
-    clocks.order_after(&order, &S::new(), &f, &mut stats).unwrap();
-    assert_eq!((stats.marks, stats.waits), (1, 1), "ordered after the free");
-    clocks.begin_op();
-    assert!(!clocks.settle(&order, &f), "the mark's query failed");
-    assert!(!clocks.completed(&f));
+    refresh(&mut clocks, &order);
+    assert!(!clocks.completed(&f), "the mark's query failed");
     order.failing.store(false, Ordering::Relaxed);
-    clocks.begin_op();
-    assert!(clocks.settle(&order, &f));
+    refresh(&mut clocks, &order);
+    assert!(clocks.completed(&f));
     clocks.check();
 }
 
@@ -196,37 +228,63 @@ fn one_mark_covers_every_free_of_its_stream_so_far() {
     a.busy();
     let order = Script::default();
     let mut clocks = Clocks::<Script>::default();
-    let mut stats = PageStats::default();
     let f1 = clocks.number_free(&a, 0, 1);
     let f2 = clocks.number_free(&a, 1, 2);
-    clocks.begin_op();
-    clocks.order_after(&order, &t, &f1, &mut stats).unwrap();
-    clocks.begin_op();
-    clocks.order_after(&order, &t, &f2, &mut stats).unwrap();
-    assert_eq!((stats.marks, stats.waits), (1, 2), "f2 waits for the mark of f1");
+    assert_eq!(order_pair(ordered(&mut clocks, &order, &t, &f1)), (1, 1));
+    assert_eq!(
+        order_pair(ordered(&mut clocks, &order, &t, &f2)),
+        (0, 1),
+        "f2 waits for the mark of f1"
+    );
     clocks.check();
     let f3 = clocks.number_free(&a, 2, 3);
-    clocks.begin_op();
-    clocks.order_after(&order, &t, &f3, &mut stats).unwrap();
     assert_eq!(
-        (stats.marks, stats.waits),
-        (2, 3),
+        order_pair(ordered(&mut clocks, &order, &t, &f3)),
+        (1, 1),
         "a later free needs a new mark"
     );
     clocks.check();
 }
 
 #[test]
-fn order_after_completed_work_records_nothing() {
+fn ordering_after_completed_work_records_nothing() {
     let (a, t) = (S::new(), S::new());
     let order = Script::default();
     let mut clocks = Clocks::<Script>::default();
-    let mut stats = PageStats::default();
     let f = clocks.number_free(&a, 0, 1);
-    clocks.begin_op();
-    clocks.order_after(&order, &t, &f, &mut stats).unwrap();
-    assert_eq!((stats.marks, stats.waits), (0, 0));
+    assert_eq!(order_pair(ordered(&mut clocks, &order, &t, &f)), (0, 0));
+    assert!(clocks.completed(&f), "learned on the way");
     clocks.check();
+}
+
+#[test]
+fn marks_answered_late_keep_their_order_and_a_second_for_the_same_free_goes() {
+    let (a, t) = (S::new(), S::new());
+    a.busy();
+    let order = Script::default();
+    let mut clocks = Clocks::<Script>::default();
+    let f1 = clocks.number_free(&a, 0, 1);
+    // Two takers asked before either answer came back: both record a mark for free 1.
+    let asks1 = clocks.asks([&f1].into_iter());
+    let asks2 = clocks.asks([&f1].into_iter());
+    let f2 = clocks.number_free(&a, 1, 2);
+    let asks3 = clocks.asks([&f2].into_iter());
+    let answer_all = |asks: Vec<Ask<Script>>| -> Vec<Answer<Script>> {
+        asks.into_iter().map(|q| answer(&order, q, Some(&t)).0).collect()
+    };
+    let (x1, x2, x3) = (answer_all(asks1), answer_all(asks2), answer_all(asks3));
+    // The later free's mark is answered first.
+    clocks.answered(x3);
+    clocks.answered(x1);
+    clocks.check();
+    clocks.answered(x2);
+    clocks.check();
+    assert_eq!(
+        clocks.take_dead().marks.len(),
+        1,
+        "the second mark of free 1 goes"
+    );
+    assert_eq!(clocks.by_stream[&a.0.id].marks.len(), 2);
 }
 
 #[test]
@@ -235,13 +293,12 @@ fn a_host_wait_completes_the_frees_numbered_before_it_and_no_later_one() {
     a.busy();
     let order = Script::default();
     let mut clocks = Clocks::<Script>::default();
-    let mut stats = PageStats::default();
     let f1 = clocks.number_free(&a, 0, 1);
     let f2 = clocks.number_free(&a, 1, 2);
     let done = clocks.number_free(&b, 2, 3);
-    clocks.begin_op();
-    assert!(clocks.settle(&order, &done), "b is idle");
-    clocks.order_after(&order, &t, &f1, &mut stats).unwrap();
+    refresh(&mut clocks, &order);
+    assert!(clocks.completed(&done), "b is idle");
+    order_pair(ordered(&mut clocks, &order, &t, &f1));
     let pending = clocks.pending();
     assert_eq!(pending.len(), 1, "only a has frees that may be pending");
     let (stream, seq) = &pending[0];
@@ -263,20 +320,17 @@ fn forget_keeps_the_clocks_of_streams_with_pending_frees() {
     let order = Script::default();
     let mut clocks = Clocks::<Script>::default();
     let fs: Vec<Freed> = [&a, &b, &c].iter().map(|s| clocks.number_free(s, 0, 1)).collect();
-    clocks.begin_op();
-    for f in &fs {
-        clocks.settle(&order, f);
-    }
+    refresh(&mut clocks, &order);
     clocks.forget(3);
-    assert!(clocks.take_dead().is_empty(), "at most 3 clocks are kept");
+    assert!(clocks.take_dead().streams.is_empty(), "at most 3 clocks are kept");
     clocks.forget(0);
-    assert_eq!(clocks.take_dead().len(), 2);
+    assert_eq!(clocks.take_dead().streams.len(), 2);
     assert!(
         fs[..2].iter().all(|f| clocks.completed(f)),
         "no clock, nothing pending"
     );
     assert!(!clocks.completed(&fs[2]), "c's clock stays");
     clocks.forget_all();
-    assert_eq!(clocks.take_dead().len(), 1);
+    assert_eq!(clocks.take_dead().streams.len(), 1);
     clocks.check();
 }
