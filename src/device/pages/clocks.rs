@@ -155,56 +155,64 @@ pub(super) fn answer<B: StreamOrder>(
 ) -> (Answer<B>, Result<()>) {
     let mut a = Answer {
         id: ask.id,
-        done: 0,
+        done: learn(b, &ask),
         mark: None,
         marks: 0,
         waits: 0,
     };
+    let waited = match taker.filter(|_| a.done < ask.need) {
+        Some(taker) => wait_after(b, &ask, taker, &mut a),
+        None => Ok(()),
+    };
+    (a, waited)
+}
+
+/// What the driver says completed of `ask`'s stream: every free up to the number
+/// returned (0: nothing learned).
+fn learn<B: StreamOrder>(b: &B, ask: &Ask<B>) -> u64 {
     let complete = |m: &Arc<B::Mark>| matches!(b.is_complete(m), Ok(true));
+    let mut done = 0;
     let probe_pending = match &ask.probe {
         Some((seq, m)) if complete(m) => {
-            a.done = *seq;
+            done = *seq;
             false
         }
         Some(_) => true,
         None => false,
     };
     if probe_pending {
-        if let Some((seq, m)) = ask
-            .oldest
-            .as_ref()
-            .filter(|(s, _)| ask.probe.as_ref().is_some_and(|p| p.0 != *s))
-        {
+        // The oldest mark (if it is not the probe), so that completed marks go.
+        let other = |(s, _): &&(u64, Arc<B::Mark>)| ask.probe.as_ref().is_some_and(|p| p.0 != *s);
+        if let Some((seq, m)) = ask.oldest.as_ref().filter(other) {
             if complete(m) {
-                a.done = *seq;
+                done = *seq;
             }
         }
     }
+    // A pending mark means pending work: only without one is the stream asked.
     let quiet = !probe_pending && (ask.newest || ask.probe.is_none());
-    if quiet && a.done < ask.freed && matches!(b.is_idle(&ask.stream), Ok(true)) {
-        a.done = ask.freed;
+    if quiet && done < ask.freed && matches!(b.is_idle(&ask.stream), Ok(true)) {
+        done = ask.freed;
     }
-    let Some(taker) = taker.filter(|_| a.done < ask.need) else {
-        return (a, Ok(()));
-    };
-    let covering = ask.probe.as_ref().filter(|(seq, _)| *seq >= ask.need);
-    let waited = match covering {
+    done
+}
+
+/// Makes `taker` wait (no host wait) for the first mark after the free `ask` needs,
+/// recorded now if there is none (it covers every free of its stream so far, and goes to
+/// `a` to be kept); counts the mark and the wait in `a`.
+fn wait_after<B: StreamOrder>(b: &B, ask: &Ask<B>, taker: &B::Stream, a: &mut Answer<B>) -> Result<()> {
+    let waited = match ask.probe.as_ref().filter(|(seq, _)| *seq >= ask.need) {
         Some((_, m)) => b.wait(taker, m),
-        None => match b.mark(&ask.stream) {
-            Ok(m) => {
-                a.marks += 1;
-                let m = Arc::new(m);
-                let w = b.wait(taker, &m);
-                a.mark = Some((ask.freed, m));
-                w
-            }
-            Err(e) => Err(e),
-        },
+        None => {
+            let m = Arc::new(b.mark(&ask.stream)?);
+            a.marks += 1;
+            let w = b.wait(taker, &m);
+            a.mark = Some((ask.freed, m));
+            w
+        }
     };
-    if waited.is_ok() {
-        a.waits += 1;
-    }
-    (a, waited)
+    a.waits += u64::from(waited.is_ok());
+    waited
 }
 
 impl<B: StreamOrder> Clocks<B> {

@@ -1,10 +1,10 @@
 //! The heap's lock and the mapper's turn: no lock is held across a driver call.
 //!
 //! Every operation locks the heap's state ([`Held`]) and lets the lock go across each
-//! driver call ([`Held::unlocked`]). The operations that change what is mapped (map, set access, unmap, create, release, reserve or free an address range)
-//! are made by one thread at a time, the one holding the *turn* (`State::mapping`), and
-//! it makes each driver call with the lock let go ([`Held::driver`]) and takes it again
-//! after. Meanwhile the other threads free blocks, take blocks that fit in memory already
+//! driver call ([`Held::unlocked`]). The operations that change what is mapped (map, set
+//! access, unmap, create, release, reserve or free an address range) are made by one
+//! thread at a time, the one holding the *turn* (`State::mapping`), with the lock let go
+//! across each call ([`Held::driver`]). Meanwhile the other threads free blocks, take blocks that fit in memory already
 //! mapped and read the stats; a thread whose block needs a mapping waits for the turn on
 //! the heap's condition variable and then places its block again (frees made meanwhile
 //! may now hold it; PyTorch's and RMM's pools serialize their growth the same way, on
