@@ -660,10 +660,11 @@ impl<S: MemorySource> Shared<S> {
     /// the last drain still count as pending.
     pub(crate) fn stats(&self) -> PoolStats {
         // The thread caches' counts and the handed-out counts in one consistent read
-        // (see `transfers`); after many tries during moves, a clamped estimate.
-        let (((tc_bytes, tc_blocks, thread_allocs), c), _) = self
-            .transfers
-            .read(64, || (self.thread_cache_totals(), self.acct.read()));
+        // (see `transfers`); if moves go on for longer than 10 ms, a clamped estimate.
+        let (((tc_bytes, tc_blocks, thread_allocs), c), _) =
+            self.transfers.read(64, std::time::Duration::from_millis(10), || {
+                (self.thread_cache_totals(), self.acct.read())
+            });
         let (list_bytes, list_blocks) = self.small.listed_totals();
         let slack = self.small.slack();
         let (large_bytes, large_blocks) = self.large.free_totals();

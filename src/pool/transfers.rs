@@ -10,6 +10,8 @@
 //! (batches), so the two atomic additions cost nothing measurable; the hit paths do not
 //! move blocks between owners and take no part.
 
+use std::time::{Duration, Instant};
+
 use crate::sync::{fence, AtomicU64, Ordering};
 
 /// Counts of moves begun and ended. `ended <= begun`; equal when none is under way.
@@ -33,19 +35,38 @@ impl Transfers {
     }
 
     /// Runs `read` until it ran while no move began or was under way, at most `tries`
-    /// times; returns its last result and whether that one is consistent.
-    pub(crate) fn read<T>(&self, tries: usize, mut read: impl FnMut() -> T) -> (T, bool) {
+    /// times (yielding between them) and then, while `patience` lasts, with a short sleep
+    /// between tries (a thread's exit flushes its whole cache in one move, which can
+    /// outlast many yields on a busy machine: a read right after `thread::scope`, whose
+    /// threads run their thread-local destructors after it returns, met one in CI);
+    /// returns its last result and whether that one is consistent.
+    pub(crate) fn read<T>(&self, tries: usize, patience: Duration, mut read: impl FnMut() -> T) -> (T, bool) {
         let mut tries = tries.max(1);
+        // Under loom a sleep lets no other model thread run: yields only.
+        #[cfg(loom)]
+        let patience = {
+            let _ = patience;
+            Duration::ZERO
+        };
+        let mut deadline = None;
         loop {
             let ended = self.ended.load(Ordering::Acquire);
             let value = read();
             fence(Ordering::Acquire);
             let begun = self.begun.load(Ordering::Relaxed);
-            tries -= 1;
-            if begun == ended || tries == 0 {
-                return (value, begun == ended);
+            if begun == ended {
+                return (value, true);
             }
-            crate::sync::thread::yield_now();
+            if tries > 1 {
+                tries -= 1;
+                crate::sync::thread::yield_now();
+                continue;
+            }
+            let until = *deadline.get_or_insert_with(|| Instant::now() + patience);
+            if Instant::now() >= until {
+                return (value, false);
+            }
+            std::thread::sleep(Duration::from_micros(50));
         }
     }
 }
@@ -64,9 +85,31 @@ mod tests {
     fn a_read_during_a_move_is_not_consistent_and_one_after_it_is() {
         let t = Transfers::default();
         let guard = t.begin();
-        let (v, consistent) = t.read(3, || 7);
+        let (v, consistent) = t.read(3, Duration::ZERO, || 7);
         assert_eq!((v, consistent), (7, false));
         drop(guard);
-        assert_eq!(t.read(3, || 8), (8, true));
+        assert_eq!(t.read(3, Duration::ZERO, || 8), (8, true));
+    }
+
+    /// A long move (a thread's exit flushing its cache) outlasts the yields; the read
+    /// waits for it while its patience lasts.
+    #[test]
+    fn a_read_waits_out_a_move_longer_than_its_yields() {
+        use crate::sync::global::{mpsc, Arc};
+        let t = Arc::new(Transfers::default());
+        let (started, began) = mpsc::channel();
+        let mover = {
+            let t = t.clone();
+            std::thread::spawn(move || {
+                let guard = t.begin();
+                started.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+                drop(guard);
+            })
+        };
+        began.recv().unwrap();
+        let (_, consistent) = t.read(64, Duration::from_secs(5), || ());
+        assert!(consistent, "the read returned during the move");
+        mover.join().unwrap();
     }
 }
