@@ -269,3 +269,34 @@ fn a_mapping_races_a_fit_in_its_chunk_and_a_free() {
         assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
     });
 }
+
+/// Two allocations from the driver pool under a limit race a reading after a trim; no
+/// lock is held across the driver's calls. At every call the pool checks that the limit's
+/// tally covers what it reserves: a reading taken before a growth but applied after a
+/// newer one that charged the growth must not give the growth's room away. Each growth
+/// fills its room exactly (32 MiB for a 1 MiB block), so any room given away shows.
+#[test]
+fn allocations_under_a_limit_race_a_stale_reading() {
+    use super::reserve::growing::Growing;
+    use super::reserve::{PoolSide, Reservations};
+    use crate::trace::{PoolReservation, Tag};
+    const MIB: usize = 1 << 20;
+    static TAG: Tag = Tag::new(String::new);
+    loom::model(|| {
+        let r: &'static Reservations = Box::leak(Box::new(Reservations::new(Some(128 * MIB))));
+        let pool: &'static Growing<'static> = Box::leak(Box::new(Growing::new(32 * MIB, Some(r), false)));
+        let alloc = move || {
+            let growth = PoolReservation::new();
+            r.pool_alloc(MIB, pool, &growth, &TAG, 0).unwrap();
+        };
+        let a = thread::spawn(alloc);
+        let b = thread::spawn(alloc);
+        r.pool_trimmed(|| pool.usage().ok().map(|(r, _)| r));
+        a.join().unwrap();
+        b.join().unwrap();
+        r.pool_trimmed(|| pool.usage().ok().map(|(r, _)| r));
+        let reserved = pool.usage().unwrap().0;
+        assert_eq!(r.held(), reserved, "the tally is the driver pool's reservation");
+        assert!(r.peak() <= 128 * MIB);
+    });
+}
