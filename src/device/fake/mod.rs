@@ -21,7 +21,7 @@ use self::pool_model::PoolModel;
 use super::backend::{nvtx_heap, Backend};
 use super::config::PageTuning;
 use super::order::StreamOrder;
-use super::pages::PageHeap;
+use super::pages::{assert_unlocked, PageHeap};
 use super::reserve::{PoolSide, Reservations};
 use crate::cuda::StreamId;
 use crate::error::{Error, Result};
@@ -265,16 +265,6 @@ impl FakeBackend {
     }
 }
 
-/// In tests, fails a driver call of the stream order (a query, a record, a wait) made
-/// under a page heap's lock.
-fn no_heap_lock(_call: &str) {
-    #[cfg(all(test, not(loom)))]
-    assert!(
-        !crate::device::pages::locked_here(),
-        "fake: {_call} under a page heap's lock"
-    );
-}
-
 impl StreamOrder for FakeBackend {
     type Stream = FakeStream;
     type Mark = FakeMark;
@@ -284,7 +274,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn mark(&self, stream: &FakeStream) -> Result<FakeMark> {
-        no_heap_lock("mark");
+        assert_unlocked("mark");
         if self.fail_marks.load(Ordering::SeqCst) {
             return Err(Error::InvalidArgument("fake: marks fail"));
         }
@@ -304,7 +294,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn wait(&self, stream: &FakeStream, mark: &FakeMark) -> Result<()> {
-        no_heap_lock("wait");
+        assert_unlocked("wait");
         debug_assert_eq!(mark.clock.get(&mark.stream), Some(&mark.pos));
         let mut clock = lock(&stream.lane.clock);
         for (&s, &p) in &mark.clock {
@@ -317,7 +307,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn is_complete(&self, mark: &FakeMark) -> Result<bool> {
-        no_heap_lock("is_complete");
+        assert_unlocked("is_complete");
         let done = mark.lane.completed.load(Ordering::SeqCst) >= mark.pos;
         if done {
             // What the mark's stream waited for before it completed too (a GPU stream
@@ -328,14 +318,14 @@ impl StreamOrder for FakeBackend {
     }
 
     fn wait_host(&self, mark: &FakeMark) -> Result<()> {
-        no_heap_lock("wait_host");
+        assert_unlocked("wait_host");
         mark.lane.completed.fetch_max(mark.pos, Ordering::SeqCst);
         registry::complete_through(&mark.clock);
         Ok(())
     }
 
     fn is_idle(&self, stream: &FakeStream) -> Result<bool> {
-        no_heap_lock("is_idle");
+        assert_unlocked("is_idle");
         self.idle_queries.fetch_add(1, Ordering::SeqCst);
         // As `complete_all` reads them: the waits first, then the work queued.
         let clock = lock(&stream.lane.clock).clone();
@@ -348,7 +338,7 @@ impl StreamOrder for FakeBackend {
     }
 
     fn synchronize(&self, stream: &FakeStream) -> Result<()> {
-        no_heap_lock("synchronize");
+        assert_unlocked("synchronize");
         self.syncs.fetch_add(1, Ordering::SeqCst);
         stream.complete_all();
         Ok(())

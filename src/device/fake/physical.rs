@@ -237,11 +237,7 @@ impl FakePhys {
     /// Runs the hook, if there is one, for `op`; in tests, first checks that the caller
     /// holds no page heap's lock (no lock is held across a driver call).
     fn called(&self, op: PhysOp) {
-        #[cfg(all(test, not(loom)))]
-        assert!(
-            !crate::device::pages::locked_here(),
-            "fake phys: {op:?} called under a page heap's lock"
-        );
+        crate::device::pages::assert_unlocked(op);
         if let Some(h) = &self.hook {
             (h.0)(op);
         }

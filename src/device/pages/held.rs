@@ -78,11 +78,16 @@ fn note(_delta: isize) {
     LOCKED.with(|l| l.set(l.get().wrapping_add_signed(_delta)));
 }
 
-/// Whether this thread holds a page heap's lock (tests: the simulated physical memory
-/// fails every test that makes a driver call under it).
-#[cfg(all(test, not(loom)))]
-pub(crate) fn locked_here() -> bool {
-    LOCKED.with(|l| l.get() > 0)
+/// In tests, fails the simulated driver call `call` if this thread holds a page heap's
+/// lock (the simulated physical memory and stream order call it: no lock is held across
+/// a driver call).
+#[inline(always)]
+pub(crate) fn assert_unlocked(_call: impl core::fmt::Debug) {
+    #[cfg(all(test, not(loom)))]
+    assert!(
+        LOCKED.with(|l| l.get() == 0),
+        "fake: {_call:?} called under a page heap's lock"
+    );
 }
 
 impl<'a, B: StreamOrder> Held<'a, B> {
@@ -138,14 +143,29 @@ impl<'a, B: StreamOrder> Held<'a, B> {
     }
 
     /// Takes the turn if no thread holds it: whether it did.
-    fn try_take(&mut self) -> bool {
+    pub(super) fn try_turn(&mut self) -> bool {
         let took = !std::mem::replace(&mut self.mapping, true);
         self.mine |= took;
         took
     }
 
-    /// Gives the turn up and wakes the threads waiting for it.
-    fn give_up(&mut self) {
+    /// Takes the turn, waiting while another thread holds it.
+    pub(super) fn take_turn(&mut self) {
+        while !self.try_turn() {
+            self.wait();
+        }
+    }
+
+    /// Waits until no thread holds the turn (its mapping is done), without taking it.
+    pub(super) fn await_turn(&mut self) {
+        if self.mapping {
+            self.wait();
+        }
+    }
+
+    /// Gives the turn up and wakes the threads waiting for it (they place their blocks
+    /// again).
+    pub(super) fn end_turn(&mut self) {
         debug_assert!(self.mine, "page heap: a turn given up that was not taken");
         self.mapping = false;
         self.mine = false;
@@ -161,7 +181,7 @@ impl<B: StreamOrder> Drop for Held<'_, B> {
                 self.guard = Some(lock(self.mutex));
                 note(1);
             }
-            self.give_up();
+            self.end_turn();
         }
         if self.guard.is_some() {
             note(-1);
@@ -190,24 +210,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// The heap's state, locked.
     pub(super) fn held(&self) -> Held<'_, B> {
         Held::new(&self.state, &self.turn)
-    }
-
-    /// Takes the turn, waiting while another thread holds it.
-    pub(super) fn take_turn(&self, st: &mut Held<'_, B>) {
-        while !st.try_take() {
-            st.wait();
-        }
-    }
-
-    /// Takes the turn if no thread holds it: whether it did.
-    pub(super) fn try_turn(&self, st: &mut Held<'_, B>) -> bool {
-        st.try_take()
-    }
-
-    /// Gives the turn up and wakes the threads waiting for it (they place their blocks
-    /// again).
-    pub(super) fn end_turn(&self, st: &mut Held<'_, B>) {
-        st.give_up();
     }
 
     /// Learns, with the lock let go, what completed of every stream with frees that may be
@@ -261,12 +263,5 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         st.clocks.answered(answers.drain(..));
         st.clocks.recycle(asks, answers);
         ordered
-    }
-
-    /// Waits until no thread holds the turn (its mapping is done), without taking it.
-    pub(super) fn await_turn(&self, st: &mut Held<'_, B>) {
-        if st.mapping {
-            st.wait();
-        }
     }
 }

@@ -356,13 +356,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// (some chunks may have access already).
     pub(crate) fn enable_peer(&self, peer: usize) -> Result<()> {
         let mut st = self.held();
-        self.take_turn(&mut st);
+        st.take_turn();
         let granted = if st.peers.contains(&peer) {
             Ok(())
         } else {
             self.grant_peer(&mut st, peer)
         };
-        self.end_turn(&mut st);
+        st.end_turn();
         granted
     }
 

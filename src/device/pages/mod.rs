@@ -129,8 +129,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::marker::PhantomData;
 
 use self::clocks::{retag, Clocks, Stamps};
-#[cfg(all(test, not(loom)))]
-pub(crate) use self::held::locked_here;
+pub(crate) use self::held::assert_unlocked;
 use self::held::Held;
 use self::space::{Chunk, Region};
 pub(crate) use self::stats::PageStats;
@@ -460,12 +459,12 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             if let Some((start, 0)) = self.place(&st, n) {
                 break (start, self.take_placed(&mut st, start, n)?);
             }
-            if self.try_turn(&mut st) {
+            if st.try_turn() {
                 let placed = self.alloc_mapped(&mut st, b, n);
-                self.end_turn(&mut st);
+                st.end_turn();
                 break placed?;
             }
-            self.await_turn(&mut st);
+            st.await_turn();
         };
         // Order `stream` after the last users of these units and of the handles mapped.
         let ordered = self.order_taker(&mut st, b, stream, &after);
@@ -518,9 +517,9 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Unmaps the retired chunks whose work completed, if there are any and no thread
     /// holds the turn (which polls them itself).
     fn poll_in_turn(&self, st: &mut Held<'_, B>, b: &B) {
-        if !st.retired.is_empty() && self.try_turn(st) {
+        if !st.retired.is_empty() && st.try_turn() {
             self.poll(st, b, POLL);
-            self.end_turn(st);
+            st.end_turn();
         }
     }
 

@@ -29,7 +29,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// are freed).
     pub(crate) fn trim_to(&self, b: &B, keep: usize) {
         let mut st = self.held();
-        self.take_turn(&mut st);
+        st.take_turn();
         let all = keep == 0;
         let keep = keep.max(1);
         self.wait_for_frees(&mut st, b);
@@ -56,7 +56,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         if all {
             self.free_empty_regions(&mut st);
         }
-        self.end_turn(&mut st);
+        st.end_turn();
         st.clocks.forget(if all { 0 } else { MAX_CLOCKS });
         let dead = st.clocks.take_dead();
         drop(st);
@@ -93,7 +93,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     pub(crate) fn shutdown(&self, b: &B) {
         self.trim_to(b, 0);
         let mut st = self.held();
-        self.take_turn(&mut st);
+        st.take_turn();
         st.clocks.forget_all();
         // A handle may be mapped at two chunks (its own and a retired one): released once.
         let mut handles: std::collections::BTreeSet<u64> = st.spare.drain(..).collect();
@@ -105,7 +105,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 record_drop_error("cuMemRelease", e);
             }
         }
-        self.end_turn(&mut st);
+        st.end_turn();
         let dead = st.clocks.take_dead();
         drop(st);
         drop(dead);
