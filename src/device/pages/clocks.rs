@@ -288,11 +288,9 @@ impl<B: StreamOrder> Clocks<B> {
     }
 
     /// Keeps the vectors of questions and answers, emptied, for the next ones.
-    pub(super) fn recycle(&mut self, mut asks: Vec<Ask<B>>, mut answers: Vec<Answer<B>>) {
+    pub(super) fn recycle(&mut self, asks: Vec<Ask<B>>, answers: Vec<Answer<B>>) {
+        // Drained by the caller: nothing is dropped here (no stream handle, no mark).
         debug_assert!(asks.is_empty() && answers.is_empty());
-        // Empty already: nothing is dropped here (no stream handle, no mark).
-        asks.clear();
-        answers.clear();
         self.spare = (asks, answers);
     }
 

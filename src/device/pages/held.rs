@@ -81,6 +81,7 @@ fn note(_delta: isize) {
 /// In tests, fails the simulated driver call `call` if this thread holds a page heap's
 /// lock (the simulated physical memory and stream order call it: no lock is held across
 /// a driver call).
+#[cfg(any(test, feature = "sim"))]
 #[inline(always)]
 pub(crate) fn assert_unlocked(_call: impl core::fmt::Debug) {
     #[cfg(all(test, not(loom)))]

@@ -129,6 +129,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::marker::PhantomData;
 
 use self::clocks::{retag, Clocks, Stamps};
+#[cfg(any(test, feature = "sim"))]
 pub(crate) use self::held::assert_unlocked;
 use self::held::Held;
 use self::space::{Chunk, Region};
