@@ -85,6 +85,8 @@ const SOURCES: &[(&str, &str)] = sources![
     "device/pool.rs",
     "device/report.rs",
     "device/reserve.rs",
+    "device/reserve/growing.rs",
+    "device/reserve/tests.rs",
     "device/runs.rs",
     "device/sim.rs",
     "device/sim/close_tests.rs",
