@@ -24,7 +24,7 @@
 //! - `device_threads`: 16 threads, each on its own stream, allocating and freeing blocks
 //!   of 4..64 MiB at once (at most 8 live each): the default pool, the cache on the
 //!   driver pool and `cuMemAllocAsync`, three runs each, median time and peak reserved /
-//!   peak requested (printed).
+//!   peak requested (printed), and each run's page heap counters.
 //! - `device_page_miss`: what a miss of the cache costs on physical pages: an alloc +
 //!   free pair of 32 MiB on an uncached pool, `pages` (the page heap takes the freed run,
 //!   still mapped; the free records an event) vs `driver_pool`
@@ -596,6 +596,10 @@ fn device_threads() {
                     );
                     streams.iter().for_each(|s| s.synchronize().expect("synchronize"));
                     let reserved = pool.stats().peak_reserved_bytes;
+                    if let Some(c) = cudalloc::testing::page_heap_counters(&pool) {
+                        // Where a run's time goes: the driver calls' counts and nanoseconds.
+                        println!("device_threads run {}: page heap {c}", times[i].len());
+                    }
                     pool.trim();
                     (elapsed, peak, reserved as f64)
                 }

@@ -138,7 +138,8 @@ impl<'a, B: StreamOrder> Held<'a, B> {
 
     /// Waits on the turn's condition variable, the lock let go meanwhile.
     fn wait(&mut self) {
-        if let Some(g) = self.guard.take() {
+        if let Some(mut g) = self.guard.take() {
+            g.stats.turn_waits += 1;
             self.guard = Some(wait(self.turn, g));
         }
     }

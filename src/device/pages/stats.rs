@@ -32,6 +32,8 @@ pub(crate) struct PageStats {
     pub(crate) accesses: u64,
     /// Of those, the ones that failed on a span just mapped (the span was unmapped again).
     pub(crate) access_failures: u64,
+    /// Times a thread waited for another's turn (its mapping) to end.
+    pub(crate) turn_waits: u64,
     /// Nanoseconds in the driver's physical-memory calls, by call.
     pub(crate) driver_ns: DriverNs,
 }

@@ -185,6 +185,7 @@ fn a_block_that_needs_a_mapping_waits_for_the_turn_and_takes_memory_freed_meanwh
         64 * MIB,
         "no memory made for the waiting block: {st:?}"
     );
+    assert!(st.turn_waits >= 1, "the wait for the turn is counted: {st:?}");
     assert!(phys.use_block(big, 32 * MIB, &s) && phys.use_block(placed, 32 * MIB, &s));
     r.free(big, &s);
     r.free(placed, &s);
