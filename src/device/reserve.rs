@@ -100,8 +100,6 @@ struct PoolCharge {
     room: usize,
     /// Head room the allocations in flight took.
     taken: usize,
-    /// Allocations in flight.
-    flying: usize,
     /// Allocations begun so far (an allocation ran alone when none began after it and
     /// none was in flight when it began).
     begun: u64,
@@ -190,7 +188,6 @@ impl Reservations {
                 extra: POOL_FIRST_EXTRA,
                 room: 0,
                 taken: 0,
-                flying: 0,
                 begun: 0,
                 applied: 0,
             }),
@@ -276,7 +273,7 @@ impl Reservations {
         let ticket = self.ticket();
         let before = Reading {
             ticket,
-            bytes: pool.usage()?.0,
+            bytes: pool.reserved()?,
         };
         growth.before(|| Some(before.bytes as u64));
         let flight = self.take_off(bytes, before)?;
@@ -288,8 +285,8 @@ impl Reservations {
             }
         };
         let ticket = self.ticket();
-        let after = match pool.usage() {
-            Ok((now, _)) => {
+        let after = match pool.reserved() {
+            Ok(now) => {
                 let extra = now.saturating_sub(before.bytes.saturating_add(granules(bytes)));
                 After::Read(Reading { ticket, bytes: now }, extra)
             }
@@ -304,7 +301,7 @@ impl Reservations {
         }
         // The driver grew past the limit: give the block and the growth back.
         pool.undo(ptr, before.bytes);
-        self.pool_trimmed(|| pool.usage().ok().map(|(r, _)| r));
+        self.pool_trimmed(|| pool.reserved().ok());
         Err(Error::LimitExceeded {
             requested: bytes,
             held,
@@ -335,11 +332,12 @@ impl Reservations {
         self.tally.reserve(room)?;
         pc.room += room;
         pc.taken += room;
-        pc.flying += 1;
         pc.begun += 1;
         Ok(Flight {
             room,
-            alone: (pc.flying == 1).then_some(pc.begun),
+            // None other in flight: its room is all the room taken (a room is at least a
+            // granule: the backends never ask for 0 bytes).
+            alone: (pc.taken == room).then_some(pc.begun),
         })
     }
 
@@ -367,7 +365,6 @@ impl Reservations {
             After::Failed => {}
         }
         pc.taken -= flight.room;
-        pc.flying -= 1;
         if pc.room > pc.taken {
             self.tally.release(pc.room - pc.taken);
             pc.room = pc.taken;
