@@ -294,17 +294,10 @@ impl<B: StreamOrder> Clocks<B> {
         self.spare = (asks, answers);
     }
 
-    /// The questions that learn what completed of every stream with frees that may be
-    /// pending ([`answer`] without a taker).
-    pub(super) fn refresh(&self) -> Vec<Ask<B>> {
-        self.by_stream
-            .iter()
-            .filter(|(_, c)| c.done < c.freed)
-            .filter_map(|(&id, c)| self.ask(id, c.freed))
-            .collect()
-    }
-
-    fn ask(&self, id: StreamId, need: u64) -> Option<Ask<B>> {
+    /// The question that learns whether the free `need` of stream `id` completed
+    /// ([`answer`] without a taker), or orders a taker after it (with one); `None` for a
+    /// stream without a clock (nothing of it pending).
+    pub(super) fn ask(&self, id: StreamId, need: u64) -> Option<Ask<B>> {
         let c = self.by_stream.get(&id)?;
         let share = |(seq, m): &(u64, Arc<B::Mark>)| (*seq, m.clone());
         // The first mark after the free (marks are in order of number), else the newest.

@@ -26,9 +26,10 @@
 //! The stream order's driver calls (`cuEventQuery`, `cuStreamQuery`, `cuEventRecord`,
 //! `cuStreamWaitEvent`) are made with the lock let go too, by any thread: the questions
 //! are copied out under the lock and the answers kept after it (`clocks.rs`; a block's
-//! units are its taker's meanwhile). The turn's holder learns what completed once per
-//! operation, before it reclaims or polls ([`PageHeap::refresh`]), so that no lock is let
-//! go between finding an idle chunk's run and carving it. A trim's host waits are made
+//! units are its taker's meanwhile). The turn's holder, reclaiming or polling, asks about
+//! the streams of the frees of the chunk at hand only, each once per operation, and looks
+//! the chunk up again after ([`PageHeap::settled`]), so that no lock is let go between
+//! finding an idle chunk's run and carving it. A trim's host waits are made
 //! with the lock let go too (`trim.rs`), and stream handles and marks that go are
 //! dropped after the lock (the last handle of a stream, or a mark beyond the event pool's
 //! idle ones, is destroyed: a driver call).
@@ -39,14 +40,27 @@
 use std::ops::{Deref, DerefMut};
 use std::time::Instant;
 
-use super::clocks::{answer, Stamps};
+use super::clocks::{answer, Freed, Stamps};
 use super::stats::DriverNs;
 use super::{PageHeap, State};
+use crate::cuda::StreamId;
 use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
 use crate::error::Result;
 use crate::sync::Ordering;
 use crate::sync::{lock, wait, Condvar, Mutex, MutexGuard};
+
+/// What an operation knows of the frees of units it is about to reuse
+/// ([`PageHeap::settled`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Settled {
+    /// All completed.
+    Done,
+    /// Some may be pending.
+    Pending,
+    /// The driver was asked, with the lock let go: look up again.
+    Asked,
+}
 
 /// The heap's state, locked; it lets the lock go across a driver call
 /// ([`driver`](Self::driver)).
@@ -61,8 +75,9 @@ pub(super) struct Held<'a, B: StreamOrder> {
     /// guard dropped so (a panic in a driver call) gives it up, so that the heap's other
     /// threads are not left waiting for it.
     mine: bool,
-    /// Whether this operation learned already what completed ([`PageHeap::refresh`]).
-    refreshed: bool,
+    /// The streams this operation asked the driver about already ([`PageHeap::settled`]):
+    /// each at most once per operation.
+    asked: Vec<StreamId>,
 }
 
 #[cfg(all(test, not(loom)))]
@@ -100,7 +115,7 @@ impl<'a, B: StreamOrder> Held<'a, B> {
             guard,
             turn,
             mine: false,
-            refreshed: false,
+            asked: Vec::new(),
         }
     }
 
@@ -214,19 +229,34 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         Held::new(&self.state, &self.turn)
     }
 
-    /// Learns, with the lock let go, what completed of every stream with frees that may be
-    /// pending (its marks queried, else whether it is idle), once per operation: what
-    /// reclaiming and polling then read without asking the driver.
-    pub(super) fn refresh(&self, st: &mut Held<'_, B>, b: &B) {
-        if std::mem::replace(&mut st.refreshed, true) {
-            return;
+    /// Whether the work of every free of `frees` completed, as far as this operation
+    /// knows: [`Settled::Asked`] where it did not know of a stream it had not asked about
+    /// yet, and asked the driver now with the lock let go (that stream's marks, else
+    /// whether it is idle; each stream at most once per operation), so that the caller
+    /// looks up again what it read under the lock. Only the streams of the frees at hand
+    /// are asked: asking every stream with frees pending, once per operation, queried
+    /// up to 16 streams per mapping on 16 threads (the H100's `device_threads` 12-16%
+    /// slower, `device_random` 17%).
+    pub(super) fn settled(&self, st: &mut Held<'_, B>, b: &B, frees: &[Freed]) -> Settled {
+        let mut asks = Vec::new();
+        for f in frees {
+            if st.clocks.completed(f) || st.asked.contains(&f.stream) {
+                continue;
+            }
+            st.asked.push(f.stream);
+            // The latest free of this stream among `frees`.
+            let need = frees.iter().filter(|g| g.stream == f.stream).map(|g| g.seq).max();
+            asks.extend(need.and_then(|need| st.clocks.ask(f.stream, need)));
         }
-        let asks = st.clocks.refresh();
         if asks.is_empty() {
-            return;
+            return match frees.iter().all(|f| st.clocks.completed(f)) {
+                true => Settled::Done,
+                false => Settled::Pending,
+            };
         }
         let answers: Vec<_> = st.unlocked(|| asks.into_iter().map(|a| answer(b, a, None).0).collect());
         st.clocks.answered(answers);
+        Settled::Asked
     }
 
     /// Makes work queued on `stream` from now on run after the frees of `after` by other

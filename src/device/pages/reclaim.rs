@@ -22,8 +22,8 @@
 
 use std::ops::ControlFlow;
 
-use super::clocks::{touching, Freed, Stamps};
-use super::held::Held;
+use super::clocks::{touching, Stamps};
+use super::held::{Held, Settled};
 use super::{PageHeap, Reclaim, Reclaimed, State};
 use crate::cuda::record_drop_error;
 use crate::device::order::StreamOrder;
@@ -40,7 +40,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         tries: usize,
         how: Reclaim,
     ) -> Option<Reclaimed> {
-        self.refresh(st, b);
         let pending = match self.take_idle(st, b, tries) {
             ControlFlow::Break(taken) => return taken,
             ControlFlow::Continue(pending) => pending,
@@ -60,9 +59,10 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// frees completed and breaks with its
     /// handle (`None` if it had none), or with `Released` where that chunk is of a group
     /// (wholly idle: unmapped and released whole); else continues with the first chunk
-    /// (not of a group) found pending. What completed is read as the operation's
-    /// [`refresh`](Self::refresh) left it: no lock is let go between finding a chunk's
-    /// run and carving it.
+    /// (not of a group) found pending. Where the frees of a chunk's units are not known
+    /// complete, their streams are asked ([`settled`](Self::settled), the lock let go) and
+    /// the chunk is looked up again: no lock is let go between finding a chunk's run and
+    /// carving it.
     fn take_idle(
         &self,
         st: &mut Held<'_, B>,
@@ -71,15 +71,22 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     ) -> ControlFlow<Option<Reclaimed>, Option<usize>> {
         let mut below = usize::MAX;
         let mut pending = None;
-        for _ in 0..tries {
+        let mut tried = 0;
+        while tried < tries {
             let Some(&c) = st.idle.range(..below).next_back() else {
                 break;
             };
+            // Where the driver was asked (the lock let go), the same chunk is looked up
+            // again; each stream is asked once per operation, so this ends.
+            let again = c + 1;
             below = c;
+            tried += 1;
             if let Some((g, k)) = st.chunks[c].group {
                 below = g;
-                if self.release_idle_group(st, b, g, k) {
-                    return ControlFlow::Break(Some(Reclaimed::Released));
+                match self.release_idle_group(st, b, g, k) {
+                    Some(true) => return ControlFlow::Break(Some(Reclaimed::Released)),
+                    None => (below, tried) = (again, tried - 1),
+                    Some(false) => {}
                 }
                 continue;
             }
@@ -88,9 +95,16 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 continue;
             };
             let frees = touching(stamps, first, first + self.chunk_units);
-            if !self.frees_done(st, &frees) {
-                pending = pending.or(Some(c));
-                continue;
+            match self.settled(st, b, &frees) {
+                Settled::Done => {}
+                Settled::Pending => {
+                    pending = pending.or(Some(c));
+                    continue;
+                }
+                Settled::Asked => {
+                    (below, tried) = (again, tried - 1);
+                    continue;
+                }
             }
             let Some(stamps) = self.carve(st, c, 1, rs) else {
                 continue;
@@ -114,26 +128,30 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     }
 
     /// Unmaps and releases group `g..g + k` if all of its chunks are idle and the frees of
-    /// all its units completed: whether it did. A group that fails its unmap stays mapped, its chunks stuck.
-    fn release_idle_group(&self, st: &mut Held<'_, B>, b: &B, g: usize, k: usize) -> bool {
+    /// all its units completed: whether it did, or `None` where it asked the driver
+    /// whether they completed (the lock let go: the caller looks again). A group that
+    /// fails its unmap stays mapped, its chunks stuck.
+    fn release_idle_group(&self, st: &mut Held<'_, B>, b: &B, g: usize, k: usize) -> Option<bool> {
         if !(g..g + k).all(|c| st.idle.contains(&c)) {
-            return false;
+            return Some(false);
         }
         let (first, end) = (g * self.chunk_units, (g + k) * self.chunk_units);
         // All its units are free, so one maximal run holds them.
         let Some((rs, len, stamps)) = st.free.at_or_before(first) else {
-            return false;
+            return Some(false);
         };
         debug_assert!(rs + len >= end, "page heap: an idle group's units in two runs");
         let frees = touching(stamps, first, end);
-        if !self.frees_done(st, &frees) {
-            return false;
+        match self.settled(st, b, &frees) {
+            Settled::Done => {}
+            Settled::Pending => return Some(false),
+            Settled::Asked => return None,
         }
         let Some(h) = st.chunks[g].handle else {
-            return false;
+            return Some(false);
         };
         let Some(stamps) = self.carve(st, g, k, rs) else {
-            return false;
+            return Some(false);
         };
         // SAFETY: the group was mapped whole by `map_group` (k chunks' bytes, one handle);
         // no block holds a unit of it (nor can: its units are carved out) and the marks
@@ -150,7 +168,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             st.stats.group_releases += 1;
         }
         self.give_back(st, first, end - first, stamps);
-        unmapped
+        Some(unmapped)
     }
 
     /// Releases `h`, of `bytes`, mapped nowhere: `stats.reserved` and the reservations
@@ -183,16 +201,20 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Unmaps retired chunks whose marks completed (querying at most `max` chunks), and
     /// frees their units.
     pub(super) fn poll(&self, st: &mut Held<'_, B>, b: &B, max: usize) {
-        self.refresh(st, b);
         let mut i = 0;
         let mut seen = 0;
         while i < st.retired.len() && seen < max {
-            seen += 1;
             let frees = st.retired[i].1.clone();
-            if !self.frees_done(st, &frees) {
-                i += 1;
-                continue;
+            match self.settled(st, b, &frees) {
+                Settled::Done => {}
+                Settled::Pending => {
+                    (i, seen) = (i + 1, seen + 1);
+                    continue;
+                }
+                // Looked at again: each stream is asked once per operation.
+                Settled::Asked => continue,
             }
+            seen += 1;
             let (c, _) = st.retired.swap_remove(i);
             // SAFETY: the chunk's old mapping (a chunk's bytes, by `map_chunks`; a group is
             // never retired); no block holds its units, and the marks of their last frees
@@ -204,12 +226,6 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }
             // Else the mapping stays: the units are never used again.
         }
-    }
-
-    /// Whether the work of every free of `frees` is known complete (as the operation's
-    /// [`refresh`](Self::refresh) left it: no driver call here).
-    fn frees_done(&self, st: &State<B>, frees: &[Freed]) -> bool {
-        frees.iter().all(|s| st.clocks.completed(s))
     }
 
     /// Unmaps the mapping of chunks `c..c + k` (their handle stays recorded for the

@@ -390,3 +390,47 @@ fn the_fake_physical_memory_catches_a_group_unmapped_or_mapped_in_part() {
     unsafe { phys.unmap(v, CHUNK).unwrap() };
     assert_eq!(phys.violations(), 3, "a group unmapped in part");
 }
+
+#[test]
+fn moving_an_idle_chunk_asks_only_the_streams_that_freed_it() {
+    use std::sync::atomic::Ordering;
+    let (h, b, _phys) = heap(usize::MAX, TUNING, None);
+    let a = FakeStream::new();
+    let others: Vec<FakeStream> = (0..6).map(|_| FakeStream::new()).collect();
+    // A chunk for each of the other streams, then 8 chunks of `a`, each followed by a
+    // live separator: once freed, every chunk is a free run of its own.
+    let mut seps = Vec::new();
+    let mut chunk_then_separator = |s: &FakeStream| {
+        let p = h.alloc(&b, CHUNK, s).unwrap();
+        seps.push(h.alloc(&b, CHUNK, &a).unwrap());
+        p
+    };
+    let low: Vec<u64> = others.iter().map(&mut chunk_then_separator).collect();
+    let high: Vec<u64> = (0..8).map(|_| chunk_then_separator(&a)).collect();
+    for (p, s) in low.iter().zip(&others) {
+        // Work queued and never run: the other streams' frees stay pending.
+        s.enqueue();
+        free(&h, &b, *p, s);
+    }
+    for p in high {
+        free(&h, &b, p, &a);
+    }
+    assert_eq!(b.idle_queries.load(Ordering::SeqCst), 0, "a free asks nothing");
+    // 14 chunks idle, over the allowance: a block that fits in no run moves idle chunks
+    // from the highest address down (4 of a's, whose work completed).
+    let big = h.alloc(&b, 4 * CHUNK, &a).unwrap();
+    let st = h.stats();
+    assert_eq!(st.unmaps, 4, "four idle chunks moved: {st:?}");
+    assert_eq!(
+        b.idle_queries.load(Ordering::SeqCst),
+        1,
+        "only a asked, once for the whole allocation (asking every stream with frees \
+         pending asked 7)"
+    );
+    for p in seps.into_iter().chain([big]) {
+        free(&h, &b, p, &a);
+    }
+    for s in &others {
+        s.complete_all();
+    }
+}

@@ -115,13 +115,14 @@ fn merge_keeps_the_latest_free_of_each_stream_with_the_hull() {
     clocks.check();
 }
 
-/// Learns what completed, as the heap's refresh does (without its lock).
+/// Learns what completed of every stream with frees that may be pending, as an operation
+/// of the heap reusing units of the latest free of each asks (without its lock).
 fn refresh(clocks: &mut Clocks<Script>, order: &Script) {
-    let answers: Vec<_> = clocks
-        .refresh()
-        .into_iter()
-        .map(|a| answer(order, a, None).0)
+    let asks: Vec<_> = (clocks.by_stream.iter())
+        .filter(|(_, c)| c.done < c.freed)
+        .filter_map(|(&id, c)| clocks.ask(id, c.freed))
         .collect();
+    let answers: Vec<_> = asks.into_iter().map(|a| answer(order, a, None).0).collect();
     clocks.answered(answers);
 }
 
