@@ -6,7 +6,7 @@
 //! [`StreamOrder`] (no physical memory, no simulator).
 //!
 //! The driver is asked with the heap's lock let go, in three steps: under the lock,
-//! [`Clocks::asks`] (or [`Clocks::refresh`]) copies what a question needs ([`Ask`]: the
+//! [`Clocks::asks`] (or [`Clocks::ask`]) copies what a question needs ([`Ask`]: the
 //! stream, its latest free, its marks shared by reference count); without it, [`answer`]
 //! queries, records a mark and makes a taker wait; under the lock again,
 //! [`Clocks::answered`] keeps what was learned ([`Answer`]). What is learned only ever
