@@ -238,9 +238,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// up to 16 streams per mapping on 16 threads (the H100's `device_threads` 12-16%
     /// slower, `device_random` 17%).
     pub(super) fn settled(&self, st: &mut Held<'_, B>, b: &B, frees: &[Freed]) -> Settled {
-        let mut asks = Vec::new();
+        let (mut asks, mut pending) = (Vec::new(), false);
         for f in frees {
-            if st.clocks.completed(f) || st.asked.contains(&f.stream) {
+            if st.clocks.completed(f) {
+                continue;
+            }
+            if st.asked.contains(&f.stream) {
+                pending = true;
                 continue;
             }
             st.asked.push(f.stream);
@@ -249,10 +253,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             asks.extend(need.and_then(|need| st.clocks.ask(f.stream, need)));
         }
         if asks.is_empty() {
-            return match frees.iter().all(|f| st.clocks.completed(f)) {
-                true => Settled::Done,
-                false => Settled::Pending,
-            };
+            return if pending { Settled::Pending } else { Settled::Done };
         }
         let answers: Vec<_> = st.unlocked(|| asks.into_iter().map(|a| answer(b, a, None).0).collect());
         st.clocks.answered(answers);
