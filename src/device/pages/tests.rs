@@ -393,7 +393,7 @@ fn the_fake_physical_memory_catches_a_group_unmapped_or_mapped_in_part() {
 
 #[test]
 fn moving_an_idle_chunk_asks_only_the_streams_that_freed_it() {
-    use std::sync::atomic::Ordering;
+    use crate::sync::Ordering;
     let (h, b, _phys) = heap(usize::MAX, TUNING, None);
     let a = FakeStream::new();
     let others: Vec<FakeStream> = (0..6).map(|_| FakeStream::new()).collect();
