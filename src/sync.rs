@@ -55,6 +55,17 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
+/// Locks a mutex if no thread holds it now (`None` if one does), recovering the data as
+/// [`lock`] does.
+pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        // loom's mutex answers with `std`'s error type too.
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// Declares a thread-local with a `const` initializer: `std`'s `thread_local!` normally
 /// (const-initialized, no lazy-init check on access), loom's under `--cfg loom` (whose
 /// thread-locals are per model thread and dropped when the model thread ends), so the code

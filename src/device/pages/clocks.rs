@@ -142,6 +142,13 @@ pub(super) struct Answer<B: StreamOrder> {
     pub(super) waits: u64,
 }
 
+impl<B: StreamOrder> Answer<B> {
+    /// No mark recorded and no wait made: what it taught is only what completed.
+    pub(super) fn plain(&self) -> bool {
+        self.marks == 0 && self.waits == 0
+    }
+}
+
 /// Asks the driver about `ask`'s stream (with no lock held): its probe mark (and, if that
 /// is pending, its oldest mark), then, with no mark pending, whether the stream is idle.
 /// With a `taker`, if the free needed may still be pending, makes it wait (no host wait)

@@ -467,25 +467,27 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             }
             st.await_turn();
         };
-        // Order `stream` after the last users of these units and of the handles mapped.
-        let ordered = self.order_taker(&mut st, b, stream, &after);
-        let placed = match ordered {
-            Ok(()) => {
-                let va = self.va_of(&st, start);
-                st.live.insert(va, (start, n));
-                st.stats.block_bytes += len;
-                st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
-                Ok(va)
-            }
-            Err(e) => {
-                self.give_back(&mut st, start, n, retag(after, start, start + n));
-                Err(e)
-            }
-        };
+        // The block is the caller's from here (in `live`, counted); its stream is ordered
+        // after the last users of its units and of the handles mapped with no lock held.
+        let va = self.va_of(&st, start);
+        st.live.insert(va, (start, n));
+        st.stats.block_bytes += len;
+        st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
+        let (asks, answers) = self.taker_asks(&mut st, stream, &after);
+        if asks.is_empty() {
+            st.clocks.recycle(asks, answers);
+            return Ok(va);
+        }
         let dead = st.clocks.take_dead();
         drop(st);
         drop(dead);
-        placed
+        // Where the ordering failed the block goes back (a peak of blocks it raised stays).
+        let undo = |st: &mut Held<'_, B>| {
+            st.live.remove(&va);
+            st.stats.block_bytes -= len;
+            self.give_back(st, start, n, retag(after, start, start + n));
+        };
+        self.order_taker(b, stream, (asks, answers), undo).map(|()| va)
     }
 
     /// With the turn: places a block of `n` units (in a new region if no free run holds

@@ -434,3 +434,30 @@ fn moving_an_idle_chunk_asks_only_the_streams_that_freed_it() {
         s.complete_all();
     }
 }
+
+#[test]
+fn a_takers_answer_is_kept_when_the_lock_is_free() {
+    use crate::sync::Ordering;
+    let (h, b, _phys) = heap(usize::MAX, TUNING, None);
+    let (a, t) = (FakeStream::new(), FakeStream::new());
+    // Two blocks of `a`, kept apart by a live one, freed on `a` (idle: no work queued).
+    let x = h.alloc(&b, CHUNK, &a).unwrap();
+    let sep = h.alloc(&b, CHUNK, &a).unwrap();
+    let y = h.alloc(&b, CHUNK, &a).unwrap();
+    free(&h, &b, x, &a);
+    free(&h, &b, y, &a);
+    // `t` takes x's units: it asks whether a is idle, learns that every free of a so far
+    // completed and keeps it, so taking y's units asks nothing.
+    let x2 = h.alloc(&b, CHUNK, &t).unwrap();
+    assert_eq!(b.idle_queries.load(Ordering::SeqCst), 1);
+    let y2 = h.alloc(&b, CHUNK, &t).unwrap();
+    assert_eq!((x2, y2), (x, y), "the freed blocks' units, reused");
+    assert_eq!(
+        b.idle_queries.load(Ordering::SeqCst),
+        1,
+        "the first answer was kept: nothing asked again"
+    );
+    for p in [x2, y2, sep] {
+        free(&h, &b, p, &t);
+    }
+}
