@@ -25,8 +25,9 @@
 //!
 //! The stream order's driver calls (`cuEventQuery`, `cuStreamQuery`, `cuEventRecord`,
 //! `cuStreamWaitEvent`) are made with the lock let go too, by any thread: the questions
-//! are copied out under the lock and the answers kept after it (`clocks.rs`; a block's
-//! units are its taker's meanwhile). The turn's holder, reclaiming or polling, asks about
+//! are copied out under the lock and the answers kept after it (`clocks.rs`). A block's
+//! taker asks after its block is its own (in `live`), and keeps a plain answer (what
+//! completed) only if the lock is free at once ([`PageHeap::order_taker`]). The turn's holder, reclaiming or polling, asks about
 //! the streams of the frees of the chunk at hand only, each once per operation, and looks
 //! the chunk up again after ([`PageHeap::settled`]), so that no lock is let go between
 //! finding an idle chunk's run and carving it. A trim's host waits are made
