@@ -27,13 +27,13 @@
 //! `cuStreamWaitEvent`) are made with the lock let go too, by any thread: the questions
 //! are copied out under the lock and the answers kept after it (`clocks.rs`). A block's
 //! taker asks after its block is its own (in `live`), and keeps a plain answer (what
-//! completed) only if the lock is free at once ([`PageHeap::order_taker`]). The turn's holder, reclaiming or polling, asks about
-//! the streams of the frees of the chunk at hand only, each once per operation, and looks
-//! the chunk up again after ([`PageHeap::settled`]), so that no lock is let go between
-//! finding an idle chunk's run and carving it. A trim's host waits are made
-//! with the lock let go too (`trim.rs`), and stream handles and marks that go are
-//! dropped after the lock (the last handle of a stream, or a mark beyond the event pool's
-//! idle ones, is destroyed: a driver call).
+//! completed) only if the lock is free at once ([`PageHeap::order_taker`]). The turn's
+//! holder, reclaiming or polling, asks about the streams of the frees of the chunk at
+//! hand only, each once per operation, and looks the chunk up again after
+//! ([`PageHeap::settled`]), so that no lock is let go between finding an idle chunk's run
+//! and carving it. A trim's host waits are made with the lock let go too (`trim.rs`), and
+//! stream handles and marks that go are dropped after the lock (the last handle of a
+//! stream, or a mark beyond the event pool's idle ones, is destroyed: a driver call).
 //!
 //! A panic inside a driver call (none is expected: the driver returns errors) gives the
 //! turn up as the guard unwinds, so the heap's other threads do not wait for it forever.
@@ -248,9 +248,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// yet, and asked the driver now with the lock let go (that stream's marks, else
     /// whether it is idle; each stream at most once per operation), so that the caller
     /// looks up again what it read under the lock. Only the streams of the frees at hand
-    /// are asked: asking every stream with frees pending, once per operation, queried
-    /// up to 16 streams per mapping on 16 threads (the H100's `device_threads` 12-16%
-    /// slower, `device_random` 17%).
+    /// are asked, where asking every stream with frees pending, once per operation, made
+    /// up to 16 queries per mapping on 16 threads for the one or two the chunk needs.
     pub(super) fn settled(&self, st: &mut Held<'_, B>, b: &B, frees: &[Freed]) -> Settled {
         let (mut asks, mut pending) = (Vec::new(), false);
         for f in frees {

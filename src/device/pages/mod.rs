@@ -474,20 +474,25 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         st.stats.block_bytes += len;
         st.stats.peak_block_bytes = st.stats.peak_block_bytes.max(st.stats.block_bytes);
         let (asks, answers) = self.taker_asks(&mut st, stream, &after);
-        if asks.is_empty() {
+        let questions = if asks.is_empty() {
             st.clocks.recycle(asks, answers);
-            return Ok(va);
-        }
+            None
+        } else {
+            Some((asks, answers))
+        };
         let dead = st.clocks.take_dead();
         drop(st);
         drop(dead);
+        let Some(questions) = questions else {
+            return Ok(va);
+        };
         // Where the ordering failed the block goes back (a peak of blocks it raised stays).
         let undo = |st: &mut Held<'_, B>| {
             st.live.remove(&va);
             st.stats.block_bytes -= len;
             self.give_back(st, start, n, retag(after, start, start + n));
         };
-        self.order_taker(b, stream, (asks, answers), undo).map(|()| va)
+        self.order_taker(b, stream, questions, undo).map(|()| va)
     }
 
     /// With the turn: places a block of `n` units (in a new region if no free run holds

@@ -30,6 +30,18 @@ use crate::device::order::StreamOrder;
 use crate::device::phys::Phys;
 use crate::trace::Code;
 
+/// What trying one idle chunk (or its group) came to ([`PageHeap::take_idle`]).
+enum Tried {
+    /// Unmapped: its handle (none if it had none), or `Released` for a group.
+    Taken(Option<Reclaimed>),
+    /// Its frees may be pending.
+    Pending,
+    /// Passed over; the search goes on below the given chunk.
+    Passed(usize),
+    /// The driver was asked whether its frees completed, the lock let go.
+    Asked,
+}
+
 impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// Takes the handle of an idle chunk (trying at most `tries`, from the highest
     /// address), as `how` says, with the marks to order its next use after.
@@ -76,55 +88,64 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             let Some(&c) = st.idle.range(..below).next_back() else {
                 break;
             };
-            // Where the driver was asked (the lock let go), the same chunk is looked up
-            // again; each stream is asked once per operation, so this ends.
-            let again = c + 1;
-            below = c;
             tried += 1;
-            if let Some((g, k)) = st.chunks[c].group {
-                below = g;
-                match self.release_idle_group(st, b, g, k) {
-                    Some(true) => return ControlFlow::Break(Some(Reclaimed::Released)),
-                    None => (below, tried) = (again, tried - 1),
-                    Some(false) => {}
-                }
-                continue;
-            }
-            let first = c * self.chunk_units;
-            let Some((rs, _, stamps)) = st.free.at_or_before(first) else {
-                continue;
+            let outcome = match st.chunks[c].group {
+                Some((g, k)) => match self.release_idle_group(st, b, g, k) {
+                    Some(true) => Tried::Taken(Some(Reclaimed::Released)),
+                    Some(false) => Tried::Passed(g),
+                    None => Tried::Asked,
+                },
+                None => self.take_idle_chunk(st, b, c),
             };
-            let frees = touching(stamps, first, first + self.chunk_units);
-            match self.settled(st, b, &frees) {
-                Settled::Done => {}
-                Settled::Pending => {
+            below = match outcome {
+                Tried::Taken(r) => return ControlFlow::Break(r),
+                Tried::Pending => {
                     pending = pending.or(Some(c));
-                    continue;
+                    c
                 }
-                Settled::Asked => {
-                    (below, tried) = (again, tried - 1);
-                    continue;
+                Tried::Passed(below) => below,
+                // The driver was asked (the lock let go): the same chunk is looked up
+                // again; each stream is asked once per operation, so this ends.
+                Tried::Asked => {
+                    tried -= 1;
+                    c + 1
                 }
-            }
-            let Some(stamps) = self.carve(st, c, 1, rs) else {
-                continue;
             };
-            // SAFETY: the chunk was mapped by `map_chunks` with a chunk's bytes; no block
-            // holds a unit of it (nor can: its units are carved out), and the marks of
-            // every free of its units completed (a run keeps the latest mark of each
-            // stream until it completes).
-            let unmapped = unsafe { self.unmap_chunks(st, b, c, 1) };
-            let h = if unmapped {
-                st.chunks[c].handle.take()
-            } else {
-                None
-            };
-            self.give_back(st, first, self.chunk_units, stamps);
-            if unmapped {
-                return ControlFlow::Break(h.map(|h| Reclaimed::Handle(h, Vec::new())));
-            }
         }
         ControlFlow::Continue(pending)
+    }
+
+    /// Tries idle chunk `c` (not of a group): unmaps it if the frees of its units
+    /// completed.
+    fn take_idle_chunk(&self, st: &mut Held<'_, B>, b: &B, c: usize) -> Tried {
+        let first = c * self.chunk_units;
+        let Some((rs, _, stamps)) = st.free.at_or_before(first) else {
+            return Tried::Passed(c);
+        };
+        let frees = touching(stamps, first, first + self.chunk_units);
+        match self.settled(st, b, &frees) {
+            Settled::Done => {}
+            Settled::Pending => return Tried::Pending,
+            Settled::Asked => return Tried::Asked,
+        }
+        let Some(stamps) = self.carve(st, c, 1, rs) else {
+            return Tried::Passed(c);
+        };
+        // SAFETY: the chunk was mapped by `map_chunks` with a chunk's bytes; no block holds
+        // a unit of it (nor can: its units are carved out), and the marks of every free of
+        // its units completed (a run keeps the latest mark of each stream until it
+        // completes).
+        let unmapped = unsafe { self.unmap_chunks(st, b, c, 1) };
+        let h = if unmapped {
+            st.chunks[c].handle.take()
+        } else {
+            None
+        };
+        self.give_back(st, first, self.chunk_units, stamps);
+        match unmapped {
+            true => Tried::Taken(h.map(|h| Reclaimed::Handle(h, Vec::new()))),
+            false => Tried::Passed(c),
+        }
     }
 
     /// Unmaps and releases group `g..g + k` if all of its chunks are idle and the frees of
