@@ -109,28 +109,23 @@ pub(crate) fn assert_unlocked(_call: impl core::fmt::Debug) {
 
 impl<'a, B: StreamOrder> Held<'a, B> {
     pub(super) fn new(mutex: &'a Mutex<State<B>>, turn: &'a Condvar) -> Self {
-        let guard = Some(lock(mutex));
-        note(1);
-        Self {
-            mutex,
-            guard,
-            turn,
-            mine: false,
-            asked: Vec::new(),
-        }
+        Self::locked(mutex, lock(mutex), turn)
     }
 
     /// The state locked, if its lock is free now.
     pub(super) fn try_new(mutex: &'a Mutex<State<B>>, turn: &'a Condvar) -> Option<Self> {
-        let guard = Some(try_lock(mutex)?);
+        Some(Self::locked(mutex, try_lock(mutex)?, turn))
+    }
+
+    fn locked(mutex: &'a Mutex<State<B>>, guard: MutexGuard<'a, State<B>>, turn: &'a Condvar) -> Self {
         note(1);
-        Some(Self {
+        Self {
             mutex,
-            guard,
+            guard: Some(guard),
             turn,
             mine: false,
             asked: Vec::new(),
-        })
+        }
     }
 
     fn guard(&self) -> &MutexGuard<'a, State<B>> {
