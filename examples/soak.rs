@@ -383,6 +383,15 @@ mod device_io {
         Ok((s.reserved_bytes, s.live_buffers))
     }
 
+    /// What the process-wide device pool did: its stats, and its page heap's driver
+    /// calls and waits (the cross-stream hand-overs and mappings the soak exercised).
+    pub fn report() -> cudalloc::Result<String> {
+        let pool = DevicePool::get(0)?;
+        let pages = cudalloc::testing::page_heap_counters(&pool)
+            .map_or_else(|| "no page heap".to_string(), |c| format!("page heap {c}"));
+        Ok(format!("{}\n  {pages}", pool.stats()))
+    }
+
     /// Returns the device pool's free memory to the device.
     pub fn trim() -> cudalloc::Result<()> {
         DevicePool::get(0)?.trim();
@@ -693,6 +702,10 @@ fn main() {
     if gpu {
         println!("pinned pools:\n{}", PinnedAlloc::stats());
         println!("managed pools:\n{}", ManagedAlloc::stats());
+        match device_io::report() {
+            Ok(r) => println!("device pool:\n{r}"),
+            Err(e) => failures.push(format!("device pool stats: {e}")),
+        }
         drop(streams);
         if let Err(e) = device_io::trim() {
             failures.push(format!("device pool trim: {e}"));
