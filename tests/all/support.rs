@@ -51,9 +51,8 @@ macro_rules! backings_in_use {
 /// attached), saying why: `under_a_sanitizer!("…")`. Two kinds: a timing race between
 /// streams (the sanitizer serializes the device and waits in calls that do not wait
 /// otherwise, so the race never happens; its memory accesses are still checked by the
-/// rest of the run), a kernel that faults on purpose (the sanitizer reports the trap
-/// as an error of the run), and a check of what a pool keeps mapped (with the sanitizer
-/// attached the pools take their blocks with `cuMemAlloc` and keep no freed memory mapped).
+/// rest of the run), and a kernel that faults on purpose (the sanitizer reports the trap
+/// as an error of the run). Only tests/gated.rs has such tests.
 #[allow(unused_macros)]
 macro_rules! under_a_sanitizer {
     ($why:literal) => {

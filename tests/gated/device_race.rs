@@ -30,7 +30,7 @@ fn pool(thread_cache: bool) -> DevicePool {
     .unwrap()
 }
 
-fn set_guard(pool: &DevicePool, guard: bool) {
+pub(crate) fn set_guard(pool: &DevicePool, guard: bool) {
     #[cfg(feature = "test-hooks")]
     pool.set_event_guard(guard);
     #[cfg(not(feature = "test-hooks"))]
@@ -247,7 +247,7 @@ fn a_borrowed_stream_handle_is_kept_alive_by_the_cache() {
 }
 
 /// The page heap's counter `name` (`marks`, `waits`) of `pool`, if it has a heap.
-fn heap_counter(pool: &DevicePool, name: &str) -> Option<u64> {
+pub(crate) fn heap_counter(pool: &DevicePool, name: &str) -> Option<u64> {
     let c = cudalloc::testing::page_heap_counters(pool)?;
     let at = c.find(&format!("{name}: "))? + name.len() + 2;
     c[at..]
