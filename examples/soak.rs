@@ -11,7 +11,10 @@
 //! streams (behind a short host-function delay, so the copy is still queued), and dropped
 //! at once; a new pinned block of the same size is taken and scribbled over (the pool
 //! must not hand out the block the copy still reads); the device buffer is copied back
-//! into a managed `Vec` and compared. One iteration in four runs the host workload too.
+//! into a managed `Vec` and compared. Sizes run from 4 KiB to `--device-max-mib` (8 MiB by
+//! default; blocks of 2 MiB and more are the page heap's, which a larger maximum makes
+//! map, move and unmap chunks while other threads allocate: `--device-max-mib 64`). One
+//! iteration in four runs the host workload too.
 //!
 //! The host workload (all of it with `--host-only` or without a driver): a `Pool` over
 //! host memory (with a limit, so backpressure engages) and per-thread arenas; "copies"
@@ -51,6 +54,8 @@ struct Options {
     host_only: bool,
     max_drift_pct: u64,
     report_every: u64,
+    /// The largest block of a GPU round trip.
+    device_max: usize,
     /// The negative control (needs the `test-hooks` feature): the host pool reuses freed
     /// blocks at once, even while a copy still reads them; the soak must then fail.
     no_pending_list: bool,
@@ -64,6 +69,7 @@ fn options() -> Options {
         host_only: false,
         max_drift_pct: 25,
         report_every: 30,
+        device_max: 8 * MIB,
         no_pending_list: false,
     };
     let mut args = std::env::args().skip(1);
@@ -79,6 +85,7 @@ fn options() -> Options {
             "--streams" => o.streams = value("--streams").max(1) as usize,
             "--max-drift-pct" => o.max_drift_pct = value("--max-drift-pct"),
             "--report-every" => o.report_every = value("--report-every").max(1),
+            "--device-max-mib" => o.device_max = (value("--device-max-mib").clamp(1, 1024) as usize) * MIB,
             "--host-only" => o.host_only = true,
             "--no-pending-list" if cfg!(feature = "test-hooks") => o.no_pending_list = true,
             "--bench" => {} // cargo bench passes it; nothing to do
@@ -97,7 +104,7 @@ fn usage(why: &str) -> ! {
     }
     eprintln!(
         "usage: soak [--seconds N (60)] [--threads T (16)] [--streams S (8)] [--host-only] \
-         [--max-drift-pct P (25)] [--report-every SECS (30)] \
+         [--max-drift-pct P (25)] [--report-every SECS (30)] [--device-max-mib M (8)] \
          [--no-pending-list (negative control; needs --features test-hooks)]"
     );
     std::process::exit(2)
@@ -401,8 +408,8 @@ mod device_io {
 
 /// One round trip: pinned -> device -> managed, the pinned source freed while its copy is
 /// queued and its size taken again and scribbled over at once.
-fn gpu_round_trip(stream: &Stream, rng: &mut Rng, tally: &Tally) -> Result<(), String> {
-    let n = rng.size(4 * KIB, 8 * MIB);
+fn gpu_round_trip(stream: &Stream, max: usize, rng: &mut Rng, tally: &Tally) -> Result<(), String> {
+    let n = rng.size(4 * KIB, max);
     let seed = rng.next();
     let mut src: AVec<u8, _> = AVec::new_in(&PINNED);
     src.try_reserve_exact(n)
@@ -528,11 +535,14 @@ fn main() {
         o.threads,
         o.streams,
         if gpu {
-            "pinned + managed + device memory, and the host workload"
+            format!(
+                "pinned + managed + device memory (blocks up to {} MiB), and the host workload",
+                o.device_max / MIB
+            )
         } else if o.host_only {
-            "host only (--host-only)"
+            "host only (--host-only)".to_string()
         } else {
-            "host only (no CUDA driver)"
+            "host only (no CUDA driver)".to_string()
         }
     );
     let streams: Vec<Stream> = if gpu {
@@ -568,6 +578,7 @@ fn main() {
     let warm = duration / 3;
     let mut samples: Vec<Sample> = Vec::new();
 
+    let device_max = o.device_max;
     std::thread::scope(|s| {
         for t in 0..o.threads {
             let (host, fake, tally, stop, streams) = (&host, &fake, &tally, &stop, &streams);
@@ -577,7 +588,7 @@ fn main() {
                 let (mut i, mut host_turns) = (0u64, 0u64);
                 while !stop.load(Ordering::Relaxed) {
                     let r = if gpu && i % 4 != 3 {
-                        gpu_round_trip(&streams[t % streams.len()], &mut rng, tally)
+                        gpu_round_trip(&streams[t % streams.len()], device_max, &mut rng, tally)
                     } else {
                         // Host turns alternate between the pool and the arena.
                         host_turns += 1;
