@@ -175,7 +175,8 @@ fn a_chunk_moved_while_its_work_is_pending_is_used_only_after_that_work() {
     let m = moved_chunk_race(true);
     assert!(
         m.moves >= 1,
-        "T's block must take a moved handle for the test to mean anything"
+        "T's block must take a moved handle of {} bytes for the test to mean anything",
+        m.chunk
     );
     assert!(!m.ran_ahead, "T waited for S's work");
     assert_eq!(m.bad, 0);

@@ -4,6 +4,7 @@
 //! live in the backend after a trim).
 
 use super::*;
+use crate::device::pages::PageStats;
 
 #[test]
 fn random_multi_stream_workload_holds_at_most_15_percent_more_than_it_requests() {
@@ -17,7 +18,10 @@ fn random_multi_stream_workload_holds_at_most_15_percent_more_than_it_requests()
 
 #[test]
 fn threads_sharing_streams_never_hand_a_block_out_unordered() {
-    threads_sharing_streams(Arc::new(cache(u64::MAX, 4 * MIB)), 1 << 18);
+    assert_eq!(
+        threads_sharing_streams(Arc::new(cache(u64::MAX, 4 * MIB)), 1 << 18),
+        0
+    );
 }
 
 #[test]
@@ -29,9 +33,60 @@ fn threads_sharing_streams_on_physical_pages_never_map_a_page_unordered() {
         FakeBackend::paged(u64::MAX, phys.clone(), 128 << 10, HEAP_TUNING),
         Settings::new(1 << 30, 4 * MIB, None),
     );
-    threads_sharing_streams(Arc::new(c), 4 << 20);
+    assert_eq!(threads_sharing_streams(Arc::new(c), 4 << 20), 0);
     assert_eq!(phys.violations(), 0);
     assert_eq!(phys.live(), (0, 0, 0, 0));
+}
+
+/// [`threads_sharing_streams`] on a page heap of one-granule chunks that keeps no idle
+/// chunk beyond its floor, so that blocks needing memory take the handles of idle chunks
+/// (unmapped where their work completed, else mapped anew while the old mapping is
+/// retired) while the other threads allocate and free: a heap that moves chunks, with its
+/// lock let go across every unmap, map and access. Returns the heap's stats and the
+/// violations the simulated memory saw.
+fn threads_on_moving_pages(ordered: bool) -> (PageStats, usize) {
+    let phys = FakePhys::new(64 << 10, usize::MAX);
+    let c = Arc::new(Cache::new(
+        FakeBackend::paged(
+            u64::MAX,
+            phys.clone(),
+            128 << 10,
+            PageTuning::new(64 << 10, u32::MAX),
+        ),
+        Settings::new(1 << 30, 4 * MIB, None),
+    ));
+    let heap = c.backend.pages.as_ref().expect("a paged backend");
+    #[cfg(feature = "test-hooks")]
+    heap.set_guard(ordered);
+    #[cfg(not(feature = "test-hooks"))]
+    assert!(ordered, "turning the ordering off needs the test-hooks feature");
+    let handed_out_unordered = threads_sharing_streams(c.clone(), 4 << 20);
+    let stats = heap.stats();
+    let violations = phys.violations() + handed_out_unordered;
+    println!(
+        "moving pages (ordering {ordered}): {} creates, {} maps, {} turn waits, {violations} violations",
+        stats.creates, stats.maps, stats.turn_waits
+    );
+    (stats, violations)
+}
+
+#[test]
+fn threads_on_pages_that_move_chunks_never_map_a_page_unordered() {
+    let (stats, violations) = threads_on_moving_pages(true);
+    assert!(
+        stats.maps > stats.creates + 1000,
+        "handles moved between chunks for the test to mean anything: {stats:?}"
+    );
+    assert_eq!(violations, 0, "{stats:?}");
+}
+
+/// The negative control: the heap's ordering of takers off (cross-stream takes and moved
+/// handles alike), the same threads use pages before the work of their last users.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn without_the_ordering_threads_on_moving_pages_use_pages_unordered() {
+    let (stats, violations) = threads_on_moving_pages(false);
+    assert!(violations > 0, "{stats:?}");
 }
 
 /// A block a thread of [`threads_sharing_streams`] holds: address, size, stream index.
@@ -49,8 +104,9 @@ struct Sharing {
 
 /// Real threads (not loom: many operations), each with its own cache, on 4 shared
 /// streams, blocks of up to `max_size` passed between threads to be freed there; every
-/// hand-over checked (and every use of a page, on a paged backend).
-fn threads_sharing_streams(c: Arc<Cache<FakeBackend>>, max_size: u64) {
+/// hand-over checked (and every use of a page, on a paged backend). Returns the blocks
+/// handed out before the work of their last users (0 where the pool orders them).
+fn threads_sharing_streams(c: Arc<Cache<FakeBackend>>, max_size: u64) -> usize {
     let sh = Arc::new(Sharing {
         c,
         streams: (0..4).map(|_| FakeStream::new()).collect(),
@@ -74,7 +130,7 @@ fn threads_sharing_streams(c: Arc<Cache<FakeBackend>>, max_size: u64) {
     }
     let tr = lock(&sh.tracker);
     assert!(tr.live.is_empty());
-    assert_eq!(tr.violations, 0);
+    let violations = tr.violations;
     drop(tr);
     assert_balanced(c, 0);
     let s = c.snapshot();
@@ -85,6 +141,7 @@ fn threads_sharing_streams(c: Arc<Cache<FakeBackend>>, max_size: u64) {
     streams.iter().for_each(FakeStream::complete_all);
     c.trim::<()>(None);
     assert_eq!(c.backend.live_blocks(), 0);
+    violations
 }
 
 /// One thread of [`threads_sharing_streams`]: 3000 random steps, then its blocks freed
