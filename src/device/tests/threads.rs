@@ -43,7 +43,7 @@ fn threads_sharing_streams_on_physical_pages_never_map_a_page_unordered() {
 /// (unmapped where their work completed, else mapped anew while the old mapping is
 /// retired) while the other threads allocate and free: a heap that moves chunks, with its
 /// lock let go across every unmap, map and access. Returns the heap's stats and the
-/// violations the simulated memory saw.
+/// violations seen: pages used and blocks handed out before their last users' work.
 fn threads_on_moving_pages(ordered: bool) -> (PageStats, usize) {
     let phys = FakePhys::new(64 << 10, usize::MAX);
     let c = Arc::new(Cache::new(
