@@ -13,8 +13,10 @@
 //! must not hand out the block the copy still reads); the device buffer is copied back
 //! into a managed `Vec` and compared. Sizes run from 4 KiB to `--device-max-mib` (8 MiB by
 //! default; blocks of 2 MiB and more are the page heap's, which a larger maximum makes
-//! map, move and unmap chunks while other threads allocate: `--device-max-mib 64`). One
-//! iteration in four runs the host workload too.
+//! map, move and unmap chunks while other threads allocate: `--device-max-mib 64`;
+//! `--device-chunk-mib 2` gives the soak a pool of its own whose heap keeps no idle chunk
+//! beyond its floor, so that blocks take the handles of other blocks' chunks, moved while
+//! their work may be pending). One iteration in four runs the host workload too.
 //!
 //! The host workload (all of it with `--host-only` or without a driver): a `Pool` over
 //! host memory (with a limit, so backpressure engages) and per-thread arenas; "copies"
@@ -56,6 +58,8 @@ struct Options {
     report_every: u64,
     /// The largest block of a GPU round trip.
     device_max: usize,
+    /// Chunks of the soak's own device pool (`None`: the process-wide pool).
+    device_chunk: Option<usize>,
     /// The negative control (needs the `test-hooks` feature): the host pool reuses freed
     /// blocks at once, even while a copy still reads them; the soak must then fail.
     no_pending_list: bool,
@@ -70,6 +74,7 @@ fn options() -> Options {
         max_drift_pct: 25,
         report_every: 30,
         device_max: 8 * MIB,
+        device_chunk: None,
         no_pending_list: false,
     };
     let mut args = std::env::args().skip(1);
@@ -86,6 +91,9 @@ fn options() -> Options {
             "--max-drift-pct" => o.max_drift_pct = value("--max-drift-pct"),
             "--report-every" => o.report_every = value("--report-every").max(1),
             "--device-max-mib" => o.device_max = (value("--device-max-mib").clamp(1, 1024) as usize) * MIB,
+            "--device-chunk-mib" => {
+                o.device_chunk = Some((value("--device-chunk-mib").clamp(1, 1024) as usize) * MIB)
+            }
             "--host-only" => o.host_only = true,
             "--no-pending-list" if cfg!(feature = "test-hooks") => o.no_pending_list = true,
             "--bench" => {} // cargo bench passes it; nothing to do
@@ -105,6 +113,7 @@ fn usage(why: &str) -> ! {
     eprintln!(
         "usage: soak [--seconds N (60)] [--threads T (16)] [--streams S (8)] [--host-only] \
          [--max-drift-pct P (25)] [--report-every SECS (30)] [--device-max-mib M (8)] \
+         [--device-chunk-mib C (the process-wide pool)] \
          [--no-pending-list (negative control; needs --features test-hooks)]"
     );
     std::process::exit(2)
@@ -358,19 +367,42 @@ fn arena_batch(
 // ---- the GPU workload -------------------------------------------------------------------
 
 /// The soak's only use of device memory, kept in one place (the device module may change
-/// around these calls): a buffer of `src.len()` bytes from the process-wide pool of
-/// device 0, filled from `src` asynchronously on `stream`.
+/// around these calls): a buffer of `src.len()` bytes from the soak's device pool (the
+/// process-wide pool of device 0, or one of its own: [`device_io::use_chunks`]), filled
+/// from `src` asynchronously on `stream`.
 mod device_io {
+    use std::sync::OnceLock;
+
     use cudalloc::cuda::Stream;
-    use cudalloc::device::{DeviceBuffer, DevicePool};
+    use cudalloc::device::{DeviceBuffer, DevicePool, DevicePoolConfig, PageTuning};
 
     pub type Buffer = DeviceBuffer<u8>;
+
+    static POOL: OnceLock<DevicePool> = OnceLock::new();
+
+    /// Makes the soak's pool one of its own whose page heap maps chunks of `bytes` and
+    /// keeps no idle chunk beyond its floor of four: a block that needs memory then takes
+    /// an idle chunk's handle (moved while its work may be pending) far more often than
+    /// the default tuning does. Call before the first allocation.
+    pub fn use_chunks(bytes: usize) -> cudalloc::Result<()> {
+        let config = DevicePoolConfig::default().with_pages(PageTuning::new(bytes, u32::MAX));
+        let _ = POOL.set(DevicePool::new(0, config)?);
+        Ok(())
+    }
+
+    /// The soak's device pool.
+    fn pool() -> cudalloc::Result<DevicePool> {
+        match POOL.get() {
+            Some(p) => Ok(p.clone()),
+            None => DevicePool::get(0),
+        }
+    }
 
     /// # Safety
     /// 1. `src` is not written until the copy has completed on `stream`; if it is not in
     ///    a block of the crate's pools it also stays allocated until then.
     pub unsafe fn upload(src: &[u8], stream: &Stream) -> cudalloc::Result<Buffer> {
-        let mut buf = DevicePool::get(0)?.alloc::<u8>(src.len(), stream)?;
+        let mut buf = pool()?.alloc::<u8>(src.len(), stream)?;
         // SAFETY: obligation 1.
         unsafe { buf.copy_from_host_async(src) }?;
         Ok(buf)
@@ -384,24 +416,24 @@ mod device_io {
         unsafe { buf.copy_to_host_async(dst) }
     }
 
-    /// Bytes the process-wide device pool reserves from the device, and its live buffers.
+    /// Bytes the soak's device pool reserves from the device, and its live buffers.
     pub fn held() -> cudalloc::Result<(u64, u64)> {
-        let s = DevicePool::get(0)?.stats();
+        let s = pool()?.stats();
         Ok((s.reserved_bytes, s.live_buffers))
     }
 
-    /// What the process-wide device pool did: its stats, and its page heap's driver
-    /// calls and waits (the cross-stream hand-overs and mappings the soak exercised).
+    /// What the soak's device pool did: its stats, and its page heap's driver calls and
+    /// waits (the cross-stream hand-overs and mappings the soak exercised).
     pub fn report() -> cudalloc::Result<String> {
-        let pool = DevicePool::get(0)?;
+        let pool = pool()?;
         let pages = cudalloc::testing::page_heap_counters(&pool)
             .map_or_else(|| "no page heap".to_string(), |c| format!("page heap {c}"));
         Ok(format!("{}\n  {pages}", pool.stats()))
     }
 
-    /// Returns the device pool's free memory to the device.
+    /// Returns the soak's device pool's free memory to the device.
     pub fn trim() -> cudalloc::Result<()> {
-        DevicePool::get(0)?.trim();
+        pool()?.trim();
         Ok(())
     }
 }
@@ -556,6 +588,19 @@ fn main() {
     } else {
         Vec::new()
     };
+    if let (true, Some(chunk)) = (gpu, o.device_chunk) {
+        if let Err(e) = device_io::use_chunks(chunk) {
+            eprintln!(
+                "soak: FAIL: cannot make a device pool of {} MiB chunks: {e}",
+                chunk / MIB
+            );
+            std::process::exit(1);
+        }
+        println!(
+            "soak: device pool of its own: {} MiB chunks, no idle allowance beyond the floor",
+            chunk / MIB
+        );
+    }
     // A limit, so that backpressure engages: above what the live blocks and the thread
     // caches can hold, so that a failure means a bug, not a full pool.
     let host_pool = Pool::with_config(
