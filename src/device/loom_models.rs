@@ -270,6 +270,63 @@ fn a_mapping_races_a_fit_in_its_chunk_and_a_free() {
     });
 }
 
+/// A move of a pending chunk (`pages/reclaim.rs`) races a free and a fit: S's five
+/// one-chunk blocks are freed with their uses pending (idle chunks over the floor of four)
+/// beside a live block of S; T's six-chunk block fits in no mapped run, so it is mapped past
+/// the live block and takes an idle chunk's handle, mapped there at once while the old
+/// mapping is retired, with the lock let go across every driver call. Meanwhile S frees its
+/// live block and takes a one-chunk block (which fits in an idle chunk, unless the mover
+/// carved it). Where S frees first, T's block fits in the freed run and takes it across
+/// streams instead: both orders are explored. T's use must be ordered after S's uses of the
+/// memory it got, no block may land in a carved or retired chunk, and nothing is left at
+/// the end.
+#[test]
+fn a_move_of_a_pending_chunk_races_a_free_and_a_fit() {
+    const CHUNK: usize = 2 << 20;
+    loom::model(|| {
+        let phys = FakePhys::new(CHUNK, usize::MAX);
+        let heap = Arc::new((
+            PageHeap::new(phys.clone(), PageTuning::new(CHUNK, u32::MAX)),
+            FakeBackend::new(u64::MAX),
+        ));
+        let (s, t) = (FakeStream::new(), FakeStream::new());
+        let blocks: Vec<u64> = (0..6)
+            .map(|_| heap.0.alloc(&heap.1, CHUNK, &s).unwrap())
+            .collect();
+        for &b in &blocks {
+            assert!(phys.use_block(b, CHUNK, &s));
+        }
+        for &b in &blocks[..5] {
+            // SAFETY: each block is freed once, after its use was queued on s.
+            unsafe { heap.0.free(&heap.1, b, &s) };
+        }
+        let mover = {
+            let (heap, phys, t) = (heap.clone(), phys.clone(), t.clone());
+            thread::spawn(move || {
+                let y = heap.0.alloc(&heap.1, 6 * CHUNK, &t).unwrap();
+                assert!(
+                    phys.use_block(y, 6 * CHUNK, &t),
+                    "T ordered after the moved chunk's uses"
+                );
+                y
+            })
+        };
+        // SAFETY: the live block is freed once, after its use was queued on s.
+        unsafe { heap.0.free(&heap.1, blocks[5], &s) };
+        let z = heap.0.alloc(&heap.1, CHUNK, &s).unwrap();
+        assert!(phys.use_block(z, CHUNK, &s));
+        let y = mover.join().unwrap();
+        // SAFETY: each block is freed once, after its use was queued on its stream.
+        unsafe {
+            heap.0.free(&heap.1, y, &t);
+            heap.0.free(&heap.1, z, &s);
+        }
+        heap.0.trim_to(&heap.1, 0);
+        assert_eq!(phys.violations(), 0);
+        assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
+    });
+}
+
 /// Two allocations from the driver pool under a limit race a reading after a trim; no
 /// lock is held across the driver's calls. At every call the pool checks that the limit's
 /// tally covers what it reserves: a reading taken before a growth but applied after a
