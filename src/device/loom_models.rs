@@ -226,6 +226,26 @@ fn a_claim_races_the_owners_exit() {
     });
 }
 
+/// The end of a page heap model: frees each block on its stream, trims everything and
+/// checks the simulated memory (no rule broken, no handle, range or mapping left).
+///
+/// # Safety
+/// 1. Each block is live, freed here once, and its use was queued on the stream given
+///    with it.
+unsafe fn free_trim_and_check(
+    heap: &(PageHeap<FakePhys, FakeBackend>, FakeBackend),
+    phys: &FakePhys,
+    blocks: &[(u64, &FakeStream)],
+) {
+    for &(b, s) in blocks {
+        // SAFETY: obligation 1.
+        unsafe { heap.0.free(&heap.1, b, s) };
+    }
+    heap.0.trim_to(&heap.1, 0);
+    assert_eq!(phys.violations(), 0);
+    assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
+}
+
 /// The page heap lets its lock go across driver calls (`pages/held.rs`): a thread
 /// growing the heap (a region, a handle, a map, an access call, each with the lock let
 /// go) races an allocation on another stream that may land in the rest of the chunk being
@@ -260,13 +280,7 @@ fn a_mapping_races_a_fit_in_its_chunk_and_a_free() {
         unsafe { heap.0.free(&heap.1, x, &s) };
         let y = mapper.join().unwrap();
         // SAFETY: each block is freed once, after its use was queued on its stream.
-        unsafe {
-            heap.0.free(&heap.1, y, &t);
-            heap.0.free(&heap.1, z, &s);
-        }
-        heap.0.trim_to(&heap.1, 0);
-        assert_eq!(phys.violations(), 0);
-        assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
+        unsafe { free_trim_and_check(&heap, &phys, &[(y, &t), (z, &s)]) };
     });
 }
 
@@ -317,13 +331,7 @@ fn a_move_of_a_pending_chunk_races_a_free_and_a_fit() {
         assert!(phys.use_block(z, CHUNK, &s));
         let y = mover.join().unwrap();
         // SAFETY: each block is freed once, after its use was queued on its stream.
-        unsafe {
-            heap.0.free(&heap.1, y, &t);
-            heap.0.free(&heap.1, z, &s);
-        }
-        heap.0.trim_to(&heap.1, 0);
-        assert_eq!(phys.violations(), 0);
-        assert_eq!(phys.live(), (0, 0, 0, 0), "no handle, range or mapping left");
+        unsafe { free_trim_and_check(&heap, &phys, &[(y, &t), (z, &s)]) };
     });
 }
 
