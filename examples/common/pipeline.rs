@@ -403,12 +403,17 @@ pub struct Baseline {
     /// GB/s moved by H2D and D2H copies running at the same time (both directions).
     pub bidir_gbps: f64,
     /// Writing one whole batch on the host, with `fill_threads` threads (the same buffer
-    /// each time: the median of 3).
+    /// each time, after an untimed fill: the median of 5).
     pub fill_ms: f64,
     /// The same into four batch buffers in turn (two rounds, the median of 8), as a
     /// pipeline writes its ring's buffers: above `fill_ms` where a batch buffer written
     /// again at once is still partly in the CPU's cache, which a pipeline's fill is not.
     pub fill_rotating_ms: f64,
+    /// The fill into four buffers in turn while copies run both ways on two others (the
+    /// median of 8), as a staging pipeline's fill runs beside its copies: the copy
+    /// engines read and write host memory too, so above `fill_rotating_ms` by what the
+    /// memory bus gives them. `None` where the copies did not last as long as the fills.
+    pub fill_under_copies_ms: Option<f64>,
     pub fill_threads: usize,
 }
 
@@ -421,6 +426,22 @@ impl Baseline {
         } else {
             0.0
         }
+    }
+
+    /// A staging pipeline's fill of one batch with its copies beside it, as the fills into
+    /// buffers in turn measured alone and under copies predict it: a fill-bound pipeline
+    /// runs each batch's copies (both ways at once: [`Baseline::both_ways_ms`]) while the
+    /// next batch is filled, so the fill runs at its loaded rate for that long and at its
+    /// own rate for the rest, `copies + (1 - copies / under) * alone` (and `under` where
+    /// the copies outlast the fill). `None` without the loaded measurement.
+    pub fn fill_in_pipeline_ms(&self, batch_bytes: usize) -> Option<f64> {
+        let under = self.fill_under_copies_ms.filter(|&f| f > 0.0)?;
+        let copies = self.both_ways_ms(batch_bytes);
+        Some(if copies >= under {
+            under
+        } else {
+            copies + (1.0 - copies / under) * self.fill_rotating_ms
+        })
     }
 }
 
@@ -512,6 +533,10 @@ impl Variant {
 pub struct Measured {
     pub wall_ms: f64,
     pub ideal_ms: f64,
+    /// A staging row's ideal with the fill as its copies slow it
+    /// ([`Baseline::fill_in_pipeline_ms`]) in place of the fill alone: what a pipeline
+    /// that overlaps its fill with its copies can reach on this machine's memory bus.
+    pub contended_ideal_ms: Option<f64>,
     pub bound: &'static str,
     pub gpu_busy: f64,
     pub exposed_transfer: f64,
@@ -626,6 +651,11 @@ impl Results {
         .col("bidir_gbps", "H2D + D2H at once", Unit::GBps)
         .col("fill_ms", "host fill", Unit::Millis)
         .col("fill_rotating_ms", "host fill, 4 buffers in turn", Unit::Millis)
+        .col(
+            "fill_under_copies_ms",
+            "host fill, 4 buffers in turn, under copies",
+            Unit::Millis,
+        )
         .col("fill_threads", "fill threads", Unit::Count);
         base.push(vec![
             c.batch_bytes.into(),
@@ -636,13 +666,16 @@ impl Results {
             b.bidir_gbps.into(),
             b.fill_ms.into(),
             b.fill_rotating_ms.into(),
+            b.fill_under_copies_ms.into(),
             b.fill_threads.into(),
         ]);
         base.note(
             "Pinned (PinnedAlloc) buffers; each stage timed alone with events, in the same run; \
              host fill: writing a whole batch with that many threads, as the staging rows do (the \
-             ideal's; the same buffer each time), and into four batch buffers in turn, as a \
-             pipeline writes its ring's buffers.",
+             ideal's; the same buffer each time), into four batch buffers in turn, as a \
+             pipeline writes its ring's buffers, and the same while copies run both ways on two \
+             other buffers, as a staging pipeline's fill runs beside its copies (empty: the \
+             copies ended first).",
         );
 
         let both_ways = b.both_ways_ms(c.batch_bytes);
@@ -656,7 +689,10 @@ impl Results {
         .col("kernel_ms", "kernel per batch", Unit::Millis)
         .col("ideal_ms", "ideal (fixed buffers)", Unit::Millis)
         .col("ideal_staged_ms", "ideal (staging)", Unit::Millis)
+        .col("fill_in_pipeline_ms", "fill beside its copies", Unit::Millis)
+        .col("contended_ideal_ms", "contended ideal (staging)", Unit::Millis)
         .col("floor_ms", "floor (copies share the link)", Unit::Millis);
+        let fill_beside = b.fill_in_pipeline_ms(c.batch_bytes);
         for g in &self.regimes {
             let n = c.batches as f64;
             let stage = b.h2d_ms.max(b.d2h_ms).max(g.kernel_ms);
@@ -666,14 +702,20 @@ impl Results {
                 g.kernel_ms.into(),
                 (n * stage).into(),
                 (n * stage.max(b.fill_ms)).into(),
+                fill_beside.into(),
+                fill_beside.map(|f| n * stage.max(f)).into(),
                 (n * stage.max(both_ways)).into(),
             ]);
         }
         regimes.note(
             "ideal = batches x max(H2D, D2H, kernel), each measured alone (staging variants also \
-             max with the host fill, which they do per batch); floor = batches x max(kernel, both \
-             copies at the rate the two directions reach together), what a pipeline whose H2D and \
-             D2H overlap can reach before its first and last batch.",
+             max with the host fill, which they do per batch); fill beside its copies = both \
+             copies at once + (1 - that / fill under copies) x fill into 4 buffers alone: a fill-bound pipeline \
+             fills each batch while the last one's copies run, and the copy engines share the \
+             host's memory with the fill; contended ideal = batches x max(H2D, D2H, kernel, that \
+             fill); floor = batches x max(kernel, both copies at the rate the two directions \
+             reach together), what a pipeline whose H2D and D2H overlap can reach before its \
+             first and last batch.",
         );
 
         let mut t = Table::new(
@@ -692,6 +734,7 @@ impl Results {
         .col("wall_ms", "wall", Unit::Millis)
         .col("ideal_ms", "ideal", Unit::Millis)
         .col("vs_ideal", "vs ideal", Unit::Ratio)
+        .col("vs_contended_ideal", "vs contended ideal", Unit::Ratio)
         .col("bound", "ideal bound by", Unit::Label)
         .col("vs_raw", "vs raw", Unit::Ratio)
         .col("vs_hand", "vs hand-written", Unit::Ratio)
@@ -734,6 +777,7 @@ impl Results {
                             m.wall_ms.into(),
                             m.ideal_ms.into(),
                             (m.wall_ms / m.ideal_ms).into(),
+                            m.contended_ideal_ms.map(|i| m.wall_ms / i).into(),
                             m.bound.into(),
                             vs_raw.into(),
                             vs_hand.into(),
@@ -752,7 +796,7 @@ impl Results {
                         ]);
                     }
                     Err(e) => {
-                        row.extend(std::iter::repeat_n(Value::Missing, 17));
+                        row.extend(std::iter::repeat_n(Value::Missing, 18));
                         row.push(e.clone().into());
                     }
                 }
@@ -767,7 +811,8 @@ impl Results {
              CUDA C++ pipeline with as many streams that issue 11 quotes (its own kernel; staging \
              rows also write every input); issuer blocked: share of the wall the issuing thread \
              waited for the GPU; fill in run: a staging row's fill of one batch inside the run \
-             (the fill alone: the stages table). Copies chained per direction: {}. The pageable and pinned rows: \
+             (the fill alone: the stages table); vs contended ideal: a staging row's wall \
+             against its ideal with the fill slowed by its copies (the regimes table). Copies chained per direction: {}. The pageable and pinned rows: \
              staging::Pipeline over a StagingRing of {} buffer(s) per stream.",
             if c.chain_copies { "yes" } else { "no" },
             c.ring_buffers
@@ -2354,7 +2399,7 @@ fn kernel_ms(kernel: &Kernel, lane: &Lane, n: usize, rounds: u32, reps: usize) -
 /// Measures H2D, D2H, both at once, and the host fill (with `fill_threads`), each alone.
 fn baseline(lanes: &mut [Lane], n: usize, reps: usize, fill_threads: usize) -> Result<Baseline> {
     let bytes = (n * 4) as f64;
-    let [a, b, ..] = lanes else {
+    let [a, b, rest @ ..] = lanes else {
         return Err(Error::InvalidArgument("the stages alone need two streams"));
     };
     let h2d_ms = time_ms(&a.stream, reps, || {
@@ -2383,36 +2428,86 @@ fn baseline(lanes: &mut [Lane], n: usize, reps: usize, fill_threads: usize) -> R
     end_b.synchronize()?;
     let both = end_a.elapsed_since(&start)?.max(end_b.elapsed_since(&start)?);
     let bidir_gbps = 2.0 * reps as f64 * bytes / both.as_secs_f64().max(1e-9) / 1e9;
-    let mut fills: Vec<f64> = (0..3)
+    // Untimed first: the fill's threads and the buffer's pages are warm for the rest.
+    Checker::fill_with(0, &mut a.host_in, fill_threads);
+    let fill_ms = median_fill_ms(&mut [&mut a.host_in], 5, fill_threads);
+    let fill_rotating_ms = median_fill_ms(
+        &mut [&mut a.host_in, &mut b.host_in, &mut a.host_out, &mut b.host_out],
+        8,
+        fill_threads,
+    );
+    let copy_ms = h2d_ms.min(d2h_ms);
+    let fill_under_copies_ms = fill_under_copies(a, b, rest, fill_rotating_ms, copy_ms, fill_threads)?;
+    Ok(Baseline {
+        h2d_ms,
+        d2h_ms,
+        bidir_gbps,
+        fill_ms,
+        fill_rotating_ms,
+        fill_under_copies_ms,
+        fill_threads,
+    })
+}
+
+/// The host fill into four buffers in turn (`a`'s input, `b`'s output, then `rest`'s;
+/// fewer where there are fewer lanes) while `b`'s input is uploaded on `b`'s stream and
+/// `a`'s output downloaded on `a`'s, over and over: enough copies queued to outlast the
+/// fills (about four times their expected time), and `None` if the copies' events say
+/// they ended before the fills did. Each device buffer is used only on its own lane's
+/// stream, and the fill writes host buffers no copy touches.
+fn fill_under_copies(
+    a: &mut Lane,
+    b: &mut Lane,
+    rest: &mut [Lane],
+    fill_ms: f64,
+    copy_ms: f64,
+    fill_threads: usize,
+) -> Result<Option<f64>> {
+    const FILLS: usize = 8;
+    let copies = ((4.0 * FILLS as f64 * fill_ms / copy_ms.max(1e-6)).ceil() as usize).clamp(4, 1024);
+    let start = Event::timed(0)?;
+    start.record(&b.stream)?;
+    a.stream.wait(&start)?;
+    for _ in 0..copies {
+        // SAFETY: neither host buffer of a copy is touched until both streams are
+        // synchronized below, or by the caller on an error (the fills write `a.host_in`,
+        // `b.host_out` and other lanes' buffers, which no copy here uses).
+        unsafe {
+            b.dev_in.upload(&b.host_in, &b.stream)?;
+            a.dev_out.download(&mut a.host_out, &a.stream)?;
+        }
+    }
+    let (end_a, end_b) = (Event::timed(0)?, Event::timed(0)?);
+    end_a.record(&a.stream)?;
+    end_b.record(&b.stream)?;
+    // The copies start once the GPU reaches `start`; wait for that, then fill.
+    start.synchronize()?;
+    let mut bufs: Vec<&mut [u32]> = vec![&mut a.host_in, &mut b.host_out];
+    for lane in rest {
+        bufs.extend([&mut lane.host_in[..], &mut lane.host_out[..]]);
+    }
+    bufs.truncate(4);
+    let began = Instant::now();
+    let fill = median_fill_ms(&mut bufs, FILLS, fill_threads);
+    let filled = began.elapsed();
+    end_a.synchronize()?;
+    end_b.synchronize()?;
+    let copies_lasted = end_a.elapsed_since(&start)?.min(end_b.elapsed_since(&start)?);
+    Ok((copies_lasted > filled).then_some(fill))
+}
+
+/// The median of `fills` timed fills with `fill_threads` threads, into `bufs` in turn, in ms.
+fn median_fill_ms(bufs: &mut [&mut [u32]], fills: usize, fill_threads: usize) -> f64 {
+    let mut times: Vec<f64> = (0..fills)
         .map(|i| {
-            let t = Instant::now();
-            Checker::fill_with(i, &mut a.host_in, fill_threads);
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    fills.sort_by(f64::total_cmp);
-    let mut rotating: Vec<f64> = (0..8)
-        .map(|i| {
-            let buf: &mut [u32] = match i % 4 {
-                0 => &mut a.host_in,
-                1 => &mut b.host_in,
-                2 => &mut a.host_out,
-                _ => &mut b.host_out,
-            };
+            let buf = &mut *bufs[i % bufs.len()];
             let t = Instant::now();
             Checker::fill_with(i, buf, fill_threads);
             t.elapsed().as_secs_f64() * 1e3
         })
         .collect();
-    rotating.sort_by(f64::total_cmp);
-    Ok(Baseline {
-        h2d_ms,
-        d2h_ms,
-        bidir_gbps,
-        fill_ms: fills[1],
-        fill_rotating_ms: rotating[4],
-        fill_threads,
-    })
+    times.sort_by(f64::total_cmp);
+    times[fills / 2]
 }
 
 /// Rounds per element that make the kernel take `target_ms` per batch, from two timings
@@ -2583,12 +2678,17 @@ fn measure(
         .into_iter()
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap_or(("-", 0.0));
+    let contended_ideal_ms = base
+        .fill_in_pipeline_ms(cfg.batch_bytes)
+        .filter(|_| variant.staged())
+        .map(|fill| cfg.batches as f64 * fill.max(base.h2d_ms).max(base.d2h_ms).max(kernel_ms));
     let moved = 2.0 * cfg.batches as f64 * cfg.batch_bytes as f64;
     let fill_in_run_ms = (variant.staged() && !tally.fills.is_empty())
         .then(|| tally.fills.iter().map(|&(_, s, e)| e - s).sum::<f64>() / tally.fills.len() as f64);
     Ok(Measured {
         wall_ms: wall * 1e3,
         ideal_ms: cfg.batches as f64 * per_batch,
+        contended_ideal_ms,
         bound,
         gpu_busy: tl.gpu_busy,
         exposed_transfer: tl.exposed_transfer,

@@ -343,6 +343,7 @@ fn the_tables_put_our_rows_next_to_the_cpp_reference() {
             bidir_gbps: 100.0,
             fill_ms: 1.0,
             fill_rotating_ms: 1.1,
+            fill_under_copies_ms: Some(2.0),
             fill_threads: 8,
         },
         regimes: vec![pipeline::RegimeResult {
@@ -370,9 +371,43 @@ fn the_tables_put_our_rows_next_to_the_cpp_reference() {
     assert_eq!(cpp.cell(r, "cpp_wall_ms"), "88.0 ms");
     assert_eq!(cpp.cell(r, "vs_cpp"), "1.05x");
     assert_eq!(cpp.cell(r, "raw_vs_cpp"), "1.02x");
+    // The contended ideal is a staging row's; none of these fills.
+    let contended: Vec<String> = main
+        .rows
+        .iter()
+        .map(|r| main.cell(r, "vs_contended_ideal"))
+        .collect();
+    assert_eq!(contended, ["-", "-", "-", "-"]);
+    let stages = tables.iter().find(|t| t.id == "pipeline_stages").unwrap();
+    assert_eq!(stages.cell(&stages.rows[0], "fill_under_copies_ms"), "2.00 ms");
     let regimes = tables.iter().find(|t| t.id == "pipeline_regimes").unwrap();
+    // Copies both ways take 1.342 ms (below), in which a fill slowed to 2 ms does 67% of
+    // a batch; the rest at the 1.1 ms of the fill into buffers in turn alone: 1.704 ms,
+    // and 64 x that.
+    assert_eq!(regimes.cell(&regimes.rows[0], "fill_in_pipeline_ms"), "1.70 ms");
+    assert_eq!(regimes.cell(&regimes.rows[0], "contended_ideal_ms"), "109.1 ms");
     // 2 x 64 MiB at 100 GB/s: 1.342 ms per batch, 85.9 ms for 64 batches.
     assert_eq!(regimes.cell(&regimes.rows[0], "floor_ms"), "85.9 ms");
+}
+
+#[test]
+fn the_fill_beside_its_copies_runs_at_the_loaded_rate_while_they_run() {
+    let base = |under| pipeline::Baseline {
+        bidir_gbps: 64.0,
+        fill_ms: 2.0,
+        fill_rotating_ms: 3.0,
+        fill_under_copies_ms: under,
+        ..Default::default()
+    };
+    // 2 x 32 MB at 64 GB/s: copies take 1 ms, a quarter of a 4 ms loaded fill; the other
+    // three quarters at the 3 ms of the unloaded fill into buffers in turn (the pipeline's
+    // fill writes a buffer it did not write last, so not the 2 ms of the same buffer).
+    let f = base(Some(4.0)).fill_in_pipeline_ms(32_000_000).unwrap();
+    assert!((f - (1.0 + 0.75 * 3.0)).abs() < 1e-9, "{f}");
+    // Copies that outlast the loaded fill: it runs loaded throughout.
+    assert_eq!(base(Some(0.5)).fill_in_pipeline_ms(32_000_000), Some(0.5));
+    // Without the loaded measurement (the copies ended first) there is no model.
+    assert_eq!(base(None).fill_in_pipeline_ms(32_000_000), None);
 }
 
 #[test]
