@@ -2411,19 +2411,9 @@ fn baseline(lanes: &mut [Lane], n: usize, reps: usize, fill_threads: usize) -> R
         unsafe { a.dev_out.download(&mut a.host_out, &a.stream) }
     })?;
     // Both directions at once: H2D on one stream, D2H on another, from a common start.
-    let start = Event::timed(0)?;
-    start.record(&a.stream)?;
-    b.stream.wait(&start)?;
-    for _ in 0..reps {
-        // SAFETY: neither host buffer is touched until both streams are synchronized below.
-        unsafe {
-            a.dev_in.upload(&a.host_in, &a.stream)?;
-            b.dev_out.download(&mut b.host_out, &b.stream)?;
-        }
-    }
-    let (end_a, end_b) = (Event::timed(0)?, Event::timed(0)?);
-    end_a.record(&a.stream)?;
-    end_b.record(&b.stream)?;
+    // SAFETY: neither host buffer is touched until both streams are synchronized below
+    // (on an error, by the caller).
+    let [start, end_a, end_b] = unsafe { copies_both_ways(a, b, reps) }?;
     end_a.synchronize()?;
     end_b.synchronize()?;
     let both = end_a.elapsed_since(&start)?.max(end_b.elapsed_since(&start)?);
@@ -2449,6 +2439,30 @@ fn baseline(lanes: &mut [Lane], n: usize, reps: usize, fill_threads: usize) -> R
     })
 }
 
+/// `count` uploads of `up`'s host input on `up`'s stream and as many downloads into
+/// `down`'s host output on `down`'s stream, from a common start: the events recorded at
+/// the start and at the end of each stream.
+///
+/// # Safety
+/// `up`'s host input and `down`'s host output must not be touched until both end events
+/// have completed.
+unsafe fn copies_both_ways(up: &mut Lane, down: &mut Lane, count: usize) -> Result<[Event; 3]> {
+    let start = Event::timed(0)?;
+    start.record(&up.stream)?;
+    down.stream.wait(&start)?;
+    for _ in 0..count {
+        // SAFETY: the caller's: neither host buffer is touched until the copies are done.
+        unsafe {
+            up.dev_in.upload(&up.host_in, &up.stream)?;
+            down.dev_out.download(&mut down.host_out, &down.stream)?;
+        }
+    }
+    let (end_up, end_down) = (Event::timed(0)?, Event::timed(0)?);
+    end_up.record(&up.stream)?;
+    end_down.record(&down.stream)?;
+    Ok([start, end_up, end_down])
+}
+
 /// The host fill into four buffers in turn (`a`'s input, `b`'s output, then `rest`'s;
 /// fewer where there are fewer lanes) while `b`'s input is uploaded on `b`'s stream and
 /// `a`'s output downloaded on `a`'s, over and over: enough copies queued to outlast the
@@ -2465,21 +2479,10 @@ fn fill_under_copies(
 ) -> Result<Option<f64>> {
     const FILLS: usize = 8;
     let copies = ((4.0 * FILLS as f64 * fill_ms / copy_ms.max(1e-6)).ceil() as usize).clamp(4, 1024);
-    let start = Event::timed(0)?;
-    start.record(&b.stream)?;
-    a.stream.wait(&start)?;
-    for _ in 0..copies {
-        // SAFETY: neither host buffer of a copy is touched until both streams are
-        // synchronized below, or by the caller on an error (the fills write `a.host_in`,
-        // `b.host_out` and other lanes' buffers, which no copy here uses).
-        unsafe {
-            b.dev_in.upload(&b.host_in, &b.stream)?;
-            a.dev_out.download(&mut a.host_out, &a.stream)?;
-        }
-    }
-    let (end_a, end_b) = (Event::timed(0)?, Event::timed(0)?);
-    end_a.record(&a.stream)?;
-    end_b.record(&b.stream)?;
+    // SAFETY: neither host buffer of a copy is touched until both streams are synchronized
+    // below, or by the caller on an error (the fills write `a.host_in`, `b.host_out` and
+    // other lanes' buffers, which no copy here uses).
+    let [start, end_b, end_a] = unsafe { copies_both_ways(b, a, copies) }?;
     // The copies start once the GPU reaches `start`; wait for that, then fill.
     start.synchronize()?;
     let mut bufs: Vec<&mut [u32]> = vec![&mut a.host_in, &mut b.host_out];
