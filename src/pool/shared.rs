@@ -242,7 +242,11 @@ impl<S: MemorySource> Shared<S> {
             set.record(f);
         }
         let done = set.wait(deadline);
-        self.drain_pending();
+        if self.drain_pending() == 0 && done {
+            // Another thread has the list out and returns the block when it settles:
+            // let it run rather than spin on the lock.
+            std::thread::yield_now();
+        }
         done
     }
 
@@ -646,13 +650,17 @@ impl<S: MemorySource> Shared<S> {
     /// Waits for every pending block's GPU uses (blocking), returns them to the free
     /// lists, then trims; returns the bytes released.
     pub(crate) fn release(&self) -> usize {
-        let mut list = self.uses.lock().take_list();
-        for b in &mut list {
-            // Completed fences leave the set; the drain in `trim` returns emptied blocks. A
-            // fence whose wait fails stays, and its block stays pending.
-            b.fences.wait(None);
+        // The list stays in place (a backpressure wait meanwhile sees what is pending):
+        // the waits are on shared copies of the fences, and the drain in `trim` returns
+        // the blocks whose fences completed. A block whose wait fails stays pending.
+        let sets = self.uses.lock().pending_fences();
+        for fences in sets {
+            let mut set = UseSet::default();
+            for f in fences {
+                set.record(f);
+            }
+            set.wait(None);
         }
-        self.uses.lock().settle(list, &[]);
         self.trim()
     }
 

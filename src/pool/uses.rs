@@ -48,6 +48,12 @@ pub(crate) struct Tracker {
     list: Vec<PendingBlock>,
     pending_bytes: usize,
     pending_blocks: usize,
+    /// Lists taken out by drains ([`Tracker::take_list`]) and not yet settled.
+    out: usize,
+    /// The fences of the oldest block of the lists out: the oldest pending block while a
+    /// drain polls (the list in here is then empty or younger), so that a backpressure
+    /// wait meanwhile still finds something to wait for.
+    out_oldest: Option<Vec<SharedFence>>,
 }
 
 impl Tracker {
@@ -103,14 +109,30 @@ impl Tracker {
         self.list.push(block);
     }
 
-    /// Takes the whole list out, to be polled without the lock.
+    /// Takes the whole list out, to be polled without the lock; a non-empty list must be
+    /// given back with [`Tracker::settle`]. Until then its oldest block's fences stay
+    /// readable ([`Tracker::oldest_fences`]).
     pub(crate) fn take_list(&mut self) -> Vec<PendingBlock> {
-        core::mem::take(&mut self.list)
+        let list = core::mem::take(&mut self.list);
+        if let Some(first) = list.first() {
+            // A list already out holds older blocks than this one.
+            if self.out == 0 {
+                self.out_oldest = Some(first.fences.fences().to_vec());
+            }
+            self.out += 1;
+        }
+        list
     }
 
-    /// Puts back the blocks still waiting (before any pushed meanwhile: oldest first) and
-    /// accounts for the `done` ones, which the caller returns to the free lists.
+    /// Puts back the blocks still waiting of a list taken out (before any pushed
+    /// meanwhile: oldest first) and accounts for the `done` ones, which the caller
+    /// returns to the free lists.
     pub(crate) fn settle(&mut self, mut waiting: Vec<PendingBlock>, done: &[PendingBlock]) {
+        debug_assert!(self.out > 0, "settle without a list taken out");
+        self.out = self.out.saturating_sub(1);
+        if self.out == 0 {
+            self.out_oldest = None;
+        }
         waiting.append(&mut self.list);
         self.list = waiting;
         for b in done {
@@ -125,9 +147,19 @@ impl Tracker {
         );
     }
 
-    /// The fences of the oldest pending block (shared), to wait for without the lock.
+    /// The fences of the oldest pending block (shared), to wait for without the lock:
+    /// while a drain has the list out, those of the oldest block it took. `None` when
+    /// nothing is pending.
     pub(crate) fn oldest_fences(&self) -> Option<Vec<SharedFence>> {
-        self.list.first().map(|b| b.fences.fences().to_vec())
+        self.out_oldest
+            .clone()
+            .or_else(|| self.list.first().map(|b| b.fences.fences().to_vec()))
+    }
+
+    /// The fences of every pending block, block by block (shared), to wait for without
+    /// the lock while the list stays in place.
+    pub(crate) fn pending_fences(&self) -> Vec<Vec<SharedFence>> {
+        self.list.iter().map(|b| b.fences.fences().to_vec()).collect()
     }
 
     /// Pending bytes and blocks.
@@ -144,6 +176,7 @@ impl Tracker {
     pub(crate) fn take_all(&mut self) -> (Vec<PendingBlock>, Vec<UseSet>) {
         self.pending_bytes = 0;
         self.pending_blocks = 0;
+        self.out_oldest = None;
         (
             core::mem::take(&mut self.list),
             self.uses.drain().map(|(_, f)| f).collect(),

@@ -104,3 +104,129 @@ fn pinned_alloc_allocate_async_gives_a_block_the_handle_frees() {
         unsafe { cudalloc::PinnedAlloc.deallocate(block.cast(), l) };
     }
 }
+
+/// A latch: set once, waited for with a deadline (no test can hang on it).
+#[derive(Default, Clone)]
+struct Latch(Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>);
+
+impl Latch {
+    fn set(&self) {
+        *self.0 .0.lock().unwrap() = true;
+        self.0 .1.notify_all();
+    }
+    fn wait(&self, timeout: Duration) -> bool {
+        let (m, c) = &*self.0;
+        let g = m.lock().unwrap();
+        *c.wait_timeout_while(g, timeout, |set| !*set).unwrap().0
+    }
+}
+
+/// A fence complete once `done` is set. Asked on the thread named "drainer", it says it
+/// is inside the query (`entered`) and stays there until `release` (at most 10 s): a
+/// driver query that takes a while, as `cuEventQuery` can under load.
+struct SlowQuery {
+    done: Arc<AtomicBool>,
+    entered: Latch,
+    release: Latch,
+}
+
+// SAFETY: the tests set `done` only once they no longer touch the block.
+unsafe impl cudalloc::fence::Fence for SlowQuery {
+    fn is_complete(&self) -> cudalloc::Result<bool> {
+        if std::thread::current().name() == Some("drainer") {
+            self.entered.set();
+            self.release.wait(Duration::from_secs(10));
+        }
+        Ok(self.done.load(Ordering::Acquire))
+    }
+}
+
+/// A pool at its cap whose only room is a freed block behind a `SlowQuery`, and a thread
+/// ("drainer") inside `collect_pending`'s query of that fence (the pending list out of
+/// the pool's lock) while `during` runs; `during` gets the flag that completes the use
+/// and the latch that ends the query.
+fn while_another_thread_polls_the_pending_list<R>(
+    during: impl FnOnce(&Pool<HostSource>, Layout, &Arc<AtomicBool>, &Latch) -> R,
+) -> (Pool<HostSource>, Layout, R) {
+    let (pool, l, a) = full_pool(HostSource);
+    let (done, entered, release) = (
+        Arc::new(AtomicBool::new(false)),
+        Latch::default(),
+        Latch::default(),
+    );
+    let fence = SlowQuery {
+        done: done.clone(),
+        entered: entered.clone(),
+        release: release.clone(),
+    };
+    assert!(pool.record_fence(a as *const u8, fence).unwrap());
+    // SAFETY: allocated by `full_pool` with `l`.
+    unsafe { pool.deallocate(std::ptr::NonNull::new(a as *mut u8).unwrap(), l) };
+    assert_eq!(pool.stats().pending_blocks, 1);
+    let out = std::thread::scope(|s| {
+        let drainer = std::thread::Builder::new()
+            .name("drainer".into())
+            .spawn_scoped(s, || pool.collect_pending())
+            .unwrap();
+        assert!(
+            entered.wait(Duration::from_secs(10)),
+            "the drainer never queried the fence"
+        );
+        let out = during(&pool, l, &done, &release);
+        release.set();
+        drainer.join().unwrap();
+        out
+    });
+    done.store(true, Ordering::Release);
+    (pool, l, out)
+}
+
+/// Found by review (2026-12-06): while a drain had the pending list out of the lock, the
+/// backpressure saw nothing pending, and `allocate_async` failed at once with
+/// `LimitExceeded` where a pending block was about to make room.
+#[test]
+fn allocate_async_waits_while_another_thread_polls_the_pending_list() {
+    let (pool, l, first) = while_another_thread_polls_the_pending_list(|pool, l, _, _| {
+        let (_, waker) = counting();
+        poll(&mut pool.allocate_async(l), &waker).map(|r| r.map(|b| b.cast::<u8>().as_ptr() as usize))
+    });
+    assert!(
+        first.is_pending(),
+        "allocate_async gave up although a pending block could make room: {first:?}"
+    );
+    // Once the use completed, the block comes back.
+    let (_, waker) = counting();
+    let mut again = pool.allocate_async(l);
+    let t0 = Instant::now();
+    let b = loop {
+        if let Poll::Ready(r) = poll(&mut again, &waker) {
+            break r.unwrap();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "never resolved");
+    };
+    // SAFETY: allocated just above with `l`.
+    unsafe { pool.deallocate(b.cast(), l) };
+}
+
+/// The sync path's bounded wait (30 s here) in the same window: it waits for the pending
+/// block (its use completes 200 ms later) instead of failing at once.
+#[test]
+fn the_sync_wait_waits_while_another_thread_polls_the_pending_list() {
+    let (pool, l, (out, took)) = while_another_thread_polls_the_pending_list(|pool, l, done, release| {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(200));
+                done.store(true, Ordering::Release);
+                release.set();
+            });
+            let t0 = Instant::now();
+            let out = pool.try_allocate(l);
+            (out, t0.elapsed())
+        })
+    });
+    let b = out.unwrap_or_else(|e| {
+        panic!("failed after {took:?} although a pending block was about to make room: {e:?}")
+    });
+    // SAFETY: allocated above with `l`.
+    unsafe { pool.deallocate(b.cast(), l) };
+}
