@@ -84,6 +84,10 @@ use thread::{current, ThreadState};
 /// assert!(d.is_balanced());
 /// ```
 ///
+/// As an `Allocator` it hands out exactly the bytes asked for, even where the allocator
+/// it wraps gave more (a pool's size class): a block may be freed with any size up to
+/// the length it was given, and that length is the size `Counting` counted.
+///
 /// Blocks of size zero are passed through uncounted: they hold no memory, and
 /// collections need not free them. What the crate allocates to build a leak report
 /// is not counted either.
@@ -256,19 +260,23 @@ impl<A> Counting<A> {
         sites::record(t.serial(), self.id(), ptr as usize, size);
     }
 
-    /// Counts a free (see [`Counting::count_alloc`]) and forgets the block's site.
+    /// Counts a free (see [`Counting::count_alloc`]) and, with `forget_site`, forgets the
+    /// block's site: only while `A` still has not got the block back (afterwards the
+    /// address may already be another thread's block, whose site it would erase).
     #[inline(always)]
-    fn count_free(&self, ptr: *mut u8, size: usize) {
+    fn count_free(&self, ptr: *mut u8, size: usize, forget_site: bool) {
         if self.counters.try_record_free(thread::fast_slot(), size as u64) {
-            sites::forget(|| self.assigned_id(), ptr as usize);
+            if forget_site {
+                sites::forget(|| self.assigned_id(), ptr as usize);
+            }
         } else {
-            self.count_free_slow(ptr, size);
+            self.count_free_slow(ptr, size, forget_site);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn count_free_slow(&self, ptr: *mut u8, size: usize) {
+    fn count_free_slow(&self, ptr: *mut u8, size: usize, forget_site: bool) {
         if sites::is_internal() {
             return;
         }
@@ -282,7 +290,9 @@ impl<A> Counting<A> {
         if counted.is_none() {
             self.counters.record_free(usize::MAX, size64);
         }
-        sites::forget(|| self.assigned_id(), ptr as usize);
+        if forget_site {
+            sites::forget(|| self.assigned_id(), ptr as usize);
+        }
     }
 
     #[inline(always)]
@@ -337,13 +347,16 @@ impl<A> Counting<A> {
         site: sites::Detached,
         result: Result<NonNull<[u8]>, AllocError>,
     ) -> Result<NonNull<[u8]>, AllocError> {
+        let result = result.map(|block| exactly(block, new.size()));
         match result {
             Ok(block) => {
                 let new_ptr = block.cast::<u8>().as_ptr();
                 match (old.size(), new.size()) {
                     (0, 0) => {}
                     (0, n) => self.count_alloc(new_ptr, n),
-                    (o, 0) => self.count_free(ptr.as_ptr(), o),
+                    // The site was detached before `A` freed the block: `A` may have
+                    // handed the address to another thread already.
+                    (o, 0) => self.count_free(ptr.as_ptr(), o, false),
                     (o, n) => {
                         self.count_realloc(o, n);
                         site.reattach(new_ptr as usize, n);
@@ -405,7 +418,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Counting<A> {
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // Counted first: once `A` has it back, the address may be handed out again.
-        self.count_free(ptr, layout.size());
+        self.count_free(ptr, layout.size(), true);
         // SAFETY: the caller passes a block this allocator (so `A`) gave out, with its layout.
         unsafe { self.inner.dealloc(ptr, layout) }
     }
@@ -426,14 +439,27 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Counting<A> {
     }
 }
 
-// SAFETY: every call is forwarded to `A` with the caller's arguments and its result
-// returned unchanged, so blocks are `A`'s: valid, exclusive, and freed by the same path
-// (a copy or reference of `Counting<A>` forwards to the same `A`). Counting reads and
-// writes only counters and never panics.
+/// `block` offered as exactly `size` bytes: `Counting` counts the size asked for, and a
+/// caller may free a block with any size from its request up to the length it was given;
+/// given the request's length, it frees with the size that was counted. (A `Pool` rounds
+/// 100 bytes up to its class of 112: a free of 112 would have counted 12 bytes never
+/// allocated. `Vec` and hashbrown use only what they asked for.)
+#[inline(always)]
+fn exactly(block: NonNull<[u8]>, size: usize) -> NonNull<[u8]> {
+    debug_assert!(block.len() >= size, "an allocator returned less than asked");
+    NonNull::slice_from_raw_parts(block.cast::<u8>(), size)
+}
+
+// SAFETY: every call is forwarded to `A` with the caller's arguments, and its result is
+// returned as `A` gave it, cut to the size asked for (the first `size` bytes of a valid
+// block are valid; the caller then frees and resizes with that size, which lies within
+// what `A` was asked for and gave), so blocks are `A`'s: valid, exclusive, and freed by
+// the same path (a copy or reference of `Counting<A>` forwards to the same `A`).
+// Counting reads and writes only counters and never panics.
 unsafe impl<A: Allocator> Allocator for Counting<A> {
     #[inline]
     fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        let result = self.inner.allocate(layout);
+        let result = self.inner.allocate(layout).map(|b| exactly(b, layout.size()));
         match result {
             Ok(block) if layout.size() != 0 => self.count_alloc(block.cast().as_ptr(), layout.size()),
             Ok(_) => {}
@@ -444,7 +470,10 @@ unsafe impl<A: Allocator> Allocator for Counting<A> {
 
     #[inline]
     fn allocate_zeroed(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        let result = self.inner.allocate_zeroed(layout);
+        let result = self
+            .inner
+            .allocate_zeroed(layout)
+            .map(|b| exactly(b, layout.size()));
         match result {
             Ok(block) if layout.size() != 0 => self.count_alloc(block.cast().as_ptr(), layout.size()),
             Ok(_) => {}
@@ -456,7 +485,7 @@ unsafe impl<A: Allocator> Allocator for Counting<A> {
     #[inline]
     unsafe fn deallocate(&self, ptr: NonNull<u8>, layout: Layout) {
         if layout.size() != 0 {
-            self.count_free(ptr.as_ptr(), layout.size());
+            self.count_free(ptr.as_ptr(), layout.size(), true);
         }
         // SAFETY: the caller passes a block this allocator (so `A`) gave out, with its layout.
         unsafe { self.inner.deallocate(ptr, layout) }

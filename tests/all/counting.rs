@@ -656,3 +656,155 @@ fn defect_21_11a_inner_window_keeps_its_peak_when_the_outer_closes_first() {
     inner.assert_no_leaks();
     outermost.assert_no_leaks();
 }
+
+/// Found by review (2026-12-06): `Counting` counted the size asked for but passed on the
+/// longer block a pool gives (its size class), and a caller may free with that length:
+/// 100 bytes allocated and freed as 112 left `live_bytes` at 88 for a live 100-byte
+/// block. It now offers exactly what it counted.
+#[test]
+fn a_block_freed_with_the_length_it_was_given_is_counted_as_allocated() {
+    let pool = cudalloc::Pool::new(HostSource);
+    let c = Counting::new(&pool);
+    let l = |n| Layout::from_size_align(n, 8).unwrap();
+    let keep = c.allocate(l(100)).unwrap();
+    let b = c.allocate(l(100)).unwrap();
+    assert_eq!(
+        b.len(),
+        100,
+        "offered exactly what was asked for (the pool's class is larger)"
+    );
+    // SAFETY: allocated above; freed with the length it was given.
+    unsafe { c.deallocate(b.cast(), l(b.len())) };
+    // Grown and shrunk by the lengths given, the counts stay those of the requests.
+    // SAFETY: `keep` is live with `l(100)`, the length it was given.
+    let grown = unsafe { c.grow(keep.cast(), l(keep.len()), l(300)) }.unwrap();
+    assert_eq!(grown.len(), 300);
+    // SAFETY: `grown` is live with `l(300)`.
+    let shrunk = unsafe { c.shrink(grown.cast(), l(grown.len()), l(150)) }.unwrap();
+    let s = c.snapshot();
+    assert_eq!((s.live_count(), s.live_bytes()), (1, 150), "{s}");
+    assert_eq!(s.bytes_allocated - s.bytes_freed, 150, "{s}");
+    // SAFETY: `shrunk` is live with `l(150)`.
+    unsafe { c.deallocate(shrunk.cast(), l(shrunk.len())) };
+    assert_eq!(c.snapshot().live_bytes(), 0);
+}
+
+/// An allocator of one 256-byte block, so that a freed address is handed out again at
+/// once; its `shrink` to size 0 frees the block and then runs `HANDOVER` (another thread
+/// taking the same address at that moment).
+mod one_slot {
+    use super::*;
+    use std::cell::UnsafeCell;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::OnceLock;
+
+    #[repr(align(4096))]
+    struct Buf(UnsafeCell<[u8; 256]>);
+    // SAFETY: handed out to one owner at a time (`TAKEN`).
+    unsafe impl Sync for Buf {}
+    static BUF: Buf = Buf(UnsafeCell::new([0; 256]));
+    static TAKEN: AtomicBool = AtomicBool::new(false);
+    pub(super) static HANDOVER: OnceLock<(Barrier, Barrier)> = OnceLock::new();
+
+    pub(super) struct OneSlot;
+
+    fn dangling(align: usize) -> NonNull<[u8]> {
+        NonNull::slice_from_raw_parts(NonNull::new(align as *mut u8).unwrap(), 0)
+    }
+
+    // SAFETY: the one block is exclusive while `TAKEN`; zero-size blocks are dangling.
+    unsafe impl Allocator for OneSlot {
+        fn allocate(&self, layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
+            if layout.size() == 0 {
+                return Ok(dangling(layout.align()));
+            }
+            if layout.size() > 256 || layout.align() > 4096 || TAKEN.swap(true, Ordering::AcqRel) {
+                return Err(AllocError);
+            }
+            Ok(NonNull::slice_from_raw_parts(
+                NonNull::new(BUF.0.get().cast::<u8>()).unwrap(),
+                256,
+            ))
+        }
+        unsafe fn deallocate(&self, _: NonNull<u8>, layout: Layout) {
+            if layout.size() != 0 {
+                TAKEN.store(false, Ordering::Release);
+            }
+        }
+        unsafe fn shrink(
+            &self,
+            ptr: NonNull<u8>,
+            old: Layout,
+            new: Layout,
+        ) -> Result<NonNull<[u8]>, AllocError> {
+            if new.size() != 0 {
+                return Ok(NonNull::slice_from_raw_parts(ptr, 256));
+            }
+            // SAFETY: forwarded: the block is live with `old`.
+            unsafe { self.deallocate(ptr, old) };
+            if let Some((go, taken)) = HANDOVER.get() {
+                go.wait();
+                taken.wait();
+            }
+            Ok(dangling(new.align()))
+        }
+    }
+}
+
+static ONE_SLOT: Counting<one_slot::OneSlot> = Counting::new(one_slot::OneSlot);
+
+/// Found by review (2026-12-06): a shrink to size 0 forgot the block's recorded site by
+/// address *after* the inner allocator had it back, so when another thread was handed
+/// the same address meanwhile, its record went, and its window reported no leak for a
+/// block it kept. The control frees with `deallocate`, which was always right.
+#[test]
+fn a_shrink_to_zero_keeps_the_site_of_a_block_another_thread_got_at_that_address() {
+    let (go, taken) = one_slot::HANDOVER.get_or_init(|| (Barrier::new(2), Barrier::new(2)));
+    let other = Counting::new(System);
+    let layout = Layout::from_size_align(64, 8).unwrap();
+    let run = |shrink: bool| {
+        let mine = ONE_SLOT.allocate(layout).unwrap();
+        let freed = Barrier::new(2);
+        std::thread::scope(|s| {
+            let h = s.spawn(|| {
+                // A window whose counts balance: an older block of the same size freed in it.
+                let older = other.allocate(layout).unwrap();
+                let w = Window::open();
+                // SAFETY: allocated above with `layout`.
+                unsafe { other.deallocate(older.cast(), layout) };
+                go.wait();
+                // The address the main thread just gave back; kept: a leak of this window.
+                let kept = ONE_SLOT.allocate(layout).expect("the slot was given back");
+                taken.wait();
+                freed.wait();
+                let report = w.check();
+                // SAFETY: allocated above with `layout`.
+                unsafe { ONE_SLOT.deallocate(kept.cast(), layout) };
+                report
+            });
+            if shrink {
+                // SAFETY: `mine` is live with `layout`; a shrink to 0 frees it (and waits
+                // inside for the other thread to take the address).
+                let z =
+                    unsafe { ONE_SLOT.shrink(mine.cast(), layout, Layout::from_size_align(0, 8).unwrap()) };
+                assert_eq!(z.unwrap().len(), 0);
+            } else {
+                // SAFETY: `mine` is live with `layout`.
+                unsafe { ONE_SLOT.deallocate(mine.cast(), layout) };
+                go.wait();
+                taken.wait();
+            }
+            freed.wait();
+            h.join().unwrap()
+        })
+    };
+    assert!(
+        run(false).is_err(),
+        "control: the kept block is reported after a deallocate"
+    );
+    let report = run(true);
+    assert!(
+        report.is_err(),
+        "the kept block went unreported after a shrink to 0: {report:?}"
+    );
+}
