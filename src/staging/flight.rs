@@ -122,7 +122,8 @@ pub(super) struct Flight<B: Lanes, T> {
 impl<B: Lanes, T> Flight<B, T> {
     pub(super) fn new(in_flight: usize, drain_before_launch: bool) -> Self {
         Self {
-            queue: VecDeque::with_capacity(in_flight),
+            // A hint only: `in_flight` is the caller's, and may be any number.
+            queue: VecDeque::with_capacity(in_flight.min(64)),
             spare: Vec::new(),
             in_flight,
             drain_before_launch,

@@ -93,8 +93,10 @@ struct RingState<A: Allocator> {
     /// Buffers not leased, in the order they were given back (the front was used
     /// longest ago). `free.len() + leased == buffers`.
     free: VecDeque<Slot<A>>,
-    /// Tasks and threads waiting for a buffer to be given back.
-    waiters: std::vec::Vec<Waker>,
+    /// Tasks and threads waiting for a buffer to be given back, by future
+    /// ([`NextStaged::id`]): one entry each, which the future's drop removes, so that a
+    /// dropped future is woken by no later give-back and timed-out waits leave nothing.
+    waiters: std::vec::Vec<(u64, Waker)>,
     /// Takers now checking buffers moved out of `free` (with the lock released).
     scanning: usize,
     /// A taker found `free` empty while `scanning > 0`: the put-back wakes the waiters.
@@ -102,10 +104,30 @@ struct RingState<A: Allocator> {
 }
 
 impl<A: Allocator> RingState<A> {
-    fn register(&mut self, waker: &Waker) {
-        if !self.waiters.iter().any(|w| w.will_wake(waker)) {
-            self.waiters.push(waker.clone());
+    fn register(&mut self, (id, waker): (u64, &Waker)) {
+        match self.waiters.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, w)) => w.clone_from(waker),
+            None => self.waiters.push((id, waker.clone())),
         }
+    }
+
+    /// The wakers to wake, taken out (woken with no lock held).
+    fn take_waiters(&mut self) -> std::vec::Vec<(u64, Waker)> {
+        core::mem::take(&mut self.waiters)
+    }
+}
+
+/// Wakes the wakers taken out by [`RingState::take_waiters`].
+fn wake_all(waiters: std::vec::Vec<(u64, Waker)>) {
+    waiters.into_iter().for_each(|(_, w)| w.wake());
+}
+
+/// Numbers the ring's futures ([`NextStaged::id`]).
+static NEXT_WAITER: crate::sync::global::AtomicU64 = crate::sync::global::AtomicU64::new(0);
+
+impl<A: Allocator> RingState<A> {
+    fn forget_waiter(&mut self, id: u64) {
+        self.waiters.retain(|(i, _)| *i != id);
     }
 }
 
@@ -166,7 +188,10 @@ impl<A: Allocator + Clone> StagingRing<A> {
             .len()
             .checked_mul(per_stream)
             .ok_or(Error::InvalidArgument("too many staging buffers"))?;
-        let mut free = VecDeque::with_capacity(buffers);
+        let mut free = VecDeque::new();
+        free.try_reserve_exact(buffers).map_err(|_| Error::OutOfMemory {
+            requested: buffers.saturating_mul(core::mem::size_of::<Slot<A>>()),
+        })?;
         // Interleaved by stream (s0, s1, .., s0, s1, ..): handed out in turn, consecutive
         // leases go to different streams, as a multi-stream pipeline wants.
         for round in 0..per_stream {
@@ -251,7 +276,9 @@ impl<A: Allocator> StagingRing<A> {
     /// ```
     pub fn next(&self, timeout: Duration) -> Result<Staged<A>> {
         let start = Instant::now();
-        let deadline = start + timeout;
+        // A timeout too long to add to the clock (`Duration::MAX`) waits for as long as
+        // it takes.
+        let deadline = start.checked_add(timeout);
         let spin_until = start + NEXT_SPIN.min(timeout);
         loop {
             if let Take::Ready(slot) = self.take(None, false)? {
@@ -269,6 +296,10 @@ impl<A: Allocator> StagingRing<A> {
             if let Poll::Ready(out) = Pin::new(&mut fut).poll(&mut cx) {
                 return out;
             }
+            let Some(deadline) = deadline else {
+                std::thread::park();
+                continue;
+            };
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::TimedOut(
@@ -306,6 +337,8 @@ impl<A: Allocator> StagingRing<A> {
         NextStaged {
             ring: self.clone(),
             waiting: std::vec::Vec::new(),
+            id: NEXT_WAITER.fetch_add(1, crate::sync::global::Ordering::Relaxed),
+            registered: false,
         }
     }
 
@@ -336,7 +369,7 @@ impl<A: Allocator> StagingRing<A> {
     /// that put-back (`missed`); one that finds only buffers in use leaves `waker` to be
     /// woken by the next give-back (registered after the put-back's wake-ups: a poller
     /// never wakes itself, so two waiting tasks cannot wake each other in a loop).
-    fn take(&self, waker: Option<&Waker>, want_future: bool) -> Result<Take<A>> {
+    fn take(&self, waker: Option<(u64, &Waker)>, want_future: bool) -> Result<Take<A>> {
         let mut candidates = {
             let mut state = lock(&self.inner.state);
             if state.free.is_empty() {
@@ -388,7 +421,7 @@ impl<A: Allocator> StagingRing<A> {
             state.scanning -= 1;
             let wake = if state.missed && !state.free.is_empty() {
                 state.missed = false;
-                core::mem::take(&mut state.waiters)
+                state.take_waiters()
             } else {
                 std::vec::Vec::new()
             };
@@ -397,7 +430,7 @@ impl<A: Allocator> StagingRing<A> {
             }
             wake
         };
-        wake.into_iter().for_each(Waker::wake);
+        wake_all(wake);
         out
     }
 
@@ -406,9 +439,9 @@ impl<A: Allocator> StagingRing<A> {
         let waiters = {
             let mut state = lock(&self.inner.state);
             state.free.push_back(slot);
-            core::mem::take(&mut state.waiters)
+            state.take_waiters()
         };
-        waiters.into_iter().for_each(Waker::wake);
+        wake_all(waiters);
     }
 }
 
@@ -442,6 +475,18 @@ pub struct NextStaged<A: Allocator> {
     /// While every free buffer is in use: the completions of the one used longest ago on
     /// each stream (empty otherwise).
     waiting: std::vec::Vec<EventCompleted>,
+    /// Its key among the ring's waiters.
+    id: u64,
+    /// Whether it may have left its waker with the ring (removed at drop).
+    registered: bool,
+}
+
+impl<A: Allocator> Drop for NextStaged<A> {
+    fn drop(&mut self) {
+        if self.registered {
+            lock(&self.ring.inner.state).forget_waiter(self.id);
+        }
+    }
 }
 
 impl<A: Allocator> core::fmt::Debug for NextStaged<A> {
@@ -472,7 +517,8 @@ impl<A: Allocator> Future for NextStaged<A> {
                 }
                 if !any_done {
                     // Registered with the ring as well: a give-back wakes it too.
-                    return match this.ring.take_now(cx.waker()) {
+                    this.registered = true;
+                    return match this.ring.take_now((this.id, cx.waker())) {
                         Some(slot) => {
                             this.waiting.clear();
                             Poll::Ready(slot.and_then(|s| this.ring.lease(s)))
@@ -482,7 +528,8 @@ impl<A: Allocator> Future for NextStaged<A> {
                 }
                 this.waiting.clear();
             }
-            match this.ring.take(Some(cx.waker()), true) {
+            this.registered = true;
+            match this.ring.take(Some((this.id, cx.waker())), true) {
                 Err(e) => return Poll::Ready(Err(e)),
                 Ok(Take::Ready(slot)) => return Poll::Ready(this.ring.lease(slot)),
                 // (Never empty: a free buffer without a use is ready.)
@@ -497,7 +544,7 @@ impl<A: Allocator> Future for NextStaged<A> {
 impl<A: Allocator> StagingRing<A> {
     /// A free buffer the GPU is done with, if any, without making a future; registers
     /// `waker` for the next give-back.
-    fn take_now(&self, waker: &Waker) -> Option<Result<Slot<A>>> {
+    fn take_now(&self, waker: (u64, &Waker)) -> Option<Result<Slot<A>>> {
         match self.take(Some(waker), false) {
             Ok(Take::Ready(slot)) => Some(Ok(slot)),
             Ok(_) => None,

@@ -163,6 +163,94 @@ fn next_async_is_woken_by_the_gpu_and_by_a_give_back() {
     assert_eq!(ring.next(Duration::from_secs(10)).unwrap().index(), 0);
 }
 
+/// Found by review (2026-12-06): a future dropped while it waited left its waker with the
+/// ring, so the next give-back woke a task that no longer waited (and timed-out `next`
+/// calls piled wakers up while every buffer stayed busy).
+#[test]
+fn a_dropped_next_async_is_not_woken_by_a_later_give_back() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let s = Stream::new(0).unwrap();
+    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, 4096).unwrap();
+    let counter = Arc::new(CountingWaker {
+        wakes: AtomicUsize::new(0),
+        thread: std::thread::current(),
+    });
+    let waker = Waker::from(counter.clone());
+    let mut cx = Context::from_waker(&waker);
+    let lease = ring.try_next().unwrap().unwrap();
+    // Timed-out waits of another thread leave nothing behind either.
+    for _ in 0..3 {
+        assert!(matches!(ring.next(Duration::ZERO), Err(Error::TimedOut(_))));
+    }
+    let mut next = ring.next_async();
+    assert!(Pin::new(&mut next).poll(&mut cx).is_pending());
+    drop(next);
+    drop(lease);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(
+        counter.wakes.load(Ordering::SeqCst),
+        0,
+        "a dropped future was woken"
+    );
+    // A live one still is.
+    let lease = ring.try_next().unwrap().unwrap();
+    let mut next = ring.next_async();
+    assert!(Pin::new(&mut next).poll(&mut cx).is_pending());
+    drop(lease);
+    assert!(until_woken(&counter), "a give-back did not wake the waiting task");
+    drop(ready(&mut next, &mut cx).unwrap());
+}
+
+/// Found by review (2026-12-06): `next(Duration::MAX)` panicked adding the timeout to the
+/// clock, and a ring of `usize::MAX` buffers panicked on its list's capacity; now the
+/// first waits for as long as it takes and the second is an error.
+#[test]
+fn a_ring_takes_any_timeout_and_refuses_any_count_without_a_panic() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let s = Stream::new(0).unwrap();
+    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 2, 4096).unwrap();
+    let first = ring.next(Duration::MAX).unwrap();
+    // The second waits past the spin for a give-back, with no deadline.
+    let second = std::thread::scope(|t| {
+        let waiter = t.spawn(|| ring.next(Duration::MAX).map(|l| l.index()));
+        let held = ring.next(Duration::MAX).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        drop(held);
+        waiter.join().unwrap()
+    });
+    assert!(second.is_ok(), "{second:?}");
+    drop(first);
+    // The same numbers through the pipeline helper: it runs (each batch on the host).
+    let mut drained = 0;
+    let run = ring
+        .pipeline()
+        .in_flight(usize::MAX)
+        .timeout(Duration::MAX)
+        .run(
+            5,
+            |_, bytes| {
+                bytes.fill(1);
+                Ok::<_, Error>(())
+            },
+            |_, _| Ok(()),
+            |_, ()| {
+                drained += 1;
+                Ok(())
+            },
+        )
+        .unwrap();
+    assert_eq!((run.batches, drained), (5, 5));
+    for per_stream in [usize::MAX, usize::MAX / 2] {
+        let err = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), per_stream, 4096).unwrap_err();
+        assert!(
+            matches!(err, Error::OutOfMemory { .. } | Error::InvalidArgument(_)),
+            "{err:?}"
+        );
+    }
+}
+
 /// Polls `next` until it is ready (parked between polls; at most 10 s: a hang guard).
 fn ready<F: Future + Unpin>(next: &mut F, cx: &mut Context<'_>) -> F::Output {
     let t0 = Instant::now();

@@ -470,6 +470,16 @@ fn a_threaded_run_refuses_zero_threads_ahead_or_in_flight_before_any_call() {
     }
 }
 
+/// Found by review (2026-12-06): `in_flight(usize::MAX)` (no limit beyond the buffers)
+/// panicked sizing the queue of batches in flight.
+#[test]
+fn a_threaded_run_takes_any_number_in_flight() {
+    let ring = FakeRing::new(2);
+    let (out, seen) = run_fake(&ring, shape(2, 2, usize::MAX), 7, None);
+    assert_eq!(out.unwrap().pipeline.batches, 7);
+    assert!(seen.drains.iter().copied().eq(0..7), "drains {:?}", seen.drains);
+}
+
 // ----- the single-threaded schedule (`Pipeline::run_split`) on the same model ----------
 
 /// What the split schedule's closures saw, in call order.
