@@ -30,6 +30,8 @@ const MIB: usize = 1 << 20;
 mod cudarc;
 #[path = "gated/device_arena.rs"]
 mod device_arena;
+#[path = "gated/device_input.rs"]
+mod device_input;
 #[path = "gated/device_multi.rs"]
 mod device_multi;
 #[path = "gated/device_pages_race.rs"]

@@ -222,7 +222,7 @@ pub fn mem_info(ordinal: usize) -> Result<(usize, usize)> {
 /// ```
 pub fn device_name(ordinal: usize) -> Result<String> {
     driver()?;
-    let dev = result::device::get(ordinal as i32).map_err(CudaError::from)?;
+    let dev = result::device::get(ordinal_i32(ordinal)?).map_err(CudaError::from)?;
     Ok(result::device::get_name(dev).map_err(CudaError::from)?)
 }
 

@@ -76,17 +76,19 @@ pub enum Location {
 }
 
 impl Location {
-    fn raw(self) -> sys::CUmemLocation {
-        match self {
+    /// The driver's form; a device ordinal past `i32::MAX` is an invalid argument (it
+    /// would otherwise be cut to another device's).
+    fn raw(self) -> Result<sys::CUmemLocation> {
+        Ok(match self {
             Location::Host => sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
                 id: 0,
             },
             Location::Device(d) => sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: d as i32,
+                id: crate::cuda::driver::ordinal_i32(d)?,
             },
-        }
+        })
     }
 }
 
@@ -332,9 +334,10 @@ pub(crate) mod raw {
     pub(crate) fn prefetch(p: *const u8, len: usize, location: Location, stream: &Stream) -> Result<()> {
         driver()?;
         bind(stream.device())?;
+        let location = location.raw()?;
         // SAFETY: the driver validates that the range is managed memory and returns an
         // error otherwise; prefetching moves pages without changing their contents.
-        check(unsafe { sys::cuMemPrefetchAsync_v2(p as u64, len, location.raw(), 0, stream.cu()) })?;
+        check(unsafe { sys::cuMemPrefetchAsync_v2(p as u64, len, location, 0, stream.cu()) })?;
         Ok(())
     }
 
@@ -353,8 +356,9 @@ pub(crate) mod raw {
             ManagedAdvice::AccessedBy(l) => (A::CU_MEM_ADVISE_SET_ACCESSED_BY, l),
             ManagedAdvice::UnsetAccessedBy(l) => (A::CU_MEM_ADVISE_UNSET_ACCESSED_BY, l),
         };
+        let loc = loc.raw()?;
         // SAFETY: advice changes page placement hints only; the driver validates the range.
-        check(unsafe { sys::cuMemAdvise_v2(p as u64, len, a, loc.raw()) })?;
+        check(unsafe { sys::cuMemAdvise_v2(p as u64, len, a, loc) })?;
         Ok(())
     }
 

@@ -43,6 +43,10 @@ pub struct DeviceCheckpoint {
     epoch: u64,
     chunk: usize,
     offset: usize,
+    /// The device address of the chunk at index `chunk` then (0 with no chunk): after a
+    /// rewind went behind this position, later allocations may rearrange the chunks, and
+    /// the index then names another chunk.
+    base: u64,
     /// How many slices the recorder had seen allocated then.
     traced: usize,
     /// How many slices were NVTX regions then.
@@ -401,6 +405,11 @@ impl DeviceArena {
             epoch: self.epoch.get(),
             chunk: self.current.get(),
             offset: self.offset.get(),
+            base: self
+                .chunks
+                .borrow()
+                .get(self.current.get())
+                .map_or(0, DeviceBuffer::device_ptr),
             traced: self.traced.borrow().len(),
             annotated: self.annotated.borrow().len(),
         }
@@ -408,7 +417,9 @@ impl DeviceArena {
 
     /// Makes everything allocated after `checkpoint` reusable, stream-ordered as
     /// [`reset`](Self::reset). Errors with `InvalidArgument` (changing nothing) for a
-    /// checkpoint of another arena, from before a reset, or after the current position.
+    /// checkpoint of another arena, from before a reset, after the current position, or
+    /// behind which an earlier rewind went once the arena has since put another chunk at
+    /// its place (as the host [`Arena`](crate::Arena) refuses a mark whose chunk went).
     ///
     /// ```
     /// use cudalloc::{cuda::Stream, device::{DeviceArena, DevicePool}};
@@ -429,13 +440,24 @@ impl DeviceArena {
             epoch,
             chunk,
             offset,
+            base,
             traced,
             annotated,
         } = checkpoint;
         let here = (self.current.get(), self.offset.get());
-        if arena != self.id || epoch != self.epoch.get() || (chunk, offset) > here {
+        // The chunk it names is still at its index (not rearranged since an earlier rewind
+        // went behind it), so the position lies within that chunk; the start of a chunk
+        // (the arena's start included) is a position whatever the chunk.
+        let same_chunk = offset == 0
+            || self
+                .chunks
+                .borrow()
+                .get(chunk)
+                .is_some_and(|c| c.device_ptr() == base && offset <= c.byte_len());
+        if arena != self.id || epoch != self.epoch.get() || (chunk, offset) > here || !same_chunk {
             return Err(Error::InvalidArgument(
-                "the checkpoint is of another arena, from before a reset, or past the current position",
+                "the checkpoint is of another arena, from before a reset, past the current position, \
+                 or in a chunk rearranged since an earlier rewind went behind it",
             ));
         }
         if !self.order_after_uses() {

@@ -152,8 +152,11 @@ impl CudaBackend {
     /// page heap.
     pub(crate) fn open(device: usize, config: &DevicePoolConfig) -> Result<Self> {
         config.pages.check()?;
-        let pool = MemPool::new(device, config.limit.unwrap_or(0), config.release_threshold)?;
         let (_, device_bytes) = mem_info(device)?;
+        // A limit of the device's memory or more caps nothing: the driver's default, not a
+        // maxSize past the device (`with_limit(usize::MAX)`), which the driver may refuse.
+        let max_size = config.limit.filter(|&l| l < device_bytes).unwrap_or(0);
+        let pool = MemPool::new(device, max_size, config.release_threshold)?;
         let vmm = match config.backing {
             Backing::DriverPool => None,
             Backing::PhysicalPages => Some(Vmm::new(device)?),
