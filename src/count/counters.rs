@@ -119,13 +119,17 @@ pub(crate) struct Counters {
     committed: AtomicU64,
     /// The highest `committed + pending` any allocation saw.
     peak: AtomicU64,
-    /// `peak - committed`, less [`BLOCKED`] for each [`Counters::block_fast_path`] in
+    /// `peak - committed`, less [`BLOCKED`] while any [`Counters::block_fast_path`] is in
     /// force (an `i64`): how far a thread's `pending` may rise before its estimate of
     /// live bytes (`committed + pending`) sets a new peak. Kept by the same deltas that
     /// change `committed` and `peak` (so it converges to the exact value whatever the
     /// interleaving), so that an allocation's fast path reads one shared word, in a line
     /// written only at commits and new peaks, instead of two and a sum.
     room: AtomicU64,
+    /// [`Counters::block_fast_path`]s in force: only the first takes [`BLOCKED`] off the
+    /// room and only the last gives it back (one `BLOCKED` per block wrapped the room
+    /// round to a large positive value at three at once, opening the fast path).
+    blocks: AtomicU64,
     failures: AtomicU64,
 }
 
@@ -143,6 +147,7 @@ macro_rules! counters_new {
                 committed: AtomicU64::new(0),
                 peak: AtomicU64::new(0),
                 room: AtomicU64::new(0),
+                blocks: AtomicU64::new(0),
                 failures: AtomicU64::new(0),
             }
         }
@@ -183,7 +188,7 @@ impl Counters {
     }
 
     /// The fast path's room, and what it must equal once the threads are joined
-    /// (`peak - committed`, less [`BLOCKED`] per block): tests.
+    /// (`peak - committed`, less [`BLOCKED`] while blocked): tests.
     #[cfg(test)]
     pub(crate) fn room_now(&self) -> i64 {
         self.room.load(Relaxed) as i64
@@ -346,13 +351,22 @@ impl Counters {
     /// Sends every allocation down the full path (through [`Counters::try_record_alloc`]
     /// failing) until the matching [`Counters::unblock_fast_path`]: for a `ProcessWindow`,
     /// which must see every allocation of every thread.
+    ///
+    /// Whatever the interleaving of blocks and unblocks, the room holds at most two
+    /// `BLOCKED` off at once (a last unblock not yet applied beside a new first block),
+    /// still negative as an `i64`, and is blocked from the first block's return to the
+    /// last unblock's call.
     pub(crate) fn block_fast_path(&self) {
-        self.room.fetch_sub(BLOCKED, Relaxed);
+        if self.blocks.fetch_add(1, Relaxed) == 0 {
+            self.room.fetch_sub(BLOCKED, Relaxed);
+        }
     }
 
     /// Ends one [`Counters::block_fast_path`].
     pub(crate) fn unblock_fast_path(&self) {
-        self.room.fetch_add(BLOCKED, Relaxed);
+        if self.blocks.fetch_sub(1, Relaxed) == 1 {
+            self.room.fetch_add(BLOCKED, Relaxed);
+        }
     }
 
     /// Raises the peak to `live`; the load first keeps the common case (no new peak) free

@@ -107,11 +107,13 @@ use thread::{current, ThreadState};
 /// a lock or any other synchronization) and may or may not include those running
 /// while it reads.
 ///
-/// `peak_bytes` is exact while one thread at a time allocates; when several do, each
-/// thread adds its net bytes to the shared live total only once they exceed its slack
-/// either way: 4 KiB, or the largest single allocation, free or resize it made (up to
-/// 1 GiB) if larger. So the peak may be off by up to that slack for every other thread
-/// allocating at that moment. (An exact peak needs a locked read-modify-write on one
+/// `peak_bytes` is exact while one thread allocates and frees through the `Counting`;
+/// where several do, each thread adds its net bytes to the shared live total only once
+/// they exceed its slack either way: 4 KiB, or the largest single allocation, free or
+/// resize it made (up to 1 GiB) if larger. So the peak may be low by up to that slack
+/// for every other thread that allocated through it, whether it still runs or not (a
+/// thread that holds 3000 bytes while another allocates 3000 more may leave the peak
+/// at 3000). (An exact peak needs a locked read-modify-write on one
 /// shared cache line at every allocation and free; on 8 threads that alone costs more
 /// than twice the allocation pair it counts.)
 ///

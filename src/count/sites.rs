@@ -53,12 +53,12 @@ mod table;
 
 #[cfg(not(loom))]
 pub(crate) use table::{
-    collect, detach, forget, is_internal, now, record, uncounted, uncounted_thread, Detached, ENABLED,
+    any, collect, detach, forget, is_internal, now, record, uncounted, uncounted_thread, Detached, ENABLED,
 };
 
 #[cfg(loom)]
 pub(crate) use off::{
-    collect, detach, forget, is_internal, now, record, uncounted, uncounted_thread, Detached, ENABLED,
+    any, collect, detach, forget, is_internal, now, record, uncounted, uncounted_thread, Detached, ENABLED,
 };
 
 /// Stand-ins for the table under loom (its lock and thread-locals are std's).
@@ -104,6 +104,10 @@ mod off {
 
         #[inline(always)]
         pub(crate) fn reattach(self, _addr: usize, _size: usize) {}
+    }
+
+    pub(crate) fn any(_keep: impl Fn(&SiteKey) -> bool) -> bool {
+        false
     }
 
     pub(crate) fn collect(_keep: impl Fn(&SiteKey) -> bool) -> Vec<LeakSite> {

@@ -808,3 +808,66 @@ fn a_shrink_to_zero_keeps_the_site_of_a_block_another_thread_got_at_that_address
         "the kept block went unreported after a shrink to 0: {report:?}"
     );
 }
+
+/// Found by review (2026-12-06): each open `ProcessWindow` took a large constant off the
+/// fast path's room, and three at once wrapped it round to a large positive value: the
+/// fast path opened again, sites went unrecorded, and a block kept in place of a freed
+/// one went unreported. One window (the control) and three now both report it.
+#[test]
+fn three_process_windows_at_once_still_catch_a_kept_block() {
+    let c = Counting::new(System);
+    for windows in [1, 3, 4, 5] {
+        let older = Box::new_in([0u8; 64], &c);
+        let open: std::vec::Vec<_> = (0..windows).map(|_| c.process_window()).collect();
+        drop(older);
+        let kept = Box::new_in([1u8; 64], &c);
+        let mut open = open;
+        let last = open.pop().unwrap();
+        let report = last.check();
+        drop(open);
+        assert!(report.is_err(), "{windows} windows: the kept block went unreported: {report:?}");
+        drop(kept);
+    }
+    // All closed: the fast path is open again and the counts stay exact.
+    drop(Box::new_in(1u8, &c));
+    let s = c.snapshot();
+    assert_eq!((s.live_count(), s.live_bytes()), (0, 0), "{s}");
+}
+
+/// A block freed by a thread's local destructor 20 ms after the end of the scope that ran
+/// it (a scoped thread's exit frees late).
+mod late_free {
+    use super::*;
+    use std::cell::RefCell;
+    use std::time::Duration;
+
+    pub(super) static C: Counting<System> = Counting::new(System);
+
+    struct Late(Option<Box<[u8; 16], &'static Counting<System>>>);
+    impl Drop for Late {
+        fn drop(&mut self) {
+            std::thread::sleep(Duration::from_millis(20));
+            drop(self.0.take());
+        }
+    }
+    thread_local!(static LATE: RefCell<Late> = const { RefCell::new(Late(None)) });
+
+    pub(super) fn in_a_scoped_thread() {
+        std::thread::scope(|s| {
+            s.spawn(|| LATE.with(|l| l.borrow_mut().0 = Some(Box::new_in([7u8; 16], &C))));
+        });
+    }
+}
+
+/// Found by review (2026-12-06): `ProcessWindow::check` waited for a scoped thread's late
+/// frees only while the counts did not balance; a window that had also freed an older
+/// block balanced at once, and the block the thread was about to free was reported.
+#[test]
+fn a_process_window_waits_for_a_late_free_even_when_it_freed_older_blocks() {
+    let older = Box::new_in([0u8; 64], &late_free::C);
+    let w = late_free::C.process_window();
+    drop(older);
+    late_free::in_a_scoped_thread();
+    let delta = w.check().expect("no leak: the scoped thread frees its block on its way out");
+    assert_eq!((delta.allocs, delta.frees), (1, 2));
+}

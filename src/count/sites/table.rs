@@ -249,6 +249,16 @@ struct Found {
     depth: usize,
 }
 
+/// Whether any recorded block is one that `keep` selects (copies and allocates nothing).
+pub(crate) fn any(keep: impl Fn(&SiteKey) -> bool) -> bool {
+    let Some(_internal) = Enter::from_idle(State::Internal) else {
+        return false;
+    };
+    TABLES
+        .iter()
+        .any(|table| lock(table).iter().any(|(_, e)| keep(&e.key)))
+}
+
 /// The sites of recorded blocks that `keep` selects, oldest first.
 pub(crate) fn collect(keep: impl Fn(&SiteKey) -> bool) -> Vec<LeakSite> {
     let Some(internal) = Enter::from_idle(State::Internal) else {
