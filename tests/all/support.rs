@@ -147,6 +147,46 @@ pub fn in_a_child_process(name: &str) -> bool {
     true
 }
 
+/// For tests of input that once allocated without bound: runs the `#[ignore]`d test `name`
+/// (its path in this binary, `module::test`) alone in a child process whose address space
+/// is capped at `cap_mib` MiB, so that a regression aborts the child, not the machine;
+/// fails with the child's output unless it passed. The child is a process of its own,
+/// so the parent passes under any number of test threads.
+pub fn in_a_capped_child(name: &str, cap_mib: u64) {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    // Where the hard limit is already lower, the lower one holds (and `ulimit` fails).
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v {} 2>/dev/null; exec \"$0\" \"$@\"",
+            cap_mib * 1024
+        ))
+        .arg(exe)
+        .args([name, "--exact", "--ignored", "--test-threads=1"])
+        .output()
+        .expect("run the test in a capped child process");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{name} in a child capped at {cap_mib} MiB: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs `f` on a thread with a stack of `bytes` (a test thread's is what the harness
+/// chose): a stack overflow there aborts the test binary.
+pub fn on_a_stack_of<T: Send>(bytes: usize, f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .stack_size(bytes)
+            .spawn_scoped(s, f)
+            .expect("spawn a thread")
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
 /// A pool's byte counters balance: live + cached + pending == what it holds from its source.
 #[track_caller]
 pub fn assert_balanced(s: &cudalloc::pool::PoolStats) {

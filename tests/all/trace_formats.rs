@@ -3,7 +3,7 @@
 
 use std::borrow::Cow;
 
-use cudalloc::trace::format::{rmm, Location};
+use cudalloc::trace::format::{self, rmm, Location};
 use cudalloc::trace::replay::{random_workload, RandomWorkload};
 use cudalloc::trace::{Action, Event, Trace, TraceMemory, TracedAllocator};
 
@@ -154,6 +154,42 @@ fn rmm_reader_names_the_bad_line() {
     // Not UTF-8-dependent, no panic on odd bytes or huge lines.
     let junk = format!("{h}{}\n", "\u{fffd},".repeat(10_000));
     assert!(rmm::read(&junk).is_err());
+}
+
+/// Found by review (2026-12-06): the day counter times 24 h overflowed u64 after 213,504
+/// midnight crossings (a panic, or times wrapping round).
+#[test]
+fn rmm_times_past_u64_nanoseconds_saturate_in_order_instead_of_overflowing() {
+    // 23:00 then 01:00: a midnight crossing every other line, 220,000 in all (the fewest
+    // that pass 2^64 ns: each crossing needs a drop of more than 12 h).
+    let mut text = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+    text.push_str(
+        &"1,23:00:00.000000,allocate,0x1000,8,0x0\n1,01:00:00.000000,free,0x1000,8,0x0\n".repeat(220_000),
+    );
+    let t = rmm::read(&text).unwrap();
+    assert_eq!(t.events.len(), 440_000);
+    assert!(
+        t.events.windows(2).all(|w| w[0].time_ns <= w[1].time_ns),
+        "times went backwards"
+    );
+    let first = 23 * 3600 * 1_000_000_000;
+    assert_eq!(t.events.last().map(|e| e.time_ns), Some(u64::MAX - first));
+}
+
+/// Found by review (2026-12-06): a lenient read of an RMM log failed as a whole for one
+/// byte that is not UTF-8, instead of skipping its line.
+#[test]
+fn a_lenient_read_of_an_rmm_log_skips_a_line_that_is_not_utf8() {
+    let mut bytes =
+        b"Thread,Time,Action,Pointer,Size,Stream\n1,10:00:00.000001,allocate,0x1000,64,0x0\n".to_vec();
+    bytes.extend(b"1,10:00:00.000002,allocate,0x2000,6\xff,0x0\n");
+    bytes.extend(b"1,10:00:00.000003,free,0x1000,64,0x0\n");
+    let l = format::read_any(&bytes, true).unwrap();
+    assert_eq!((l.trace.events.len(), l.skipped.len()), (2, 1));
+    assert_eq!(l.skipped[0].location, Location::Line(3), "{}", l.skipped[0]);
+    // Strict reading still refuses the input, naming the byte.
+    let e = format::read_any(&bytes, false).unwrap_err();
+    assert_eq!(e.location, Location::Offset(115), "{e}");
 }
 
 mod torch {
@@ -512,6 +548,174 @@ mod torch {
         assert_eq!(code, Some(1), "{text}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A snapshot of ours with one allocator on `allocator_device`, and one entry naming
+    /// allocator `entry_allocator`.
+    fn snapshot_with(entry_allocator: i64, allocator_device: i64) -> Vec<u8> {
+        let entry = d(vec![
+            ("action", s("alloc")),
+            ("addr", Value::I64(0x1000)),
+            ("size", Value::I64(64)),
+            ("allocator", Value::I64(entry_allocator)),
+        ]);
+        let allocator = d(vec![
+            ("name", s("A")),
+            ("memory", s("device")),
+            ("device", Value::I64(allocator_device)),
+        ]);
+        let snap = d(vec![
+            ("device_traces", Value::List(vec![Value::List(vec![entry])])),
+            (
+                "cudalloc",
+                d(vec![
+                    ("version", Value::I64(1)),
+                    ("allocators", Value::List(vec![allocator])),
+                ]),
+            ),
+        ]);
+        serde_pickle::value_to_vec(&snap, SerOptions::new()).unwrap()
+    }
+
+    /// A snapshot whose one trace is `entries`, no key of ours.
+    fn with_entries(entries: Vec<Value>) -> Vec<u8> {
+        let snap = d(vec![("device_traces", Value::List(vec![Value::List(entries)]))]);
+        serde_pickle::value_to_vec(&snap, SerOptions::new()).unwrap()
+    }
+
+    /// Found by review (2026-12-06): converting a pickle recursed once per level of
+    /// nesting, so 40 KB of nested lists overflowed the stack (an abort).
+    #[test]
+    fn a_deeply_nested_pickle_is_an_error_not_a_stack_overflow() {
+        let nested = |n: usize| {
+            // `]` n times, then `a` to put each list into the one below it.
+            let mut p = vec![0x80, 4];
+            p.extend(std::iter::repeat_n(b']', n));
+            p.extend(std::iter::repeat_n(b'a', n - 1));
+            p.push(b'.');
+            p
+        };
+        let p = nested(20_000);
+        let e = crate::support::on_a_stack_of(2 << 20, || torch::read(&p)).unwrap_err();
+        assert!(e.message.contains("nested more than"), "{e}");
+        // Nesting far beyond a snapshot's (under 20) reads: refused as a snapshot only.
+        let e = torch::read(&nested(100)).unwrap_err();
+        assert!(e.message.contains("expected a dict"), "{e}");
+    }
+
+    /// Found by review (2026-12-06): each memo reference (`BINGET`) to a string or bytes
+    /// copied it with no bound: 64 KiB referred to 65,536 times took 4 GiB.
+    #[test]
+    #[ignore = "run by its parent test in a capped child process"]
+    fn child_a_big_string_referred_to_many_times() {
+        let big = 64usize << 10;
+        let mut p = vec![0x80, 4, b'(', b'B'];
+        p.extend((big as u32).to_le_bytes());
+        p.extend(std::iter::repeat_n(b'x', big));
+        p.push(0x94); // MEMOIZE: memo 0
+        for _ in 0..65_536 {
+            p.extend([b'h', 0]); // BINGET 0
+        }
+        p.extend([b'l', b'.']); // LIST from the mark, STOP
+        let e = torch::read(&p).unwrap_err();
+        assert!(e.message.contains("expands to more than"), "{e}");
+    }
+
+    /// Found by review (2026-12-06): see the child; refused within 1 GiB.
+    #[test]
+    fn a_pickle_referring_to_a_big_string_many_times_is_an_error_in_bounded_memory() {
+        crate::support::in_a_capped_child(
+            "trace_formats::torch::child_a_big_string_referred_to_many_times",
+            1024,
+        );
+    }
+
+    /// Found by review (2026-12-06): `(x, x)` nested 40 deep through the memo (123 bytes)
+    /// was refused only after 2^26 values, 4.7 GB.
+    #[test]
+    #[ignore = "run by its parent test in a capped child process"]
+    fn child_shared_references_nested_to_expand_exponentially() {
+        let mut p = vec![0x80, 4, b'N'];
+        for _ in 0..40 {
+            p.extend([0x94, b'2', 0x86]); // memoize top, DUP, TUPLE2: (x, x)
+        }
+        p.push(b'.');
+        let e = torch::read(&p).unwrap_err();
+        assert!(e.message.contains("expands to more than"), "{e}");
+    }
+
+    /// Found by review (2026-12-06): see the child; refused within 1 GiB.
+    #[test]
+    fn shared_references_nested_to_expand_exponentially_are_refused_in_bounded_memory() {
+        crate::support::in_a_capped_child(
+            "trace_formats::torch::child_shared_references_nested_to_expand_exponentially",
+            1024,
+        );
+    }
+
+    /// Found by review (2026-12-06): an entry naming an allocator not in
+    /// `cudalloc.allocators` was read, and the timeline then sized vectors by its index.
+    #[test]
+    fn a_snapshot_entry_naming_an_allocator_not_listed_is_an_error() {
+        let p = snapshot_with(i64::from(u32::MAX), 0);
+        let e = torch::read(&p).unwrap_err();
+        assert!(e.message.contains("device_traces[0][0].allocator"), "{e}");
+        let l = torch::read_lenient(&p).unwrap();
+        assert_eq!((l.trace.events.len(), l.skipped.len()), (0, 1));
+        assert_eq!(torch::read(&snapshot_with(0, 0)).unwrap().events.len(), 1);
+    }
+
+    /// Found by review (2026-12-06): an allocator's `device` beyond 32 bits was silently
+    /// read as device 0.
+    #[test]
+    fn an_allocator_device_beyond_32_bits_is_an_error_not_device_0() {
+        let e = torch::read(&snapshot_with(0, 1 << 32)).unwrap_err();
+        assert!(e.message.contains("cudalloc.allocators[0].device"), "{e}");
+        let t = torch::read(&snapshot_with(0, i64::from(u32::MAX))).unwrap();
+        assert_eq!(t.allocators[0].device, u32::MAX);
+    }
+
+    /// Found by review (2026-12-06): writing a trace with an allocator on device
+    /// 4294967295 made one `device_traces` list per device up to it (137 GB).
+    #[test]
+    #[ignore = "run by its parent test in a capped child process"]
+    fn child_write_a_trace_on_device_u32_max() {
+        let mut t = Trace::default();
+        t.allocators
+            .push(TracedAllocator::new("A", TraceMemory::Device, u32::MAX));
+        t.events.push(Event::new(Action::Alloc, 0x1000, 64));
+        assert_eq!(torch::read(&bytes(&t)).unwrap(), t);
+    }
+
+    /// Found by review (2026-12-06): see the child; written within 1 GiB, read back the same.
+    #[test]
+    fn writing_a_trace_on_device_u32_max_is_bounded() {
+        crate::support::in_a_capped_child(
+            "trace_formats::torch::child_write_a_trace_on_device_u32_max",
+            1024,
+        );
+    }
+
+    /// Found by review (2026-12-06): the writer summed the requested sizes of a segment's
+    /// blocks unchecked, and a read trace's requested size is not bounded by `given`.
+    #[test]
+    fn writing_blocks_whose_requested_sizes_pass_u64_does_not_overflow() {
+        let entry = |action: &str, addr: i64, size: i64, given: i64| {
+            d(vec![
+                ("action", s(action)),
+                ("addr", Value::I64(addr)),
+                ("size", Value::I64(size)),
+                ("given", Value::I64(given)),
+            ])
+        };
+        let t = torch::read(&with_entries(vec![
+            entry("segment_alloc", 0x1000, 4096, 4096),
+            entry("alloc", 0x1000, i64::MAX, 16),
+            entry("alloc", 0x1100, i64::MAX, 16),
+            entry("alloc", 0x1200, i64::MAX, 16),
+        ]))
+        .unwrap();
+        assert_eq!(torch::read(&bytes(&t)).unwrap().events, t.events);
+    }
 }
 
 mod svg {
@@ -644,5 +848,41 @@ mod svg {
         // The live line reaches the chart's top (its peak is the highest value drawn).
         let top = lines[0].1.iter().map(|p| p.1).fold(f64::MAX, f64::min);
         assert!((top - 50.0).abs() < 0.11, "top at {top}");
+    }
+
+    /// Found by review (2026-12-06): the timeline sized two vectors by the largest
+    /// allocator index an event names (4294967295: 137 GB), listed or not.
+    #[test]
+    #[ignore = "run by its parent test in a capped child process"]
+    fn child_timeline_of_an_unlisted_allocator_index() {
+        let mut t = Trace::default();
+        t.allocators.push(TracedAllocator::new("A", TraceMemory::Host, 0));
+        let mut e = Event::new(Action::Alloc, 0x1000, 64);
+        e.allocator = u32::MAX;
+        t.events.push(e);
+        let doc = svg::timeline(&t);
+        assert!(doc.contains("allocator 4294967295: live"), "{doc}");
+    }
+
+    /// Found by review (2026-12-06): see the child; drawn within 1 GiB.
+    #[test]
+    fn the_timeline_of_an_unlisted_huge_allocator_index_is_bounded() {
+        crate::support::in_a_capped_child(
+            "trace_formats::svg::child_timeline_of_an_unlisted_allocator_index",
+            1024,
+        );
+    }
+
+    /// Found by review (2026-12-06): an event at time u64::MAX (a snapshot's `time_us`
+    /// near i64::MAX, saturated) overflowed the timeline's span.
+    #[test]
+    fn the_timeline_of_an_event_at_the_largest_time_has_a_span() {
+        let mut t = Trace::default();
+        let mut e = Event::new(Action::Alloc, 0x1000, 64);
+        e.time_ns = u64::MAX;
+        t.events.push(e);
+        let doc = svg::timeline(&t);
+        assert!(!doc.contains("NaN") && !doc.contains("inf"), "{doc}");
+        assert_eq!(polylines(&doc).len(), 1);
     }
 }

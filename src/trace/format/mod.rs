@@ -114,18 +114,19 @@ pub fn read_any(bytes: &[u8], lenient: bool) -> Result<Lenient, TraceError> {
             })
         };
     }
+    if lenient {
+        // A byte that is not UTF-8 spoils its line only: decoded as U+FFFD, which no field
+        // parses, so the line is skipped and listed like any other bad line.
+        return rmm::read_lenient(&String::from_utf8_lossy(bytes));
+    }
     let text = std::str::from_utf8(bytes).map_err(|e| {
         TraceError::new(
             Location::Offset(e.valid_up_to() as u64),
             "neither a pickle nor UTF-8 text (an RMM log)",
         )
     })?;
-    if lenient {
-        rmm::read_lenient(text)
-    } else {
-        rmm::read(text).map(|trace| Lenient {
-            trace,
-            skipped: Vec::new(),
-        })
-    }
+    rmm::read(text).map(|trace| Lenient {
+        trace,
+        skipped: Vec::new(),
+    })
 }

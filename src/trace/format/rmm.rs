@@ -98,7 +98,9 @@ fn parse(text: &str, lenient: bool) -> Result<Lenient, TraceError> {
             days += 1;
         }
         prev = row.time_of_day;
-        let t = row.time_of_day + days * DAY_NS;
+        // Saturating: a log crossing midnight 213,504 times passes u64 nanoseconds; its
+        // times then stay at the cap (still in order) instead of wrapping round.
+        let t = row.time_of_day.saturating_add(days.saturating_mul(DAY_NS));
         let t0 = *first.get_or_insert(t);
         let mut e = Event::new(row.action, row.addr, row.size);
         e.seq = out.trace.events.len() as u64;

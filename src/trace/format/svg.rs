@@ -64,19 +64,24 @@ fn fmt_bytes(b: f64) -> String {
 fn series_of(trace: &Trace) -> (Vec<Series>, bool) {
     let timed = trace.events.iter().any(|e| e.time_ns != 0);
     let at = |i: usize, t: u64| if timed { t } else { i as u64 };
-    let n_alloc = trace.allocators.len().max(
-        trace
-            .events
-            .iter()
-            .map(|e| e.allocator as usize + 1)
-            .max()
-            .unwrap_or(0),
-    );
-    let name = |a: usize| {
-        trace
-            .allocators
-            .get(a)
-            .map_or_else(|| format!("allocator {a}"), |t| t.name.clone())
+    // One series slot per listed allocator, and one more that every event of an
+    // allocator not listed shares: sized by the list, not by the indices events name
+    // (an event naming allocator 4294967295 must not size a vector by it).
+    let listed = trace.allocators.len();
+    let n_alloc = listed + 1;
+    let slot = |a: u32| (a as usize).min(listed);
+    let mut unlisted: Vec<u32> = trace
+        .events
+        .iter()
+        .map(|e| e.allocator)
+        .filter(|&a| a as usize >= listed)
+        .collect();
+    unlisted.sort_unstable();
+    unlisted.dedup();
+    let name = |a: usize| match (trace.allocators.get(a), &unlisted[..]) {
+        (Some(t), _) => t.name.clone(),
+        (None, [one]) => format!("allocator {one}"),
+        (None, _) => "unlisted allocators".to_string(),
     };
     let device = |a: usize| {
         trace
@@ -100,7 +105,7 @@ fn series_of(trace: &Trace) -> (Vec<Series>, bool) {
         s.1.push((t, s.0));
     };
     for (i, e) in trace.events.iter().enumerate() {
-        let (a, t) = (e.allocator as usize, at(i, e.time_ns));
+        let (a, t) = (slot(e.allocator), at(i, e.time_ns));
         let key = (a, e.addr);
         match e.action {
             Action::Alloc => {
@@ -200,7 +205,13 @@ pub fn timeline(trace: &Trace) -> String {
     let (series, timed) = series_of(trace);
     let times = series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
     let (t0, t1) = times.fold((u64::MAX, 0u64), |(lo, hi), t| (lo.min(t), hi.max(t)));
-    let (t0, t1) = if t0 > t1 { (0, 1) } else { (t0, t1.max(t0 + 1)) };
+    // A span of at least 1, also when every event is at u64::MAX.
+    let (t0, t1) = if t0 > t1 {
+        (0, 1)
+    } else {
+        let t1 = t1.max(t0.saturating_add(1));
+        (t0.min(t1 - 1), t1)
+    };
     let ymax = series
         .iter()
         .flat_map(|s| s.points.iter().map(|p| p.1))

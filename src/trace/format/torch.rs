@@ -22,7 +22,10 @@
 //!   block in no segment, and every live block of a trace without segment events, gets a
 //!   synthetic segment of its own (`total_size` = the bytes it holds).
 //! - `device_traces[d]` has the events of the allocators on device `d` (host allocators'
-//!   on their `device`, 0 by default), in order. Action names are
+//!   on their `device`, 0 by default), in order; devices from [`MAX_DEVICE_TRACES`] on
+//!   (no CUDA ordinal is that large) share the last list, so that a trace naming device
+//!   4294967295 is not written as four billion empty lists (our `allocator` key still
+//!   tells them apart when read back). Action names are
 //!   [`Action::torch_name`]'s; a failure is an `oom` entry with `device_free: 0` and its
 //!   message in `error`; [`Action::Trim`] has no PyTorch action and is left out.
 //! - `seq`, `thread`, `allocator`, `given`, `align` and the top-level `cudalloc` key are
@@ -84,17 +87,21 @@ fn frames(f: &[Frame]) -> Value {
     )
 }
 
+/// The most `device_traces` lists written (see the module docs).
+pub const MAX_DEVICE_TRACES: u32 = 1024;
+
 /// The snapshot of `trace` as a pickle value (see the module docs).
 pub fn to_value(trace: &Trace) -> Value {
     let device_of = |a: u32| trace.allocators.get(a as usize).map_or(0, |t| t.device);
+    let list_of = |a: u32| device_of(a).min(MAX_DEVICE_TRACES - 1) as usize;
     // What is live at the end: blocks and segments, per (allocator, address).
     let mut blocks: BTreeMap<(u32, u64), &Event> = BTreeMap::new();
     let mut segs: BTreeMap<(u32, u64), &Event> = BTreeMap::new();
     let ndev = trace
         .allocators
         .iter()
-        .map(|a| a.device as usize + 1)
-        .chain(trace.events.iter().map(|e| device_of(e.allocator) as usize + 1))
+        .map(|a| a.device.min(MAX_DEVICE_TRACES - 1) as usize + 1)
+        .chain(trace.events.iter().map(|e| list_of(e.allocator) + 1))
         .max()
         .unwrap_or(1);
     let mut traces: Vec<Vec<Value>> = vec![Vec::new(); ndev];
@@ -137,7 +144,7 @@ pub fn to_value(trace: &Trace) -> Value {
             Action::OutOfMemory => entry.push(("device_free", int(0))),
             _ => {}
         }
-        traces[device_of(e.allocator) as usize].push(dict(entry));
+        traces[list_of(e.allocator)].push(dict(entry));
     }
     let block = |e: &Event, state: &str, size: u64, requested: u64, addr: u64| {
         dict(vec![
@@ -189,20 +196,24 @@ pub fn to_value(trace: &Trace) -> Value {
         // before (an overlap is a bad trace: the later block gets a segment of its own).
         let mut inside: Vec<(u64, &Event)> = Vec::new();
         for (&(_, a), &b) in blocks.range((alloc, saddr)..(alloc, end)) {
-            let free_from = inside.last().map_or(saddr, |&(pa, pb)| pa + pb.given);
+            let free_from = inside
+                .last()
+                .map_or(saddr, |&(pa, pb)| pa.saturating_add(pb.given));
             if a >= free_from && a.saturating_add(b.given) <= end {
                 inside.push((a, b));
             }
         }
-        let (mut at, mut b, mut active, mut requested) = (saddr, Vec::new(), 0, 0);
+        // Saturating: a read trace's `size` (requested) is not bounded by `given`, and
+        // blocks at the top of the address space end at the cap.
+        let (mut at, mut b, mut active, mut requested) = (saddr, Vec::new(), 0u64, 0u64);
         for &(addr, e) in &inside {
             if addr > at {
                 b.push(block(seg, "inactive", addr - at, 0, at));
             }
             b.push(block(e, "active_allocated", e.given, e.size, addr));
-            active += e.given;
-            requested += e.size;
-            at = addr + e.given;
+            active = active.saturating_add(e.given);
+            requested = requested.saturating_add(e.size);
+            at = addr.saturating_add(e.given);
         }
         if end > at {
             b.push(block(seg, "inactive", end - at, 0, at));
@@ -423,11 +434,14 @@ fn parse(bytes: &[u8], lenient: bool) -> Result<Lenient, TraceError> {
                     _ => TraceMemory::Device,
                 };
                 let device = field_u64(d, "device", &w, Some(0)).map_err(input)?;
-                out.trace.allocators.push(TracedAllocator::new(
-                    name,
-                    memory,
-                    u32::try_from(device).unwrap_or(0),
-                ));
+                let device = u32::try_from(device).map_err(|_| {
+                    input(format!(
+                        "{w}.device: {device} is not a device ordinal (beyond 32 bits)"
+                    ))
+                })?;
+                out.trace
+                    .allocators
+                    .push(TracedAllocator::new(name, memory, device));
             }
         }
         out.trace.dropped = field_u64(c, "dropped", "cudalloc", Some(0)).map_err(input)?;
@@ -443,9 +457,11 @@ fn parse(bytes: &[u8], lenient: bool) -> Result<Lenient, TraceError> {
             ));
         }
         let default_alloc = out.trace.allocators.len().saturating_sub(1) as u64;
+        // With none listed, the default allocator is added below.
+        let n_alloc = out.trace.allocators.len().max(1) as u64;
         for (i, entry) in list.iter().enumerate() {
             let what = format!("device_traces[{dev}][{i}]");
-            match read_entry(entry, &what, default_alloc) {
+            match read_entry(entry, &what, default_alloc, n_alloc) {
                 Ok(Some(e)) => events.push((e.seq, e)),
                 Ok(None) => {}
                 Err(msg) => {
@@ -481,7 +497,9 @@ fn parse(bytes: &[u8], lenient: bool) -> Result<Lenient, TraceError> {
     Ok(out)
 }
 
-fn read_entry(entry: &Value, what: &str, default_alloc: u64) -> Result<Option<Event>, String> {
+/// One trace entry; its `allocator` must be one of the first `n_alloc` (those listed):
+/// every user of a trace indexes `Trace::allocators` by it.
+fn read_entry(entry: &Value, what: &str, default_alloc: u64, n_alloc: u64) -> Result<Option<Event>, String> {
     let d = as_dict(entry, what)?;
     let name = as_str(
         get(d, "action").ok_or(format!("{what}: no `action`"))?,
@@ -511,8 +529,13 @@ fn read_entry(entry: &Value, what: &str, default_alloc: u64) -> Result<Option<Ev
     e.seq = field_u64(d, "seq", what, Some(0))?;
     e.thread = u32::try_from(field_u64(d, "thread", what, Some(0))?)
         .map_err(|_| format!("{what}.thread: too large"))?;
-    e.allocator = u32::try_from(field_u64(d, "allocator", what, Some(default_alloc))?)
-        .map_err(|_| format!("{what}.allocator: too large"))?;
+    let allocator = field_u64(d, "allocator", what, Some(default_alloc))?;
+    if allocator >= n_alloc {
+        return Err(format!(
+            "{what}.allocator: {allocator} is not one of the {n_alloc} allocators listed"
+        ));
+    }
+    e.allocator = u32::try_from(allocator).map_err(|_| format!("{what}.allocator: too large"))?;
     e.given = field_u64(d, "given", what, Some(size))?;
     e.align = field_u64(d, "align", what, Some(1))?;
     Ok(Some(e))

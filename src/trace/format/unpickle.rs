@@ -17,8 +17,9 @@
 //! Refused, each with an error naming the byte offset: any global (`GLOBAL`,
 //! `STACK_GLOBAL`, `REDUCE`, `BUILD`, `INST`, `OBJ`, `NEWOBJ`, persistent ids, extension
 //! codes): data only, nothing is ever resolved or called; a recursive structure; a
-//! stream that would expand (through shared references) past [`MAX_NODES`] values; an
-//! integer beyond 64 bits; a truncated stream.
+//! stream that would expand (through shared references) past [`MAX_NODES`] values or
+//! its byte budget ([`budget`]); values nested deeper than [`MAX_DEPTH`]; an integer
+//! beyond 64 bits; a truncated stream.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -31,6 +32,38 @@ use super::{Location, TraceError};
 /// that a stream built to explode (a list holding itself twice, nested) ends in an error,
 /// not in all of memory.
 pub(crate) const MAX_NODES: usize = 1 << 26;
+
+/// How deep values may nest: converting recurses once per level (and so does dropping a
+/// [`Value`]), so a stream of nested lists would otherwise overflow the stack. PyTorch's
+/// snapshots nest fewer than 20 deep; 128 levels stay well within a 2 MiB thread stack
+/// even unoptimized.
+pub(crate) const MAX_DEPTH: usize = 128;
+
+/// What one converted value is charged against the byte budget, besides its string or
+/// bytes: a [`Value`] (32 bytes) and its share of the container holding it.
+const VALUE_COST: u64 = 64;
+
+/// The most bytes a converted value may take, however long its input ([`budget`]): twice
+/// what [`MAX_NODES`] values are charged, leaving room for their strings.
+const MAX_BYTES: u64 = 8 << 30;
+
+/// The bytes the value read from `input_len` bytes of pickle may take once shared
+/// references are copied out: [`VALUE_COST`] a value plus the bytes of every string and
+/// bytes, each copy counted. Honest snapshots expand a lot: PyTorch shares each
+/// traceback's list of frames among the entries and blocks that have it, and each frame
+/// dict among tracebacks (`py_symbolize` dedups them), so an entry's 2-byte reference
+/// copies out a list of dozens of frames. One shaped that way (100,000 entries over
+/// 2,000 tracebacks of 40 frames, 5 MB) expands about 450 times; ours in `traces/` 8
+/// times. So: 1024 times the input, at least 256 MiB (small inputs) and at most
+/// [`MAX_BYTES`]. A stream built to explode (one big string referred to thousands of
+/// times, or `(x, x)` nested) ends in an error at this bound, in memory proportional to
+/// its length, instead of taking all of memory.
+fn budget(input_len: usize) -> u64 {
+    (input_len as u64)
+        .saturating_mul(1024)
+        .saturating_add(256 << 20)
+        .min(MAX_BYTES)
+}
 
 enum Node {
     Scalar(Value),
@@ -431,11 +464,16 @@ impl<'a> Reader<'a> {
 }
 
 /// Turns the arena's node `root` into a [`Value`], copying shared nodes out; refuses a
-/// node that contains itself and more than [`MAX_NODES`] values in all.
+/// node that contains itself, more than [`MAX_NODES`] values or `budget` bytes in all
+/// (counted as they are made, so a refused stream never takes more), and nesting deeper
+/// than [`MAX_DEPTH`].
 struct Convert<'a> {
     nodes: &'a [Node],
     open: BTreeSet<usize>,
     made: usize,
+    /// The bytes charged so far, and the most that may be (`spent <= budget`).
+    spent: u64,
+    budget: u64,
 }
 
 impl Convert<'_> {
@@ -448,8 +486,24 @@ impl Convert<'_> {
         if self.made > MAX_NODES {
             return Err(self.err(&format!("expands to more than {MAX_NODES} values")));
         }
+        let own = match &self.nodes[n] {
+            Node::Scalar(Value::String(s)) => s.len() as u64,
+            Node::Scalar(Value::Bytes(b)) => b.len() as u64,
+            _ => 0,
+        };
+        self.spent = self.spent.saturating_add(VALUE_COST).saturating_add(own);
+        if self.spent > self.budget {
+            return Err(self.err(&format!(
+                "expands to more than {} bytes of values (shared references copied out)",
+                self.budget
+            )));
+        }
         if let Node::Scalar(v) = &self.nodes[n] {
             return Ok(v.clone());
+        }
+        // `open` holds the containers being converted: the depth of this one.
+        if self.open.len() >= MAX_DEPTH {
+            return Err(self.err(&format!("values nested more than {MAX_DEPTH} deep")));
         }
         if !self.open.insert(n) {
             return Err(self.err("a recursive structure (a container inside itself)"));
@@ -510,6 +564,8 @@ pub(crate) fn value_from_slice(bytes: &[u8]) -> Result<Value, TraceError> {
         nodes: &r.nodes,
         open: BTreeSet::new(),
         made: 0,
+        spent: 0,
+        budget: budget(bytes.len()),
     }
     .value(root)
 }
