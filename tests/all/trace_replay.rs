@@ -449,3 +449,43 @@ fn the_peers_replay_tool_reads_and_plans_a_trace_as_the_crate_does() {
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains(&crate_error), "{crate_error:?} not in {err}");
 }
+
+/// A target that allocates nothing and hands out any size.
+struct Nothing;
+
+impl ReplayTarget for Nothing {
+    type Block = ();
+    fn name(&self) -> String {
+        "nothing".into()
+    }
+    fn alloc(&self, size: usize, _align: usize, _stream: usize) -> Result<((), usize), String> {
+        Ok(((), size))
+    }
+    unsafe fn free(&self, _block: (), _stream: usize) {}
+}
+
+/// 2^17 blocks of 2^47 bytes (each within the default bound), never freed: 2^64 bytes.
+fn live_past_u64() -> Trace {
+    let mut t = Trace::default();
+    for i in 0..(1u64 << 17) {
+        t.events.push(Event::new(Action::Alloc, 0x1000 + i * 16, 1 << 47));
+    }
+    t
+}
+
+/// Found by review (2026-12-06): `Plan::peak_requested` summed live bytes unchecked and
+/// panicked when they passed u64.
+#[test]
+fn the_plans_peak_request_saturates_instead_of_overflowing() {
+    let plan = Plan::new(&live_past_u64(), &ReplayOptions::default()).unwrap();
+    assert_eq!(plan.peak_requested(), u64::MAX);
+}
+
+/// Found by review (2026-12-06): the replay summed requested, held and never-freed bytes
+/// unchecked; past u64 a replay thread panicked and the replay blamed the allocator.
+#[test]
+fn replay_statistics_saturate_instead_of_overflowing() {
+    let r = replay::replay(&live_past_u64(), Nothing, &ReplayOptions::default()).unwrap();
+    assert_eq!((r.never_freed_blocks, r.never_freed_bytes), (1 << 17, u64::MAX));
+    assert_eq!((r.peak_requested, r.peak_held), (u64::MAX, u64::MAX));
+}

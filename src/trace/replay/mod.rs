@@ -271,13 +271,15 @@ impl Plan {
 
     /// The peak of the bytes the trace asks for at once (what a replay reports as
     /// [`ReplayReport::peak_requested`] when no allocation fails).
+    ///
+    /// Saturates at `u64::MAX` (a trace whose live blocks pass 16 EiB), as the replay's does.
     pub fn peak_requested(&self) -> u64 {
         let (mut now, mut peak) = (0u64, 0u64);
         for op in &self.ops {
             if op.free {
-                now -= op.size;
+                now = now.saturating_sub(op.size);
             } else {
-                now += op.size;
+                now = now.saturating_add(op.size);
                 peak = peak.max(now);
             }
         }
@@ -326,11 +328,11 @@ impl Plan {
         let total_ns = t0.elapsed().as_nanos() as u64;
         let peak_reserved = target.peak_reserved();
         // Blocks the trace never frees: reported, then freed outside the timed run.
-        let (mut never_freed_blocks, mut never_freed_bytes) = (0, 0);
+        let (mut never_freed_blocks, mut never_freed_bytes) = (0, 0u64);
         for &(slot, size) in &self.never_freed {
             if let Some(b) = crate::sync::lock(&slots[slot as usize]).take() {
                 never_freed_blocks += 1;
-                never_freed_bytes += size;
+                never_freed_bytes = never_freed_bytes.saturating_add(size);
                 // SAFETY: `b` came from this target's `alloc` and is freed once (taken).
                 unsafe { target.free(b, 0) };
             }
@@ -412,9 +414,8 @@ impl Plan {
                     // out of its slot).
                     unsafe { target.free(b, op.stream as usize) };
                     times.frees.push(t.elapsed().as_nanos() as u64);
-                    sh.requested.fetch_sub(op.size, Ordering::Relaxed);
-                    sh.held
-                        .fetch_sub(given[slot].swap(0, Ordering::Relaxed), Ordering::Relaxed);
+                    saturating_sub(&sh.requested, op.size);
+                    saturating_sub(&sh.held, given[slot].swap(0, Ordering::Relaxed));
                 }
             } else {
                 let t = Instant::now();
@@ -425,9 +426,9 @@ impl Plan {
                         times.allocs.push(ns);
                         *crate::sync::lock(&slots[slot]) = Some(b);
                         given[slot].store(g as u64, Ordering::Relaxed);
-                        let req = sh.requested.fetch_add(op.size, Ordering::Relaxed) + op.size;
+                        let req = saturating_add(&sh.requested, op.size);
                         sh.peak_requested.fetch_max(req, Ordering::Relaxed);
-                        let held = sh.held.fetch_add(g as u64, Ordering::Relaxed) + g as u64;
+                        let held = saturating_add(&sh.held, g as u64);
                         sh.peak_held.fetch_max(held, Ordering::Relaxed);
                     }
                     Err(e) => {
@@ -462,6 +463,25 @@ struct Shared {
     first_failure: Mutex<Option<String>>,
     /// A replay thread panicked: the others stop.
     aborted: AtomicBool,
+}
+
+/// Adds `n` to `a`, saturating at `u64::MAX` (the bytes live at once may pass 16 EiB in a
+/// trace, never in memory); returns the new value. The replay's threads take turns, so
+/// the update never retries in practice.
+fn saturating_add(a: &AtomicU64, n: u64) -> u64 {
+    let old = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_add(n))
+    });
+    // Infallible: the closure always returns `Some`.
+    old.unwrap_or_else(|v| v).saturating_add(n)
+}
+
+/// Takes `n` from `a`, saturating at 0 (after a saturated add, the total is below the
+/// true one).
+fn saturating_sub(a: &AtomicU64, n: u64) {
+    let _ = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        Some(v.saturating_sub(n))
+    });
 }
 
 #[derive(Default)]
