@@ -825,7 +825,10 @@ fn three_process_windows_at_once_still_catch_a_kept_block() {
         let last = open.pop().unwrap();
         let report = last.check();
         drop(open);
-        assert!(report.is_err(), "{windows} windows: the kept block went unreported: {report:?}");
+        assert!(
+            report.is_err(),
+            "{windows} windows: the kept block went unreported: {report:?}"
+        );
         drop(kept);
     }
     // All closed: the fast path is open again and the counts stay exact.
@@ -868,6 +871,8 @@ fn a_process_window_waits_for_a_late_free_even_when_it_freed_older_blocks() {
     let w = late_free::C.process_window();
     drop(older);
     late_free::in_a_scoped_thread();
-    let delta = w.check().expect("no leak: the scoped thread frees its block on its way out");
+    let delta = w
+        .check()
+        .expect("no leak: the scoped thread frees its block on its way out");
     assert_eq!((delta.allocs, delta.frees), (1, 2));
 }
