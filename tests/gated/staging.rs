@@ -121,10 +121,8 @@ fn until_woken(c: &CountingWaker) -> bool {
     true
 }
 
-#[test]
-fn next_async_is_woken_by_the_gpu_and_by_a_give_back() {
-    gpu!();
-    let _one = crate::one_at_a_time();
+/// A ring of one 4 KiB buffer on a new stream, and a waker that counts its wake-ups.
+fn one_buffer_and_a_counting_waker() -> (Stream, StagingRing<PinnedAlloc>, Arc<CountingWaker>, Waker) {
     let s = Stream::new(0).unwrap();
     let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, 4096).unwrap();
     let counter = Arc::new(CountingWaker {
@@ -132,6 +130,14 @@ fn next_async_is_woken_by_the_gpu_and_by_a_give_back() {
         thread: std::thread::current(),
     });
     let waker = Waker::from(counter.clone());
+    (s, ring, counter, waker)
+}
+
+#[test]
+fn next_async_is_woken_by_the_gpu_and_by_a_give_back() {
+    gpu!();
+    let _one = crate::one_at_a_time();
+    let (s, ring, counter, waker) = one_buffer_and_a_counting_waker();
     let mut cx = Context::from_waker(&waker);
 
     // Every buffer leased: pending until the lease is dropped (no GPU work: free at once).
@@ -170,13 +176,7 @@ fn next_async_is_woken_by_the_gpu_and_by_a_give_back() {
 fn a_dropped_next_async_is_not_woken_by_a_later_give_back() {
     gpu!();
     let _one = crate::one_at_a_time();
-    let s = Stream::new(0).unwrap();
-    let ring = StagingRing::new(PinnedAlloc, std::slice::from_ref(&s), 1, 4096).unwrap();
-    let counter = Arc::new(CountingWaker {
-        wakes: AtomicUsize::new(0),
-        thread: std::thread::current(),
-    });
-    let waker = Waker::from(counter.clone());
+    let (_s, ring, counter, waker) = one_buffer_and_a_counting_waker();
     let mut cx = Context::from_waker(&waker);
     let lease = ring.try_next().unwrap().unwrap();
     // Timed-out waits of another thread leave nothing behind either.
