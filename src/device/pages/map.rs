@@ -6,7 +6,9 @@
 //! within the allowance), they are mapped as one *group*: one handle of their bytes, one
 //! map, one access call (on the H200 a 256 MiB span costs 97 us instead of 919 us in
 //! 16 MiB handles). A failed create of a group's handle falls back to one handle per
-//! chunk (out-of-memory behaviour unchanged).
+//! chunk (out-of-memory behaviour unchanged). Where the heap grows, the group also maps
+//! chunks ahead of the block within the idle allowance's share (`growth_end`); a failed
+//! create there retries without them.
 //!
 //! Invariants (under the heap's lock; mapping is done by the turn's holder with the lock
 //! let go across each driver call, `held.rs`):
@@ -72,6 +74,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         let (inner_lo, inner_hi) = (start.div_ceil(self.chunk_units), (start + n) / self.chunk_units);
         // Cleared by a failed create of a group's handle: the rest maps chunk by chunk.
         let mut grouping = true;
+        // Cleared by a failed create of a growth group with chunks ahead of the block.
+        let mut ahead = true;
         while i < end {
             if st.chunks[i].handle.is_some() {
                 i += 1;
@@ -84,7 +88,12 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             // map it for this block anyway. Elsewhere only the chunks wholly inside.
             let growth = to == end && st.idle.is_empty() && self.group_min != usize::MAX;
             let (glo, ghi, min) = if growth {
-                (i, end, GROWTH_GROUP_MIN)
+                let ghi = if ahead {
+                    self.growth_end(st, i, end, start + n)
+                } else {
+                    end
+                };
+                (i, ghi, GROWTH_GROUP_MIN)
             } else {
                 (i.max(inner_lo), to.min(inner_hi), self.group_min)
             };
@@ -93,7 +102,14 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                     // The partial chunk before the group, on its own.
                     to = glo;
                 } else if self.map_group(st, b, i, ghi)? {
+                    // Chunks mapped ahead of the block hold no unit of a block: idle.
+                    st.idle.extend(end..ghi);
                     i = ghi;
+                    continue;
+                } else if ghi > end {
+                    // No handle for the chunks ahead (a limit, out of memory): the
+                    // block's own chunks alone.
+                    ahead = false;
                     continue;
                 } else {
                     grouping = false;
@@ -102,6 +118,23 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             i = self.map_each(st, b, i, to, after)?;
         }
         Ok(())
+    }
+
+    /// Where a growth's group from chunk `i` ends: the block's end chunk `end`, or
+    /// further into the free run after the block (from unit `block_end`) by the chunks
+    /// the idle allowance's share of the blocks holds (`block_bytes / idle_divisor`, not
+    /// its floor: a small heap maps nothing ahead), the group at most `growth_ahead`
+    /// chunks from `i`. The chunks ahead are idle memory the heap tolerates anyway,
+    /// mapped with the block's in one call instead of one each later.
+    fn growth_end(&self, st: &State<B>, i: usize, end: usize, block_end: usize) -> usize {
+        let share = st.stats.block_bytes / self.idle_divisor / self.chunk_bytes();
+        let want = i + share.min(self.growth_ahead);
+        if want <= end {
+            return end;
+        }
+        // The chunks wholly inside the free run after the block.
+        let run_end = block_end + st.free.len_at(block_end).unwrap_or(0);
+        want.min(run_end / self.chunk_units).max(end)
     }
 
     /// Maps unmapped chunks `from..to` one handle each, with one access call for those

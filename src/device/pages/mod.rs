@@ -33,7 +33,12 @@
 //!   the block's unmapped chunks run to its end), every new chunk the block touches,
 //!   partial ones too, is one group from 2 chunks (`GROWTH_GROUP_MIN`): a single pass
 //!   that only grows (a forward pass, a training step) maps once per block, not once per
-//!   chunk, for the same reservation. Its chunks are used and idle one by one,
+//!   chunk, for the same reservation. Such a group also maps chunks *ahead* of its block,
+//!   from the free run after it, as many as the idle allowance's share of the blocks
+//!   holds (1/64 of them by default, not the allowance's floor, so a heap under 1 GiB maps
+//!   nothing ahead), the group at most 4 chunks (`GROWTH_AHEAD_CHUNKS`): idle memory the
+//!   heap tolerates anyway, mapped with one access call instead of one each later (the
+//!   access call costs about the same per mapping whatever its size). Its chunks are used and idle one by one,
 //!   but a group is unmapped and released only whole, when all of them are idle and
 //!   their frees completed (`reclaim.rs`; the minimum, measured on the simulated pool, is
 //!   in `GROUP_MIN_BYTES`'s docs).
@@ -184,6 +189,16 @@ const GROUP_MIN_BYTES: usize = 64 << 20;
 /// peak, as a partly used group cannot move a chunk at a time).
 const GROWTH_GROUP_MIN: usize = 2;
 
+/// The most chunks a growth's group spans from its first new chunk when it maps chunks
+/// ahead of its block (`map.rs`, `growth_end`): as many as the idle allowance's share of
+/// the blocks holds, up to this. Replaying the sample traces through `SimPool::paged`
+/// (BENCHMARKS.md, 2026-12-06, sixth session): the cs336 forward pass 404 -> 225 maps at
+/// the same peak reservation (9840 MiB), the full step 1050 -> 960 maps at 39936 MiB
+/// instead of 39968, ftcourse 135 -> 120 at the same 4608 MiB, RMM's random workload at
+/// 16 GB (4 streams) 17984 MiB instead of 18176, the smaller traces unchanged (their
+/// share is under one chunk); 8 raised the forward pass's reservation to 9872 MiB.
+const GROWTH_AHEAD_CHUNKS: usize = 4;
+
 /// What [`PageHeap::reclaim`] got from an idle chunk.
 enum Reclaimed {
     /// A chunk's handle, unmapped (or mapped at a chunk now retired), with the marks to
@@ -264,6 +279,9 @@ pub(crate) struct PageHeap<P: Phys, B: StreamOrder> {
     /// Spans of at least this many new chunks wholly inside a block are mapped as one
     /// group (`usize::MAX`: never).
     group_min: usize,
+    /// The most chunks a growth's group spans when it maps chunks ahead of its block
+    /// ([`GROWTH_AHEAD_CHUNKS`]; 0: none ahead).
+    growth_ahead: usize,
     /// Virtual bytes of a region at least.
     region_bytes: usize,
     /// The smallest block the heap serves; smaller ones stay on the driver pool.
@@ -304,6 +322,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             chunk_units: tuning.chunk_granules(granule) * (granule / unit),
             idle_divisor: tuning.idle_divisor.max(1) as usize,
             group_min: 2.max(GROUP_MIN_BYTES / (tuning.chunk_granules(granule) * granule)),
+            growth_ahead: GROWTH_AHEAD_CHUNKS,
             region_bytes: REGION_BYTES,
             min_block: page_threshold(granule),
             reservations: Arc::new(Reservations::new(None)),
@@ -343,6 +362,16 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     pub(crate) fn with_group_min(self, chunks: usize) -> Self {
         Self {
             group_min: chunks,
+            ..self
+        }
+    }
+
+    /// This heap mapping ahead of a growing block at most `chunks` chunks from its first
+    /// new one (0: nothing ahead, as before 2026-12-06).
+    #[cfg(test)]
+    pub(crate) fn with_growth_ahead(self, chunks: usize) -> Self {
+        Self {
+            growth_ahead: chunks,
             ..self
         }
     }

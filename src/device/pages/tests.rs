@@ -127,7 +127,9 @@ fn forward_pass(h: &Heap, b: &FakeBackend, phys: &FakePhys) -> (usize, u64, u64)
 
 #[test]
 fn growth_maps_a_group_per_block_for_the_same_reservation() {
+    // Nothing mapped ahead of the blocks (below): the groups alone.
     let (h, b, phys) = heap(usize::MAX, TUNING, None);
+    let h = h.with_growth_ahead(0);
     let grouped = forward_pass(&h, &b, &phys);
     trim_clean(&h, &b, &phys);
     // The same pass with one handle per chunk (no groups).
@@ -143,6 +145,106 @@ fn growth_maps_a_group_per_block_for_the_same_reservation() {
         grouped.1,
         single.1
     );
+}
+
+#[test]
+fn growth_maps_ahead_within_the_idle_share_for_fewer_maps() {
+    // The forward pass with chunks mapped ahead (the crate's rule) and without.
+    let (h, b, phys) = heap(usize::MAX, TUNING, None);
+    let ahead = forward_pass(&h, &b, &phys);
+    trim_clean(&h, &b, &phys);
+    let (h0, b0, phys0) = heap(usize::MAX, TUNING, None);
+    let h0 = h0.with_growth_ahead(0);
+    let none = forward_pass(&h0, &b0, &phys0);
+    trim_clean(&h0, &b0, &phys0);
+    assert!(
+        ahead.1 * 4 < none.1 * 3,
+        "maps: {} mapping ahead, {} without",
+        ahead.1,
+        none.1
+    );
+    // At most the chunks one group maps ahead (3) more at the peak.
+    assert!(
+        ahead.0 <= none.0 + 3 * CHUNK,
+        "peak reserved: {} mapping ahead, {} without",
+        ahead.0,
+        none.0
+    );
+}
+
+#[test]
+fn chunks_mapped_ahead_are_idle_and_serve_the_next_block_with_no_map() {
+    let (h, b, phys) = heap(usize::MAX, TUNING, None);
+    let s = FakeStream::new();
+    // A heap under 32 chunks of blocks (1/32 of them under one chunk) maps nothing ahead.
+    let small = h.alloc(&b, 2 * MIB, &s).unwrap();
+    assert_eq!(h.stats().reserved, CHUNK, "nothing ahead of a small heap");
+    free(&h, &b, small, &s);
+    s.complete_all();
+    trim_clean(&h, &b, &phys);
+    // 64 chunks of blocks: the share is 2 chunks, so a block growing the heap by one
+    // chunk maps the next one with it, as one group.
+    let big = h.alloc(&b, 64 * CHUNK, &s).unwrap();
+    let before = h.stats();
+    let a = h.alloc(&b, 2 * MIB, &s).unwrap();
+    let st = h.stats();
+    assert_eq!(st.reserved - before.reserved, 2 * CHUNK, "{st:?}");
+    assert_eq!((st.maps - before.maps, st.accesses - before.accesses), (1, 1));
+    assert_eq!(st.group_creates - before.group_creates, 1);
+    // The next block takes the rest of a's chunk and the chunk ahead: no driver call.
+    let c = h.alloc(&b, CHUNK, &s).unwrap();
+    assert_eq!(c, a + 2 * MIB as u64);
+    let after = h.stats();
+    assert_eq!(
+        (after.maps, after.accesses, after.reserved),
+        (st.maps, st.accesses, st.reserved)
+    );
+    assert!(phys.use_block(a, 2 * MIB, &s) && phys.use_block(c, CHUNK, &s));
+    assert!(phys.use_block(big, 64 * CHUNK, &s));
+    // 256 chunks of blocks more: the group stops at 4 chunks (`huge` ends 2 MiB into a
+    // chunk of its own group; `d` takes that and grows the heap).
+    let huge = h.alloc(&b, 256 * CHUNK, &s).unwrap();
+    let before = h.stats();
+    let d = h.alloc(&b, CHUNK, &s).unwrap();
+    assert_eq!(
+        h.stats().reserved - before.reserved,
+        4 * CHUNK,
+        "capped at 4 chunks"
+    );
+    assert!(phys.use_block(d, CHUNK, &s));
+    for p in [a, c, big, huge, d] {
+        free(&h, &b, p, &s);
+    }
+    s.complete_all();
+    trim_clean(&h, &b, &phys);
+}
+
+#[test]
+fn a_limit_that_refuses_the_chunks_ahead_maps_the_blocks_group_alone() {
+    // 96 chunks of blocks (a share of 3 chunks) and room for 2 chunks more: a block that
+    // grows the heap by 2 chunks cannot have the third ahead of it, and is still one
+    // group of its own 2 (one handle, one map), not one handle per chunk.
+    let (h, b, phys) = heap(98 * CHUNK, TUNING, None);
+    let s = FakeStream::new();
+    let big = h.alloc(&b, 96 * CHUNK, &s).unwrap();
+    let before = h.stats();
+    let a = h.alloc(&b, 2 * CHUNK, &s).expect("the block alone fits");
+    let st = h.stats();
+    assert_eq!(st.reserved, 98 * CHUNK);
+    assert_eq!(
+        (
+            st.group_creates - before.group_creates,
+            st.creates - before.creates,
+            st.maps - before.maps
+        ),
+        (1, 1, 1),
+        "{st:?}"
+    );
+    assert!(phys.use_block(a, 2 * CHUNK, &s) && phys.use_block(big, 96 * CHUNK, &s));
+    free(&h, &b, a, &s);
+    free(&h, &b, big, &s);
+    s.complete_all();
+    trim_clean(&h, &b, &phys);
 }
 
 #[test]
