@@ -132,9 +132,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         if want <= end {
             return end;
         }
-        // The chunks wholly inside the free run after the block.
+        // The chunks wholly inside the free run after the block, up to the first one
+        // mapped (a stuck chunk: mapped, free, and never idle).
         let run_end = block_end + st.free.len_at(block_end).unwrap_or(0);
-        want.min(run_end / self.chunk_units).max(end)
+        let stop = want.min(run_end / self.chunk_units).max(end);
+        (end..stop)
+            .find(|&c| st.chunks[c].handle.is_some())
+            .unwrap_or(stop)
     }
 
     /// Maps unmapped chunks `from..to` one handle each, with one access call for those
