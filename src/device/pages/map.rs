@@ -82,21 +82,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
                 continue;
             }
             let mut to = (i..end).find(|&c| st.chunks[c].handle.is_some()).unwrap_or(end);
-            // Growth (no chunk idle: the heap has no mapped memory to spare) groups every
-            // new chunk from here to the block's end, its partial ones too: an unmapped
-            // chunk holds no other block, so the rest of it is free, and the heap would
-            // map it for this block anyway. Elsewhere only the chunks wholly inside.
-            let growth = to == end && st.idle.is_empty() && self.group_min != usize::MAX;
-            let (glo, ghi, min) = if growth {
-                let ghi = if ahead {
-                    self.growth_end(st, i, end, start + n)
-                } else {
-                    end
-                };
-                (i, ghi, GROWTH_GROUP_MIN)
-            } else {
-                (i.max(inner_lo), to.min(inner_hi), self.group_min)
-            };
+            let (glo, ghi, min) = self.group_span(st, (i, to), (end, start + n), (inner_lo, inner_hi), ahead);
             if grouping && ghi > glo && self.group_fits(st, ghi - glo, min) {
                 if glo > i {
                     // The partial chunk before the group, on its own.
@@ -118,6 +104,34 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             i = self.map_each(st, b, i, to, after)?;
         }
         Ok(())
+    }
+
+    /// The chunks `glo..ghi` that may be mapped as one group from chunk `i` (unmapped up
+    /// to `to`), and the fewest that make one. Growth (no chunk idle: the heap has no
+    /// mapped memory to spare; the unmapped chunks run to the block's end chunk `end`)
+    /// groups every new chunk to the end, its partial ones too: an unmapped chunk holds no
+    /// other block, so the rest of it is free, and the heap would map it for this block
+    /// anyway; with `ahead`, also the chunks [`growth_end`](Self::growth_end) adds after
+    /// the block (whose last unit is before `block_end`). Elsewhere only the chunks wholly
+    /// inside the block (`inner`).
+    fn group_span(
+        &self,
+        st: &State<B>,
+        (i, to): (usize, usize),
+        (end, block_end): (usize, usize),
+        (inner_lo, inner_hi): (usize, usize),
+        ahead: bool,
+    ) -> (usize, usize, usize) {
+        let growth = to == end && st.idle.is_empty() && self.group_min != usize::MAX;
+        if !growth {
+            return (i.max(inner_lo), to.min(inner_hi), self.group_min);
+        }
+        let ghi = if ahead {
+            self.growth_end(st, i, end, block_end)
+        } else {
+            end
+        };
+        (i, ghi, GROWTH_GROUP_MIN)
     }
 
     /// Where a growth's group from chunk `i` ends: the block's end chunk `end`, or
