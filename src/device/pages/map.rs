@@ -141,7 +141,7 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// chunks from `i`. The chunks ahead are idle memory the heap tolerates anyway,
     /// mapped with the block's in one call instead of one each later.
     fn growth_end(&self, st: &State<B>, i: usize, end: usize, block_end: usize) -> usize {
-        let share = st.stats.block_bytes / self.idle_divisor / self.chunk_bytes();
+        let share = self.idle_share(st) / self.chunk_bytes();
         let want = i + share.min(self.growth_ahead);
         if want <= end {
             return end;
@@ -189,7 +189,13 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
     /// rather than made).
     fn idle_over_allowance(&self, st: &State<B>) -> bool {
         let idle_bytes = st.idle.len() * self.chunk_bytes();
-        idle_bytes > (st.stats.block_bytes / self.idle_divisor).max(IDLE_FLOOR_CHUNKS * self.chunk_bytes())
+        idle_bytes > self.idle_share(st).max(IDLE_FLOOR_CHUNKS * self.chunk_bytes())
+    }
+
+    /// The idle bytes the heap tolerates for its blocks: `1/idle_divisor` of them (the
+    /// allowance without its floor; what a growth may map ahead).
+    fn idle_share(&self, st: &State<B>) -> usize {
+        st.stats.block_bytes / self.idle_divisor
     }
 
     /// Maps unmapped chunks `from..to` as one group: one new handle of their bytes, one
