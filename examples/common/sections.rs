@@ -519,7 +519,7 @@ fn device_latency(opts: &Options, progress: &Progress) -> Result<Vec<Table>, Str
     table.note(
         "raw cuMemAllocAsync: the device's default pool with its release threshold raised to the \
          maximum; DevicePool: the crate's process-wide pool of the device (its cache in front of \
-         physical pages from 4 MiB, a driver pool below); raw cuMemAlloc: synchronous allocation \
+         physical pages from 2 MiB, a driver pool below); raw cuMemAlloc: synchronous allocation \
          and free.",
     );
     Ok(vec![table])

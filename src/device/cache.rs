@@ -42,16 +42,17 @@
 //! the driver pool after each release was measured and rejected: BENCHMARKS.md).
 //!
 //! With [`Backing::PhysicalPages`](super::Backing::PhysicalPages) (the default where the
-//! device supports it) the backend puts blocks of 2 granules and more (4 MiB on the H200)
-//! on its page heap (`pages/`) instead: runs of one large virtual range over chunks of
-//! physical memory (8 MiB by default), freed runs coalescing and staying mapped, so that
+//! device supports it) the backend puts blocks of one allocation granule and more (2 MiB
+//! on the H100 and H200) on its page heap (`pages/`) instead: runs of one large virtual
+//! range over chunks of physical memory (16 MiB by default), freed runs coalescing and
+//! staying mapped, so that
 //! what a released block held serves a miss of any size with no driver call when it fits
 //! (after a wait for the free's mark on the GPU when the miss is on another stream), and
-//! idle chunks move to where blocks need them beyond an allowance (1/128 of the heap's
-//! block bytes by default). On the simulated GPU RMM's random workload then reserves
-//! 1.141 of its peak request (the driver pool: 1.212), on the H200 1.144 (1.472); the
-//! cache above is unchanged (same classes, same idle bound), the cost is on the misses
-//! that map.
+//! idle chunks move to where blocks need them beyond an allowance (1/64 of the heap's
+//! block bytes by default). RMM's random workload (4 streams) then reserves 1.119 of its
+//! peak request on an H100 (the cache on the driver pool: 1.468; `cuMemAllocAsync`
+//! alone: 1.264; BENCHMARKS.md, 2026-12-06); the cache above keeps only the blocks below
+//! a granule by class, and the page heap's in the thread's large slots for their size.
 //!
 //! Out of memory: every idle block is released, other threads are asked for theirs, and
 //! the allocation is retried; then the streams involved are synchronized, the driver pool

@@ -146,10 +146,13 @@ impl Default for DevicePoolConfig {
 /// H200, whatever its size: `cuMemUnmap`, `cuMemMap`, `cuMemSetAccess`).
 ///
 /// Measured on RMM's random workload (`benches/device.rs`, 10^5 allocations up to 64 MiB,
-/// 4 streams, one H200, BENCHMARKS.md): [`BALANCED`](Self::BALANCED) (the default)
-/// reserved 1.115x the peak request in 0.26-0.47 s, [`FAST`](Self::FAST) 1.103x in
-/// 0.35-0.54 s, [`TIGHT`](Self::TIGHT) 1.085x in 2.6 s; in the same processes
-/// `cuMemAllocAsync` reserved 1.264x in 0.34-0.67 s.
+/// 4 streams, BENCHMARKS.md): on one H100 (2026-12-06) [`BALANCED`](Self::BALANCED) (the
+/// default) reserved 1.119x the peak request in 0.25-0.29 s and [`FAST`](Self::FAST)
+/// 1.122x in 0.26-0.27 s, where `cuMemAllocAsync` in the same processes reserved 1.264x
+/// in 0.40-0.42 s; on one H200, before a growing heap mapped chunks ahead, BALANCED
+/// 1.115x, FAST 1.103x and [`TIGHT`](Self::TIGHT) 1.085x in 2.6 s. A few chunks either
+/// way at the peak follow the order in which frees complete, so the allowances' order on
+/// one workload is not a rule.
 ///
 /// ```
 /// use cudalloc::device::{Backing, DevicePoolConfig, PageTuning};
@@ -176,14 +179,14 @@ pub struct PageTuning {
 
 impl PageTuning {
     /// 16 MiB chunks, idle memory up to 1/64 (the default): on RMM's random workload
-    /// 1.115x the peak request in less time than `cuMemAllocAsync` (which reserves
+    /// 1.115-1.119x the peak request in less time than `cuMemAllocAsync` (which reserves
     /// 1.264x).
     pub const BALANCED: Self = Self::new(16 << 20, 64);
     /// 8 MiB chunks, idle memory up to 1/128: the least memory (1.085x on RMM's
     /// workload) for many more moves (about 8x `cuMemAllocAsync`'s time there).
     pub const TIGHT: Self = Self::new(8 << 20, 128);
-    /// 16 MiB chunks, idle memory up to 1/128: 1.103x on RMM's workload, about
-    /// `cuMemAllocAsync`'s time.
+    /// 16 MiB chunks, idle memory up to 1/128: 1.103-1.122x on RMM's workload (the
+    /// default's 1.115-1.119x), in about the default's time.
     pub const FAST: Self = Self::new(16 << 20, 128);
     /// The most bytes a chunk may have.
     pub const MAX_CHUNK_BYTES: usize = 1 << 30;

@@ -40,11 +40,12 @@
 //!   allocate releases idle blocks first while they exceed 1/32 of the live bytes (at
 //!   least 64 MiB), so a workload whose sizes change keeps its memory near its use.
 //!   By default ([`Backing::Auto`], on a device with CUDA's virtual memory management)
-//!   blocks of 4 MiB and more are instead runs of one large virtual range over chunks
-//!   of physical memory ([`Backing::PhysicalPages`]): freed runs coalesce, any later
-//!   block that fits takes them whatever its size, and idle chunks move to where blocks
-//!   need them ([`PageTuning`] sets how eagerly), so the driver pool's fragmentation
-//!   goes away for them. [`Backing::DriverPool`] keeps every block on the driver pool.
+//!   blocks of one allocation granule (2 MiB on the H100 and H200) and more are instead
+//!   runs of one large virtual range over chunks of physical memory
+//!   ([`Backing::PhysicalPages`]): freed runs coalesce, any later block that fits takes
+//!   them whatever its size, and idle chunks move to where blocks need them
+//!   ([`PageTuning`] sets how eagerly), so the driver pool's fragmentation goes away for
+//!   them. [`Backing::DriverPool`] keeps every block on the driver pool.
 //! - **Out of memory**: the pool releases every cached block (each freed in its stream's
 //!   order), asks other threads for theirs, retries, then synchronizes, trims the driver
 //!   pool and retries once more; then it returns [`Error::DeviceOutOfMemory`] naming the

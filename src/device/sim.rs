@@ -286,7 +286,7 @@ impl SimPool {
     }
 
     /// [`SimPool::paged`] without the cache: every block from the simulated backend
-    /// (the page heap from two granules up, the simulated driver pool below), as
+    /// (the page heap from one granule up, the simulated driver pool below), as
     /// `DevicePoolConfig::default().with_cache(false)` on a GPU with physical pages.
     ///
     /// ```

@@ -1,5 +1,5 @@
 //! Device pools on physical pages (`Backing::PhysicalPages`: CUDA's virtual memory
-//! management under blocks of 4 MiB and more): contents through copies on one and several
+//! management under blocks of 2 MiB and more): contents through copies on one and several
 //! streams, blocks of many sizes reusing each other's memory, trim, and the reserved
 //! bytes the statistics report. The cross-stream race with a gate is in
 //! `tests/gated/device_pages_race.rs`.

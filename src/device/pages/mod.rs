@@ -14,12 +14,12 @@
 //!   maximal *free runs*, coalesced at every free. An allocation of n units takes the
 //!   smallest free run of at least n (lowest address among equals), from its start; the
 //!   rest of the run stays free.
-//! - **Physical memory** comes in *chunks* (8 MiB by default: [`PageTuning`]), one handle
+//! - **Physical memory** comes in *chunks* (16 MiB by default: [`PageTuning`]), one handle
 //!   each, mapped at chunk-aligned places of a region. A chunk is mapped while any
 //!   unit of it is in a block; a wholly free chunk stays mapped (*idle*) so that the
 //!   next block there costs nothing. An allocation maps the chunks of its run that are
 //!   not mapped, with a handle from (in this order) the spare handles; while the idle
-//!   chunks exceed an allowance (1/128 of the bytes in blocks by default), an idle chunk elsewhere
+//!   chunks exceed an allowance (1/64 of the bytes in blocks by default), an idle chunk elsewhere
 //!   (unmapped if its work completed, else mapped anew at once while its old mapping is
 //!   *retired* until the work completes, the new user ordered after it: memory freed by a
 //!   block of one size serves a block of another); or `cuMemCreate`. One
