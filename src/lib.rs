@@ -39,6 +39,8 @@
 //! - [Guarantees](guide::guarantees): what every allocator promises (alignment, zero
 //!   size, bad input, zeroed memory, threads, reuse after GPU use, limits, no driver,
 //!   source failures) and the test that holds it to each promise.
+//! - [Traces](guide::traces): recording a program's allocations, looking at them, and
+//!   replaying them against every allocator.
 //! - [Staging and async](guide::staging): GPU completion as futures
 //!   ([`Stream::idle`](cuda::Stream::idle), [`Event::completed`](cuda::Event::completed)) and
 //!   staging rings ([`staging::StagingRing`]): blocking, non-blocking and async.

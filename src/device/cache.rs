@@ -93,7 +93,7 @@ pub(crate) struct Cache<B: Backend> {
     // and thread caches) + pending + in transit between them; held <= settings.limit
     held: Tally,
     held_blocks: AtomicUsize,
-    /// The idle bytes a miss keeps beyond 1/32 of the live ones, learned from the misses.
+    /// The idle bytes a miss keeps where 1/32 of the live ones is less, learned from the misses.
     idle: IdleAllowance,
     pub(crate) counters: Counters,
     /// Every thread cache's published counters.

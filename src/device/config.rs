@@ -277,7 +277,7 @@ impl DevicePoolConfig {
     }
 
     /// This configuration caching requests of at most `bytes` (larger ones go to and from
-    /// the driver pool directly).
+    /// the backing directly: the driver pool, or the page heap on physical pages).
     ///
     /// ```
     /// let c = cudalloc::device::DevicePoolConfig::default().with_max_cached_block(4 << 20);

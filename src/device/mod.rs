@@ -37,8 +37,10 @@
 //! - **Large blocks**: every cached block is a whole allocation of the driver pool, which
 //!   splits and merges extents itself in stream order; requests above
 //!   [`DevicePoolConfig::max_cached_block`] (1 GiB) bypass the cache. A miss that must
-//!   allocate releases idle blocks first while they exceed 1/32 of the live bytes (at
-//!   least 64 MiB), so a workload whose sizes change keeps its memory near its use.
+//!   allocate releases idle blocks first while they exceed 1/32 of the live bytes or a
+//!   learned allowance, whichever is larger (the allowance starts at 0 and grows only
+//!   when the cache misses classes it gave back, up to twice the live class bytes and at
+//!   most 64 MiB), so a workload whose sizes change keeps its memory near its use.
 //!   By default ([`Backing::Auto`], on a device with CUDA's virtual memory management)
 //!   blocks of one allocation granule (2 MiB on the H100 and H200) and more are instead
 //!   runs of one large virtual range over chunks of physical memory

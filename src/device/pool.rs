@@ -100,7 +100,9 @@ impl PoolHandle for PoolRef {
 }
 
 /// A pool of device memory on one device: a stream-ordered cache of blocks by (stream,
-/// size class) in front of the device's own driver pool (`cuMemPoolCreate`). A cheap,
+/// size class) in front of a driver pool of its own (`cuMemPoolCreate`) and, by default
+/// where the device has virtual memory management, a page heap for blocks of a granule
+/// and more ([`Backing`](super::Backing)). A cheap,
 /// cloneable handle; [`DevicePool::get`] gives the process-wide pool of a device.
 ///
 /// Allocating a buffer on a stream that freed a block of its size class reuses that block

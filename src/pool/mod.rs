@@ -39,8 +39,9 @@
 //!   no lock held and come from a per-device pool of reusable events.
 //! - **Limits**: a cap on bytes held from the source ([`PoolConfig::limit`],
 //!   [`Pool::set_limit`]); when the source fails or the cap is reached, the pool trims
-//!   its cache and retries once, then returns `AllocError`. [`Pool::trim`] returns
-//!   cached memory to the source.
+//!   its cache and retries once, then waits up to [`PoolConfig::pending_wait`] (10 s by
+//!   default) for pending blocks whose GPU uses are still running, then returns
+//!   `AllocError`. [`Pool::trim`] returns cached memory to the source.
 //! - **Statistics**: [`Pool::stats`].
 //!
 //! The pool writes nothing into the blocks it manages (no headers, no free-list links):

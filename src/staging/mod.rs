@@ -25,7 +25,7 @@
 //!     let ring = StagingRing::new(PinnedAlloc, &[stream], 2, 1 << 20).unwrap();
 //!     let pool = cudalloc::device::DevicePool::get(0).unwrap();
 //!     for batch in 0..8u8 {
-//!         let mut buf = ring.next(Duration::from_secs(10)).unwrap(); // waits for the GPU, not a thread spinning
+//!         let mut buf = ring.next(Duration::from_secs(10)).unwrap(); // polls up to 200 us, then parks until the GPU is done
 //!         buf.fill(batch);
 //!         let mut dev = pool.alloc::<u8>(buf.len(), buf.stream()).unwrap();
 //!         // SAFETY: `buf` is not written again before the ring hands it out, which is

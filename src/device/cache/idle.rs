@@ -78,7 +78,7 @@ impl IdleAllowance {
         }
     }
 
-    /// The idle bytes a miss tolerates beyond 1/32 of the live bytes.
+    /// The idle bytes a miss tolerates where 1/32 of the live bytes is less.
     #[inline]
     pub(super) fn allowance(&self) -> usize {
         self.allow.load(Ordering::Relaxed)

@@ -16,7 +16,7 @@ pub(crate) struct Settings {
     /// The most bytes held from the backend (`usize::MAX` for no limit: the arithmetic
     /// needs no branch).
     pub(crate) limit: usize,
-    /// The most idle bytes beyond 1/32 of the live bytes that a miss learns to tolerate
+    /// The most idle bytes a miss learns to tolerate where 1/32 of the live bytes is less
     /// (64 MiB by default; the allowance itself is learned: `cache/idle.rs`).
     pub(crate) idle_cap: usize,
     /// The learned allowance's starting value (0 by default: nothing is kept idle until
