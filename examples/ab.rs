@@ -19,7 +19,8 @@
 //! Options:
 //!   --json FILE          every row as JSON
 //!   --csv DIR            one CSV file per table
-//!   --svg FILE           the latency, device, bandwidth and pipeline tables as charts
+//!   --svg FILE           every charted table (latency, growth, staging, device, bandwidth,
+//!                        cpu_bandwidth, cold, pipeline; replay with --trace) as one SVG
 //!   --only LIST          run only these sections (comma-separated)
 //!   --sizes LIST         sizes for latency, device, bandwidth and cold: 256,64K,1M,16M
 //!                        (cpu_bandwidth takes the largest)

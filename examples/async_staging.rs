@@ -1,7 +1,7 @@
 //! Staging batches from an async runtime without blocking its workers.
 //!
 //! 64 tokio tasks stage batches through one `StagingRing` on 4 streams (4 buffers of 1 MiB
-//! each): lease a buffer (`next_async().await`), fill it, copy it to the device, copy it
+//! per stream, 16 in all): lease a buffer (`next_async().await`), fill it, copy it to the device, copy it
 //! back into the task's pinned check buffer, await the copy's event
 //! (`Event::completed().await`) and check every byte. The same work then runs on blocking
 //! threads (`ring.next(timeout)`, `Event::synchronize`): as many threads as the runtime has

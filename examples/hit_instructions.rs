@@ -12,7 +12,8 @@
 //! PATH: `host_pool` (`Pool<HostSource>`, 256 B), `device_sim` (`SimPool::annotated`,
 //! `DevicePool`'s hot path on the simulated GPU, 256 B), `device_sim_bare` (the same with
 //! the NVTX branch compiled out), `system` (`System`, 256 B), `counting`
-//! (`Counting<System>`, 256 B). Each pair writes the block's first byte.
+//! (`Counting<System>`, 256 B). The host paths' pairs write the block's first byte; the
+//! `device_sim` paths allocate and free only.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;

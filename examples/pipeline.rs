@@ -9,8 +9,8 @@
 //! from PTX with `cudalloc::cuda::Module`): pageable memory, `PinnedAlloc` with 1..8
 //! streams, double buffering, per-stream arenas, a fresh pinned `Vec` per batch next to a
 //! ring, and the raw reference (`cuMemHostAlloc` + `cuMemAlloc`). The pageable and pinned
-//! rows run on the library's `staging::Pipeline` (`ring.pipeline().run(fill, launch,
-//! drain)`), the threaded row on it with its fill on worker threads
+//! rows run on the library's `staging::Pipeline` (`ring.pipeline().run_split(fill,
+//! queue_in, queue_out, drain)`), the threaded row on it with its fill on worker threads
 //! (`ring.pipeline().fill_threads(n)`), the ring row on a `StagingRing`; the raw,
 //! double-buffering, arena and fresh-Vec rows are written by hand. The code is in `examples/common/pipeline.rs`.
 //!
@@ -31,7 +31,7 @@
 //!   --batches N            batches per run (64)
 //!   --batch-size SIZE      bytes per batch: 64M, 1G, 4096 (64M)
 //!   --streams LIST         stream counts of the PinnedAlloc and raw rows (1,2,4,8)
-//!   --staging-streams N    streams of the arena, fresh-Vec and ring rows (4)
+//!   --staging-streams N    streams of the arena, fresh-Vec, ring, threaded and pipeline rows (4)
 //!   --work LIST            transfer, balanced, compute, or rounds per element (all three)
 //!   --variants LIST        pageable,pinned,double,raw,arena,fresh,ring,threaded (all); pipeline and
 //!                          hand (only when named): `hand` adds the hand-written loops the

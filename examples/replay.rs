@@ -8,7 +8,8 @@
 //! (`torch.cuda.memory._snapshot()`), told apart by their content. Host traces replay
 //! on the host allocators; device traces on the device pools (each `Backing` and
 //! `PageTuning` preset, the uncached driver pool, raw `cuMemAllocAsync` and `cuMemAlloc`)
-//! and, without a GPU, on the pool's cache over the simulated GPU, which the report says.
+//! and, without a GPU, on the pool's cache and the simulated page heap and driver pool over
+//! the simulated GPU (with their reservations), which the report says.
 //!
 //! Options:
 //!   --allocators LIST  only these (comma-separated, each matching a name's start, case

@@ -16,7 +16,7 @@
 //! map, move and unmap chunks while other threads allocate: `--device-max-mib 64`;
 //! `--device-chunk-mib 2` gives the soak a pool of its own whose heap keeps no idle chunk
 //! beyond its floor, so that blocks take the handles of other blocks' chunks, moved while
-//! their work may be pending). One iteration in four runs the host workload too.
+//! their work may be pending). One iteration in four runs the host workload instead.
 //!
 //! The host workload (all of it with `--host-only` or without a driver): a `Pool` over
 //! host memory (with a limit, so backpressure engages) and per-thread arenas; "copies"
@@ -24,7 +24,8 @@
 //! and then complete its fence, so a block the pool handed out again too early shows as
 //! corrupted data.
 //!
-//! Every allocator is wrapped in `Counting`: 0 live blocks at the end. Bytes held (pinned,
+//! The host pool and the pinned and managed allocators are wrapped in `Counting`, and the
+//! device pool's live buffers are checked: 0 live blocks at the end. Bytes held (pinned,
 //! managed, device, host pool) are sampled every second and printed every 30 s; the
 //! largest after warm-up (the first third) must stay within `--max-drift-pct` (default
 //! 25%, plus 32 MiB) of the largest during it. Exit status 1 on any failure.
@@ -374,7 +375,7 @@ mod device_io {
     use std::sync::OnceLock;
 
     use cudalloc::cuda::Stream;
-    use cudalloc::device::{DeviceBuffer, DevicePool, DevicePoolConfig, PageTuning};
+    use cudalloc::device::{Backing, DeviceBuffer, DevicePool, DevicePoolConfig, PageTuning};
 
     pub type Buffer = DeviceBuffer<u8>;
 
@@ -384,10 +385,14 @@ mod device_io {
     /// keeps no idle chunk beyond its floor of four: a block that needs memory then takes
     /// an idle chunk's handle (moved while its work may be pending) far more often than
     /// the default tuning does. Call before the first allocation.
-    pub fn use_chunks(bytes: usize) -> cudalloc::Result<()> {
+    /// The pool's backing: physical pages where the device has them, else the driver
+    /// pool (and no chunks at all).
+    pub fn use_chunks(bytes: usize) -> cudalloc::Result<Backing> {
         let config = DevicePoolConfig::default().with_pages(PageTuning::new(bytes, u32::MAX));
-        let _ = POOL.set(DevicePool::new(0, config)?);
-        Ok(())
+        let pool = DevicePool::new(0, config)?;
+        let backing = pool.config().backing;
+        let _ = POOL.set(pool);
+        Ok(backing)
     }
 
     /// The soak's device pool.
@@ -589,15 +594,20 @@ fn main() {
         Vec::new()
     };
     if let (true, Some(chunk)) = (gpu, o.device_chunk) {
-        if let Err(e) = device_io::use_chunks(chunk) {
-            eprintln!(
-                "soak: FAIL: cannot make a device pool of {} MiB chunks: {e}",
-                chunk / MIB
-            );
-            std::process::exit(1);
-        }
+        let backing = match device_io::use_chunks(chunk) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!(
+                    "soak: FAIL: cannot make a device pool of {} MiB chunks: {e}",
+                    chunk / MIB
+                );
+                std::process::exit(1);
+            }
+        };
         println!(
-            "soak: device pool of its own: {} MiB chunks, no idle allowance beyond the floor",
+            "soak: device pool of its own on {backing:?}: chunks of {} MiB rounded up to a \
+             power-of-two number of granules (physical pages only), no idle allowance beyond \
+             the floor",
             chunk / MIB
         );
     }

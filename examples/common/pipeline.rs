@@ -24,15 +24,13 @@
 //! benchmark, everywhere with `verify_all`.
 //!
 //! The rows on the library's types are a few lines each: `pageable` and `pinned-S` give
-//! `ring.pipeline().run(..)` the stamp or fill, the launch (H2D, kernel, D2H on the
-//! lease's stream) and the check ([`run_ring`]); `ring-S` leases its inputs from a
-//! `StagingRing` inside the hand-written lane loop. The pipeline's order is its own: a
-//! ring buffer is refilled once its upload is done (the launch calls
-//! `Staged::last_use_queued` right after it, as the hand-written loop's `AwaitInputRead`
-//! waits for the H2D only), and the buffer's next batch is launched once its last batch
-//! is drained (the device buffers and host output kept per buffer are then free). What
-//! remains of the difference with one buffer per stream: the hand-written loop queues
-//! batch b's H2D and kernel before it waits for the D2H of b - S, the pipeline after.
+//! `ring.pipeline().run_split(..)` the stamp or fill, the two halves of the launch (H2D
+//! and kernel; D2H, on the lease's stream) and the check ([`run_ring`]); `ring-S` leases
+//! its inputs from a `StagingRing` inside the hand-written lane loop. A ring buffer is
+//! refilled once its upload is done (the first half calls `Staged::last_use_queued` right
+//! after it, as the hand-written loop's `AwaitInputRead` waits for the H2D only), and a
+//! buffer's next upload and kernel are queued before its last batch is checked, its D2H
+//! after: the hand-written loop's order.
 //!
 //! Issue order of the hand-written loops ([`plan`]): the issuing thread blocks only where
 //! a buffer it is about to touch may still be in use, and only just before touching it.

@@ -99,8 +99,9 @@ pub fn replay_file(args: &ReplayArgs, progress: &dyn Fn(&str)) -> Result<Replaye
     }
     if memory == TraceMemory::Device && !gpu {
         out.notes.push(
-            "No CUDA driver: the device trace replays on the device pool's cache over the simulated GPU \
-             (the cache's own work; no driver or GPU time, no reservation figures)."
+            "No CUDA driver: the device trace replays on the device pool over the simulated GPU (the \
+             cache alone, and the simulated page heap and driver pool): no driver or GPU time; \
+             reservation figures for the simulated page-heap and driver-pool rows only."
                 .into(),
         );
     }

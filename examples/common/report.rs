@@ -4,7 +4,7 @@
 //! Tables are tidy: one row per measurement, one column per variable, each column with a
 //! unit. A table may also say how to print it wide (one row per size, one column per
 //! allocator) and how to chart it; the data stays the same. Shared by `examples/ab.rs`,
-//! `examples/pipeline.rs` and the tests (`#[path]` includes), so what the tests check is
+//! `examples/pipeline.rs`, `examples/replay.rs` and the tests (`#[path]` includes), so what the tests check is
 //! what the examples write.
 
 // Shared by several examples and tests (`#[path]` includes): each uses part of it.

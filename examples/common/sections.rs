@@ -176,8 +176,9 @@ pub fn collect(opts: &Options, progress: &Progress) -> Report {
     if !gpu {
         report.notes.push(
             "GPU rows missing: no CUDA driver on this machine (libcuda not found, cuInit failed, or no \
-             device). Host rows only; run on a machine with an NVIDIA driver for the pinned, managed, \
-             device, bandwidth and pipeline rows."
+             device). Host rows only; run on a machine with an NVIDIA driver for the pinned and \
+             managed rows (latency, growth, staging, cold) and the device, bandwidth, cpu_bandwidth \
+             and pipeline tables."
                 .into(),
         );
     }
@@ -1089,8 +1090,9 @@ fn cold_growth(opts: &Options, progress: &Progress) -> Result<Vec<Table>, String
         "Each figure is a fresh process (`ab {COLD_CHILD_FLAG} KIND SIZE`): a 1-byte pinned \
          allocation first brings up the driver, the context and the pool; then the timed \
          `Vec::<u8, PinnedAlloc>::try_reserve_exact(size)` (a fresh segment from the source), \
-         then `resize(size, 1)`. Default: registered growth, pages faulted in by up to {} \
-         threads (one per 8 MiB); `1 prefault thread` is the growth before issue 22.6. \
+         then `resize(size, 1)`. Default (`PinnedGrowth::Auto`): registered growth with two or \
+         more CPUs, pages faulted in by up to {} threads (one per 8 MiB; on one CPU \
+         `cuMemHostAlloc` from 64 MiB); `1 prefault thread` is the growth before issue 22.6. \
          PyTorch's figures: `python3 tools/torch_pinned_cold.py`.",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     ));
