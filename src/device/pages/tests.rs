@@ -248,6 +248,45 @@ fn a_limit_that_refuses_the_chunks_ahead_maps_the_blocks_group_alone() {
 }
 
 #[test]
+fn growth_maps_no_chunk_ahead_over_a_stuck_group() {
+    // Chunk 0 (a), a group of chunks 1-2 (g), then 64 chunks of blocks (big): a share of
+    // 2 chunks ahead. g's group fails its unmap: it stays mapped and stuck, its units
+    // free. Chunk 0 is unmapped. A block in chunk 0 grows the heap, and the chunk ahead of
+    // it is the stuck group's first: mapping it again would map over a live mapping.
+    let (h, b, phys) = heap(usize::MAX, TUNING, None);
+    let s = FakeStream::new();
+    let a = h.alloc(&b, CHUNK, &s).unwrap();
+    let g = h.alloc(&b, 2 * CHUNK, &s).unwrap();
+    let big = h.alloc(&b, 64 * CHUNK, &s).unwrap();
+    assert_eq!((g, big), (a + CHUNK as u64, a + 3 * CHUNK as u64));
+    free(&h, &b, g, &s);
+    s.complete_all();
+    phys.fail_next(PhysOp::Unmap, 1);
+    h.trim_to(&b, 0);
+    assert!(phys.mappings().contains(&(g, 2 * CHUNK)), "the group stays mapped");
+    free(&h, &b, a, &s);
+    s.complete_all();
+    h.trim_to(&b, 0);
+    let stuck = phys.mappings();
+    assert!(!stuck.iter().any(|&(va, _)| va == a), "chunk 0 unmapped");
+    let before = h.stats();
+    let c = h.alloc(&b, 2 * MIB, &s).expect("the block's own chunk maps");
+    assert_eq!(c, a, "placed at the lowest free address");
+    let st = h.stats();
+    assert_eq!(st.reserved - before.reserved, CHUNK, "nothing ahead: {st:?}");
+    assert_eq!(phys.violations(), 0, "no map over a mapping");
+    assert!(phys.use_block(c, 2 * MIB, &s) && phys.use_block(big, 64 * CHUNK, &s));
+    let mut now = phys.mappings();
+    now.retain(|&(va, _)| va != c);
+    assert_eq!(now, stuck, "the stuck group is mapped as it was");
+    free(&h, &b, c, &s);
+    free(&h, &b, big, &s);
+    s.complete_all();
+    h.trim_to(&b, 0);
+    assert_eq!(phys.violations(), 0);
+}
+
+#[test]
 fn a_growth_group_shared_with_the_next_block_goes_once_both_are_freed() {
     let (h, b, phys) = heap(usize::MAX, TUNING, None);
     let s = FakeStream::new();
