@@ -263,7 +263,10 @@ fn growth_maps_no_chunk_ahead_over_a_stuck_group() {
     s.complete_all();
     phys.fail_next(PhysOp::Unmap, 1);
     h.trim_to(&b, 0);
-    assert!(phys.mappings().contains(&(g, 2 * CHUNK)), "the group stays mapped");
+    assert!(
+        phys.mappings().contains(&(g, 2 * CHUNK)),
+        "the group stays mapped"
+    );
     free(&h, &b, a, &s);
     s.complete_all();
     h.trim_to(&b, 0);
