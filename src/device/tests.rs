@@ -57,8 +57,8 @@ impl Tracker {
                 eprintln!(
                     "unordered: block {ptr:#x} ({bytes} bytes) to {} after a use on {} at {pos} \
                      ({} completed); its last events: {:?}",
-                    stream.id,
-                    s.id,
+                    stream.id(),
+                    s.id(),
                     s.completed(),
                     &h[h.len().saturating_sub(8)..]
                 );
@@ -69,7 +69,7 @@ impl Tracker {
         self.history
             .entry(ptr)
             .or_default()
-            .push(format!("out to {} at {pos}", stream.id));
+            .push(format!("out to {} at {pos}", stream.id()));
         self.uses.insert(ptr, vec![(stream.clone(), pos)]);
     }
 
@@ -79,7 +79,7 @@ impl Tracker {
         self.history
             .entry(ptr)
             .or_default()
-            .push(format!("used on {} at {pos}", stream.id));
+            .push(format!("used on {} at {pos}", stream.id()));
         self.uses.entry(ptr).or_default().push((stream.clone(), pos));
     }
 
@@ -108,13 +108,13 @@ fn alloc(
     s: &FakeStream,
 ) -> Result<u64, Error> {
     if let (Some(t), Some(class)) = (tc.as_deref_mut(), c.class_for(bytes)) {
-        if let Some((p, _)) = t.pop(s.id, class) {
+        if let Some((p, _)) = t.pop(s.id(), class) {
             return Ok(p);
         }
     }
     let rounded = round_to_granule(bytes).unwrap_or(bytes);
     if let (Some(t), None, true) = (tc.as_deref_mut(), c.class_for(bytes), c.is_large(rounded)) {
-        if let Some((p, _)) = t.pop_large(s.id, rounded) {
+        if let Some((p, _)) = t.pop_large(s.id(), rounded) {
             return Ok(p);
         }
     }
@@ -132,14 +132,14 @@ fn free(
 ) {
     if uses.is_empty() {
         if let (Some(t), Some(class)) = (tc.as_deref_mut(), c.class_for(bytes)) {
-            match t.push(s.id, class, ptr, s.clone(), ()) {
+            match t.push(s.id(), class, ptr, s.clone(), ()) {
                 Ok(()) => return,
                 Err((stream, ())) => return c.free_slow(tc, ptr, bytes, stream, uses),
             }
         }
         let rounded = round_to_granule(bytes).unwrap_or(bytes);
         if let (Some(t), None, true) = (tc.as_deref_mut(), c.class_for(bytes), c.is_large(rounded)) {
-            if t.push_large(s.id, rounded, ptr, Some((s.clone(), ()))).is_ok() {
+            if t.push_large(s.id(), rounded, ptr, Some((s.clone(), ()))).is_ok() {
                 return;
             }
         }

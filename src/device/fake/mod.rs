@@ -29,8 +29,12 @@ use crate::sync::{lock, Arc, AtomicBool, AtomicU64, Mutex, Ordering};
 use crate::trace::{PoolReservation, Tag};
 
 /// One simulated stream's queue.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Lane {
+    /// The stream's id (here rather than in [`FakeStream`], so that a simulated stream
+    /// handle is one word like a real [`Stream`](crate::cuda::Stream), and its id one
+    /// load behind it: the simulated pool's buffers then have the real ones' layout).
+    id: StreamId,
     /// Operations queued so far (positions 1..=queued).
     queued: AtomicU64,
     /// Operations completed so far.
@@ -44,18 +48,27 @@ pub(crate) struct Lane {
 /// A simulated stream (clones share the queue).
 #[derive(Clone, Debug)]
 pub(crate) struct FakeStream {
-    pub(crate) id: StreamId,
     pub(crate) lane: Arc<Lane>,
 }
 
 impl FakeStream {
     pub(crate) fn new() -> Self {
         let s = Self {
-            id: StreamId::fresh(),
-            lane: Arc::new(Lane::default()),
+            lane: Arc::new(Lane {
+                id: StreamId::fresh(),
+                queued: AtomicU64::new(0),
+                completed: AtomicU64::new(0),
+                clock: Mutex::new(BTreeMap::new()),
+            }),
         };
-        registry::register(s.id, &s.lane);
+        registry::register(s.id(), &s.lane);
         s
+    }
+
+    /// The stream's id.
+    #[inline(always)]
+    pub(crate) fn id(&self) -> StreamId {
+        self.lane.id
     }
 
     /// Queues an operation (a kernel using a block); returns its position.
@@ -81,10 +94,10 @@ impl FakeStream {
     /// `other`: the same stream, or `other` has completed it, or `self` waits
     /// (directly or through other streams' marks) for a mark of `other` at or after it.
     pub(crate) fn covers(&self, other: &FakeStream, pos: u64) -> bool {
-        if self.id == other.id || other.completed() >= pos {
+        if self.id() == other.id() || other.completed() >= pos {
             return true;
         }
-        lock(&self.lane.clock).get(&other.id).is_some_and(|&p| p >= pos)
+        lock(&self.lane.clock).get(&other.id()).is_some_and(|&p| p >= pos)
     }
 }
 
@@ -270,7 +283,7 @@ impl StreamOrder for FakeBackend {
     type Mark = FakeMark;
 
     fn stream_id(stream: &FakeStream) -> StreamId {
-        stream.id
+        stream.id()
     }
 
     fn mark(&self, stream: &FakeStream) -> Result<FakeMark> {
@@ -284,9 +297,9 @@ impl StreamOrder for FakeBackend {
         let clock = lock(&stream.lane.clock);
         let pos = stream.enqueue();
         let mut snapshot = clock.clone();
-        snapshot.insert(stream.id, pos);
+        snapshot.insert(stream.id(), pos);
         Ok(FakeMark {
-            stream: stream.id,
+            stream: stream.id(),
             pos,
             lane: stream.lane.clone(),
             clock: snapshot,
@@ -298,7 +311,7 @@ impl StreamOrder for FakeBackend {
         debug_assert_eq!(mark.clock.get(&mark.stream), Some(&mark.pos));
         let mut clock = lock(&stream.lane.clock);
         for (&s, &p) in &mark.clock {
-            if s != stream.id {
+            if s != stream.id() {
                 let e = clock.entry(s).or_insert(0);
                 *e = (*e).max(p);
             }
@@ -386,7 +399,7 @@ impl Backend for FakeBackend {
                     &ModelPool(self),
                     &self.growth,
                     &self.trace,
-                    stream.id.get(),
+                    stream.id().get(),
                 )
             },
         );

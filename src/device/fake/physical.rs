@@ -183,8 +183,8 @@ impl PhysState {
                 problems.push(format!(
                     "handle {h} used on {} at {pos} unordered after its use on {} at {p} \
                      ({} completed); history {h_:?}",
-                    stream.id,
-                    s.id,
+                    stream.id(),
+                    s.id(),
                     s.completed()
                 ));
             }
@@ -193,7 +193,7 @@ impl PhysState {
         self.history
             .entry(h)
             .or_default()
-            .push(format!("use of map {id} on {} at {pos}", stream.id));
+            .push(format!("use of map {id} on {} at {pos}", stream.id()));
         (covered, problems)
     }
 }
@@ -461,7 +461,7 @@ impl Phys for FakePhys {
                     if s.completed() < p {
                         st.violation(format!(
                             "unmap of {va:#x} (handle {h}) before its use on {} at {p} completed",
-                            s.id
+                            s.id()
                         ));
                     }
                 }

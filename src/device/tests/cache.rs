@@ -357,7 +357,7 @@ fn trim_gives_everything_back_and_drops_stream_handles() {
     for s in &streams {
         assert_eq!(
             Arc::strong_count(&s.lane),
-            1 + usize::from(s.id == keep.2.id),
+            1 + usize::from(s.id() == keep.2.id()),
             "stream handles dropped"
         );
     }
@@ -383,7 +383,7 @@ fn a_reclaim_request_moves_another_threads_blocks_to_the_shared_lists() {
     assert!(alloc(&c, Some(&mut mine), 40 * MIB, &s).is_err());
     assert!(theirs.reclaim_requested());
     assert!(
-        theirs.pop(s.id, class_of(40 * MIB)).is_none(),
+        theirs.pop(s.id(), class_of(40 * MIB)).is_none(),
         "the fast path refuses"
     );
     // Their next operation flushes; then it fits.

@@ -13,7 +13,7 @@ fn a_mark_set_marks_each_other_stream_once_and_polls_only_what_is_pending() {
     v.enqueue();
     // The home stream and a repeated stream are kept once or not at all.
     let uses = vec![u.clone(), home.clone(), v.clone(), u.clone()];
-    let mut set: MarkSet<FakeBackend> = MarkSet::of_uses(home.id, uses);
+    let mut set: MarkSet<FakeBackend> = MarkSet::of_uses(home.id(), uses);
     assert_eq!(set.len(), 2);
     let mut recorded = 0;
     set.seal(&b, 1, &mut recorded).unwrap();
@@ -32,15 +32,15 @@ fn a_mark_set_marks_each_other_stream_once_and_polls_only_what_is_pending() {
     assert_eq!(b.marks.load(Ordering::SeqCst), before, "polls record nothing");
     // The latest mark of a stream by seq stays; an older one is handed back.
     let later = b.mark(&u).unwrap();
-    assert!(set.insert(u.id, 5, later).is_none());
+    assert!(set.insert(u.id(), 5, later).is_none());
     let older = b.mark(&u).unwrap();
     assert!(
-        set.insert(u.id, 4, older).is_some(),
+        set.insert(u.id(), 4, older).is_some(),
         "an older mark does not replace a later one"
     );
     let newest = b.mark(&u).unwrap();
     assert!(
-        set.insert(u.id, 6, newest).is_some(),
+        set.insert(u.id(), 6, newest).is_some(),
         "the later mark replaces the earlier"
     );
     assert_eq!(set.len(), 1);
@@ -52,7 +52,7 @@ fn a_mark_set_orders_a_stream_after_its_uses_on_the_gpu() {
     let b = FakeBackend::new(u64::MAX);
     let (home, u) = (FakeStream::new(), FakeStream::new());
     let used_at = u.enqueue();
-    let mut set: MarkSet<FakeBackend> = MarkSet::of_uses(home.id, vec![u.clone()]);
+    let mut set: MarkSet<FakeBackend> = MarkSet::of_uses(home.id(), vec![u.clone()]);
     set.seal(&b, 0, &mut 0).unwrap();
     assert!(!home.covers(&u, used_at), "nothing orders home after u yet");
     let mut waits = 0;
