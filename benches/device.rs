@@ -105,8 +105,9 @@ fn device_hit(c: &mut Criterion, stream: &Stream) {
         // What a program does with a buffer: reads its address (for a kernel or a copy)
         // and drops it. The row above also moves the whole 48-byte buffer through memory
         // (`black_box` of the buffer), as a program that keeps buffers in a collection
-        // does: the move reads 16 bytes at a time what was just written 8 bytes at a time,
-        // which the CPU cannot forward from its store buffer (about 10 ns on the H100).
+        // does. Until `DevicePool::alloc` had two ways out, that move read 16 bytes at a
+        // time what had just been written 8 bytes at a time, which the CPU cannot forward
+        // from its store buffer (about 10 ns on the H100).
         g.bench_function(BenchmarkId::new("cache_ptr", &id), |b| {
             b.iter(|| {
                 let buf = cached.alloc::<u8>(black_box(size), stream).expect("cache");
