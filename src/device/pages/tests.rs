@@ -15,6 +15,7 @@ const GRANULE: usize = 2 * MIB;
 const TUNING: PageTuning = PageTuning::new(4 * MIB, 32);
 const CHUNK: usize = TUNING.chunk_bytes;
 
+mod idle_queries;
 mod unlocked;
 
 type Heap = PageHeap<FakePhys, FakeBackend>;
@@ -45,19 +46,25 @@ fn trim_clean(h: &Heap, b: &FakeBackend, phys: &FakePhys) {
     assert_eq!(phys.violations(), 0);
 }
 
+/// Checks `h`'s driver calls so far: (handles created, groups created, maps, access calls).
+#[track_caller]
+fn assert_calls(h: &Heap, want: (u64, u64, u64, u64)) {
+    let st = h.stats();
+    assert_eq!(
+        (st.creates, st.group_creates, st.maps, st.accesses),
+        want,
+        "{st:?}"
+    );
+}
+
 #[test]
 fn a_cold_large_block_is_one_create_one_map_and_one_access() {
     // The crate's rule: 64 MiB of new chunks wholly inside the block (16 of 4 MiB here).
     let (h, b, phys) = heap(usize::MAX, TUNING, None);
     let s = FakeStream::new();
     let a = h.alloc(&b, 64 * MIB, &s).unwrap();
-    let st = h.stats();
-    assert_eq!(
-        (st.creates, st.group_creates, st.maps, st.accesses),
-        (1, 1, 1, 1),
-        "{st:?}"
-    );
-    assert_eq!(st.reserved, 64 * MIB);
+    assert_calls(&h, (1, 1, 1, 1));
+    assert_eq!(h.stats().reserved, 64 * MIB);
     assert_eq!(
         phys.mappings(),
         vec![(a, 64 * MIB)],
@@ -71,8 +78,7 @@ fn a_cold_large_block_is_one_create_one_map_and_one_access() {
     // Below the rule's bytes (12 inner chunks), but the heap grows (no chunk idle): one
     // group too.
     let c = h.alloc(&b, 48 * MIB, &s).unwrap();
-    let st = h.stats();
-    assert_eq!((st.creates, st.group_creates, st.maps, st.accesses), (2, 2, 2, 3));
+    assert_calls(&h, (2, 2, 2, 3));
     assert!(phys.use_block(c, 48 * MIB, &s));
     // Freed, its chunks serve smaller blocks with no driver call.
     free(&h, &b, a, &s);
@@ -83,12 +89,7 @@ fn a_cold_large_block_is_one_create_one_map_and_one_access() {
     // not grow: a block that does not fit there and is below the rule's bytes maps one
     // handle per chunk, with one access call.
     let e = h.alloc(&b, 60 * MIB, &s).unwrap();
-    let st = h.stats();
-    assert_eq!(
-        (st.creates, st.group_creates, st.maps, st.accesses),
-        (17, 2, 17, 4),
-        "{st:?}"
-    );
+    assert_calls(&h, (17, 2, 17, 4));
     assert!(phys.use_block(e, 60 * MIB, &s));
     free(&h, &b, d, &s);
     free(&h, &b, c, &s);
@@ -533,75 +534,4 @@ fn the_fake_physical_memory_catches_a_group_unmapped_or_mapped_in_part() {
     // SAFETY: as above.
     unsafe { phys.unmap(v, CHUNK).unwrap() };
     assert_eq!(phys.violations(), 3, "a group unmapped in part");
-}
-
-#[test]
-fn moving_an_idle_chunk_asks_only_the_streams_that_freed_it() {
-    use crate::sync::Ordering;
-    let (h, b, _phys) = heap(usize::MAX, TUNING, None);
-    let a = FakeStream::new();
-    let others: Vec<FakeStream> = (0..6).map(|_| FakeStream::new()).collect();
-    // A chunk for each of the other streams, then 8 chunks of `a`, each followed by a
-    // live separator: once freed, every chunk is a free run of its own.
-    let mut seps = Vec::new();
-    let mut chunk_then_separator = |s: &FakeStream| {
-        let p = h.alloc(&b, CHUNK, s).unwrap();
-        seps.push(h.alloc(&b, CHUNK, &a).unwrap());
-        p
-    };
-    let low: Vec<u64> = others.iter().map(&mut chunk_then_separator).collect();
-    let high: Vec<u64> = (0..8).map(|_| chunk_then_separator(&a)).collect();
-    for (p, s) in low.iter().zip(&others) {
-        // Work queued and never run: the other streams' frees stay pending.
-        s.enqueue();
-        free(&h, &b, *p, s);
-    }
-    for p in high {
-        free(&h, &b, p, &a);
-    }
-    assert_eq!(b.idle_queries.load(Ordering::SeqCst), 0, "a free asks nothing");
-    // 14 chunks idle, over the allowance: a block that fits in no run moves idle chunks
-    // from the highest address down (4 of a's, whose work completed).
-    let big = h.alloc(&b, 4 * CHUNK, &a).unwrap();
-    let st = h.stats();
-    assert_eq!(st.unmaps, 4, "four idle chunks moved: {st:?}");
-    assert_eq!(
-        b.idle_queries.load(Ordering::SeqCst),
-        1,
-        "only a asked, once for the whole allocation (asking every stream with frees \
-         pending asked 7)"
-    );
-    for p in seps.into_iter().chain([big]) {
-        free(&h, &b, p, &a);
-    }
-    for s in &others {
-        s.complete_all();
-    }
-}
-
-#[test]
-fn a_takers_answer_is_kept_when_the_lock_is_free() {
-    use crate::sync::Ordering;
-    let (h, b, _phys) = heap(usize::MAX, TUNING, None);
-    let (a, t) = (FakeStream::new(), FakeStream::new());
-    // Two blocks of `a`, kept apart by a live one, freed on `a` (idle: no work queued).
-    let x = h.alloc(&b, CHUNK, &a).unwrap();
-    let sep = h.alloc(&b, CHUNK, &a).unwrap();
-    let y = h.alloc(&b, CHUNK, &a).unwrap();
-    free(&h, &b, x, &a);
-    free(&h, &b, y, &a);
-    // `t` takes x's units: it asks whether a is idle, learns that every free of a so far
-    // completed and keeps it, so taking y's units asks nothing.
-    let x2 = h.alloc(&b, CHUNK, &t).unwrap();
-    assert_eq!(b.idle_queries.load(Ordering::SeqCst), 1);
-    let y2 = h.alloc(&b, CHUNK, &t).unwrap();
-    assert_eq!((x2, y2), (x, y), "the freed blocks' units, reused");
-    assert_eq!(
-        b.idle_queries.load(Ordering::SeqCst),
-        1,
-        "the first answer was kept: nothing asked again"
-    );
-    for p in [x2, y2, sep] {
-        free(&h, &b, p, &t);
-    }
 }
