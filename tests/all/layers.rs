@@ -79,6 +79,7 @@ const SOURCES: &[(&str, &str)] = sources![
     "device/pages/space.rs",
     "device/pages/stats.rs",
     "device/pages/tests.rs",
+    "device/pages/tests/idle_queries.rs",
     "device/pages/tests/unlocked.rs",
     "device/pages/trim.rs",
     "device/phys.rs",
