@@ -154,6 +154,32 @@ fn device_hit(c: &mut Criterion, stream: &Stream) {
             "device_hit cache, per pair (median / fastest of 200 batches): {}",
             rows.join(", ")
         );
+        // The same pair against a `malloc` and `free` of 64 bytes in alternating batches.
+        // Where the VM's speed moves both by one factor (the hit's time moves by 2x between
+        // processes on one core and one layout: BENCHMARKS.md, 2026-12-07), the ratio is
+        // what the hit costs whatever the moment, and a ratio that moves less than the
+        // times shows that it was the machine.
+        let malloc = || drop(black_box(Box::new(black_box([0u64; 8]))));
+        let rows: Vec<String> = sizes
+            .iter()
+            .map(|&size| {
+                let p = paired(
+                    200,
+                    10_000,
+                    || {
+                        let buf = cached.alloc::<u8>(black_box(size), stream).expect("cache");
+                        black_box(buf.device_ptr());
+                    },
+                    malloc,
+                );
+                format!("{} {} against {} ({:.2}x)", size_label(size), p.a, p.b, p.ratio)
+            })
+            .collect();
+        println!(
+            "device_hit cache_ptr against malloc 64B, alternating batches (median / fastest \
+             of 200 each; the median of the rounds' ratios): {}",
+            rows.join(", ")
+        );
         println!("device_hit: {}", cached.stats());
     }
 }

@@ -60,6 +60,9 @@ pub struct Paired {
     pub diff: f64,
     /// Its 25th and 75th percentiles.
     pub diff_iqr: (f64, f64),
+    /// Median of the per-round ratios `a / b`: where `b` is a reference (a `malloc`), what
+    /// `a` costs in its units at the same moments, whatever the machine's speed then.
+    pub ratio: f64,
 }
 
 impl std::fmt::Display for Paired {
@@ -86,7 +89,7 @@ pub fn paired(rounds: usize, per_batch: usize, mut a: impl FnMut(), mut b: impl 
     batch(per_batch, &mut a);
     batch(per_batch, &mut b);
     let rounds = rounds.max(1);
-    let (mut ta, mut tb, mut d) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ta, mut tb, mut d, mut q) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for r in 0..rounds {
         let (x, y) = if r % 2 == 0 {
             let x = batch(per_batch, &mut a);
@@ -98,6 +101,7 @@ pub fn paired(rounds: usize, per_batch: usize, mut a: impl FnMut(), mut b: impl 
         ta.push(x);
         tb.push(y);
         d.push(x - y);
+        q.push(x / y);
     }
     let summary = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -107,11 +111,13 @@ pub fn paired(rounds: usize, per_batch: usize, mut a: impl FnMut(), mut b: impl 
         }
     };
     d.sort_by(f64::total_cmp);
+    q.sort_by(f64::total_cmp);
     Paired {
         a: summary(ta),
         b: summary(tb),
         diff: d[d.len() / 2],
         diff_iqr: (d[d.len() / 4], d[d.len() * 3 / 4]),
+        ratio: q[q.len() / 2],
     }
 }
 
