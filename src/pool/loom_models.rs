@@ -213,3 +213,40 @@ fn loom_a_free_on_another_thread_sees_a_recorded_use() {
         assert_eq!(pool.stats().source_bytes, 0);
     });
 }
+
+/// Found by CI (2026-12-07: `the_sync_wait_waits_while_another_thread_polls_the_pending_list`
+/// failed once on a loaded machine). A drain settles a completed block (no longer pending)
+/// and only then puts it back in a free list. An allocation at the cap that failed in
+/// between found nothing pending and gave up, although the block was on its way back.
+/// Every interleaving: the allocation waits for it and gets it.
+#[test]
+fn loom_an_allocation_at_the_cap_waits_for_a_block_a_drain_is_returning() {
+    loom::model(|| {
+        let l = layout(600 << 10);
+        let config = config()
+            .with_thread_cache_capacity(0)
+            .with_limit(1 << 20)
+            .with_pending_wait(Some(std::time::Duration::from_secs(3600)));
+        let pool = Arc::new(Pool::with_config(HostSource, config));
+        let block = pool.allocate(l).unwrap();
+        let fence = FlagFence::default();
+        assert!(pool
+            .record_fence(block.cast::<u8>().as_ptr(), fence.clone())
+            .unwrap());
+        fence.complete();
+        // SAFETY: allocated above with `l`, freed once; the block goes pending.
+        unsafe { pool.deallocate(block.cast(), l) };
+        let drainer = {
+            let pool = pool.clone();
+            thread::spawn(move || {
+                pool.collect_pending();
+            })
+        };
+        let again = pool.allocate(l);
+        drainer.join().unwrap();
+        let again = again.expect("gave up at the cap although the only block was coming back");
+        // SAFETY: allocated just above with `l`.
+        unsafe { pool.deallocate(again.cast(), l) };
+        balanced(&pool);
+    });
+}

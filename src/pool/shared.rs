@@ -208,6 +208,7 @@ impl<S: MemorySource> Shared<S> {
     /// most the configured time) and tries again: a staging loop that outruns the GPU
     /// slows down to its pace instead of failing.
     fn with_backpressure<T>(&self, mut attempt: impl FnMut(&Self) -> Result<T>) -> Result<T> {
+        let mut seen = self.uses.returns();
         let mut err = match attempt(self) {
             Ok(t) => return Ok(t),
             Err(e) => e,
@@ -220,7 +221,8 @@ impl<S: MemorySource> Shared<S> {
         }
         // A wait too long to add to the clock (`Duration::MAX`) waits forever.
         let deadline = Instant::now().checked_add(wait);
-        while worth_waiting(&err) && self.wait_for_oldest_pending(deadline) {
+        while worth_waiting(&err) && self.wait_for_room(deadline, seen) {
+            seen = self.uses.returns();
             err = match attempt(self) {
                 Ok(t) => return Ok(t),
                 Err(e) => e,
@@ -230,11 +232,13 @@ impl<S: MemorySource> Shared<S> {
     }
 
     /// Waits (until `deadline`; `None`: for as long as it takes) for the GPU uses of the
-    /// oldest pending block, then returns every completed pending block to the free lists.
-    /// False when nothing was pending or the deadline passed.
-    fn wait_for_oldest_pending(&self, deadline: Option<Instant>) -> bool {
+    /// oldest pending block, then returns every completed pending block to the free lists;
+    /// with nothing pending, for the blocks a drain is putting back. False when no room
+    /// was pending or coming back since `seen` (a [`UseTracker::returns`] read before the
+    /// failed attempt), or the deadline passed.
+    fn wait_for_room(&self, deadline: Option<Instant>, seen: usize) -> bool {
         let Some(fences) = self.uses.lock().oldest_fences() else {
-            return false;
+            return self.uses.room_returning(seen) && self.wait_for_returns(deadline);
         };
         self.waits.fetch_add(1, Ordering::Relaxed);
         let mut set = UseSet::default();
@@ -245,9 +249,21 @@ impl<S: MemorySource> Shared<S> {
         if self.drain_pending() == 0 && done {
             // Another thread has the list out and returns the block when it settles:
             // let it run rather than spin on the lock.
-            std::thread::yield_now();
+            crate::sync::thread::yield_now();
         }
         done
+    }
+
+    /// Waits (until `deadline`) while a drain puts completed blocks back in the free
+    /// lists: it holds no lock meanwhile, and is done within a few locks' time.
+    fn wait_for_returns(&self, deadline: Option<Instant>) -> bool {
+        while self.uses.lock().returning() {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return false;
+            }
+            crate::sync::thread::yield_now();
+        }
+        true
     }
 
     // ---- small blocks -----------------------------------------------------------------
@@ -549,9 +565,6 @@ impl<S: MemorySource> Shared<S> {
         drop(done); // outside the lock: pooled events go back to their pool
     }
 
-    /// Returns the pending blocks whose fences completed to the free lists; returns how
-    /// many. The list is taken out, polled without the lock, and settled; a panic while
-    /// polling cannot lose it (fences are polled under `catch_unwind`).
     /// The completions of the oldest pending block's uses, for an async wait (each `None`
     /// where a fence cannot wake a task); `None` when nothing is pending.
     pub(crate) fn oldest_pending_completions(&self) -> Option<Vec<Option<crate::cuda::EventCompleted>>> {
@@ -559,6 +572,21 @@ impl<S: MemorySource> Shared<S> {
         Some(fences.iter().map(|f| f.completion()).collect())
     }
 
+    /// The count of finished returns of completed blocks to the free lists, to read before
+    /// an attempt at the cap and give to [`Shared::room_returning`] after it fails.
+    pub(crate) fn returns(&self) -> usize {
+        self.uses.returns()
+    }
+
+    /// Whether room came back since `seen` (see [`Shared::returns`]) or is coming back
+    /// (a drain is putting completed blocks back): a failed attempt should try again.
+    pub(crate) fn room_returning(&self, seen: usize) -> bool {
+        self.uses.room_returning(seen)
+    }
+
+    /// Returns the pending blocks whose fences completed to the free lists; returns how
+    /// many. The list is taken out, polled without the lock, and settled; a panic while
+    /// polling cannot lose it (fences are polled under `catch_unwind`).
     pub(crate) fn drain_pending(&self) -> usize {
         if !self.uses.any_pending() {
             return 0;
@@ -585,6 +613,9 @@ impl<S: MemorySource> Shared<S> {
                 }
                 BlockKind::Large => self.give_large(b.ptr.addr(), false),
             }
+        }
+        if n > 0 {
+            self.uses.returned(n);
         }
         n
     }

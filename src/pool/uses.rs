@@ -54,6 +54,10 @@ pub(crate) struct Tracker {
     /// drain polls (the list in here is then empty or younger), so that a backpressure
     /// wait meanwhile still finds something to wait for.
     out_oldest: Option<Vec<SharedFence>>,
+    /// Blocks a drain found complete and settled (no longer pending) that it has not yet
+    /// put back in a free list ([`UseTracker::returned`]): room on its way, which a
+    /// backpressure wait meanwhile waits for rather than give up.
+    returning: usize,
 }
 
 impl Tracker {
@@ -135,6 +139,7 @@ impl Tracker {
         }
         waiting.append(&mut self.list);
         self.list = waiting;
+        self.returning += done.len();
         for b in done {
             self.pending_bytes -= b.size;
             self.pending_blocks -= 1;
@@ -160,6 +165,12 @@ impl Tracker {
     /// the lock while the list stays in place.
     pub(crate) fn pending_fences(&self) -> Vec<Vec<SharedFence>> {
         self.list.iter().map(|b| b.fences.fences().to_vec()).collect()
+    }
+
+    /// Whether a drain is putting completed blocks back in the free lists (see
+    /// [`Tracker::settle`] and [`UseTracker::returned`]).
+    pub(crate) fn returning(&self) -> bool {
+        self.returning != 0
     }
 
     /// Pending bytes and blocks.
@@ -194,6 +205,11 @@ pub(crate) struct UseTracker {
     /// `state.totals().1` (pending blocks), published likewise; read Relaxed to skip
     /// draining an empty list (a stale value only costs or saves one drain).
     pending: AtomicUsize,
+    /// How many times a drain has finished putting completed blocks back in the free
+    /// lists (under the lock, Release; read Acquire): an allocation that failed at the cap
+    /// tries again if it moved since before the attempt, whose look at the free lists may
+    /// have come just before the blocks.
+    returns: AtomicUsize,
 }
 
 /// Exclusive access to the tracker; publishes the mirrors when dropped, lock still held.
@@ -249,6 +265,28 @@ impl UseTracker {
     #[inline]
     pub(crate) fn any_pending(&self) -> bool {
         self.pending.load(Ordering::Relaxed) != 0
+    }
+
+    /// The count of finished returns (see the field); Acquire, so that the blocks of
+    /// every return it counts are seen in the free lists.
+    #[inline]
+    pub(crate) fn returns(&self) -> usize {
+        self.returns.load(Ordering::Acquire)
+    }
+
+    /// A drain has put back in the free lists the `n` completed blocks it settled.
+    pub(crate) fn returned(&self, n: usize) {
+        let mut t = self.lock();
+        debug_assert!(t.returning >= n, "{n} blocks returned of {} settled", t.returning);
+        t.returning -= n;
+        self.returns.fetch_add(1, Ordering::Release);
+    }
+
+    /// Whether room may have come back since `seen` (a [`UseTracker::returns`] read before
+    /// a failed attempt) or is coming back: a drain is putting blocks back, or finished
+    /// doing so since.
+    pub(crate) fn room_returning(&self, seen: usize) -> bool {
+        self.lock().returning() || self.returns() != seen
     }
 }
 
