@@ -255,15 +255,19 @@ impl<S: MemorySource> Shared<S> {
     }
 
     /// Waits (until `deadline`) while a drain puts completed blocks back in the free
-    /// lists: it holds no lock meanwhile, and is done within a few locks' time.
+    /// lists: it holds no lock meanwhile, and is done within a few locks' time. False
+    /// once the deadline has passed, even with nothing left to wait for, so that other
+    /// threads' drains cannot keep an attempt going past it.
     fn wait_for_returns(&self, deadline: Option<Instant>) -> bool {
-        while self.uses.lock().returning() {
+        loop {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return false;
             }
+            if !self.uses.lock().returning() {
+                return true;
+            }
             crate::sync::thread::yield_now();
         }
-        true
     }
 
     // ---- small blocks -----------------------------------------------------------------
