@@ -159,7 +159,6 @@ fn device_hit(c: &mut Criterion, stream: &Stream) {
         // processes on one core and one layout: BENCHMARKS.md, 2026-12-07), the ratio is
         // what the hit costs whatever the moment, and a ratio that moves less than the
         // times shows that it was the machine.
-        let malloc = || drop(black_box(Box::new(black_box([0u64; 8]))));
         let rows: Vec<String> = sizes
             .iter()
             .map(|&size| {
@@ -170,7 +169,7 @@ fn device_hit(c: &mut Criterion, stream: &Stream) {
                         let buf = cached.alloc::<u8>(black_box(size), stream).expect("cache");
                         black_box(buf.device_ptr());
                     },
-                    malloc,
+                    malloc_64,
                 );
                 format!("{} {} against {} ({:.2}x)", size_label(size), p.a, p.b, p.ratio)
             })
@@ -184,6 +183,11 @@ fn device_hit(c: &mut Criterion, stream: &Stream) {
     }
 }
 
+/// A `malloc` and `free` of 64 bytes: the host reference the hit rows are read against.
+fn malloc_64() {
+    drop(black_box(Box::new(black_box([0u64; 8]))));
+}
+
 fn device_hit_sim(c: &mut Criterion) {
     let sizes: &[usize] = if quick() {
         &[256, 1 << 20, 128 << 20]
@@ -193,7 +197,7 @@ fn device_hit_sim(c: &mut Criterion) {
     let pool = SimPool::new(256 << 20);
     let paged = SimPool::paged(256 << 20);
     let stream = SimStream::new();
-    let malloc = || drop(black_box(Box::new(black_box([0u64; 8]))));
+    let malloc = malloc_64;
     let hit = |size: usize| drop(black_box(pool.alloc(black_box(size), &stream).expect("sim")));
     let hit_paged = |size: usize| drop(black_box(paged.alloc(black_box(size), &stream).expect("sim")));
     let mut g = c.benchmark_group("device_hit_sim");

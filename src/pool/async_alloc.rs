@@ -93,14 +93,14 @@ impl<S: HostVisible + 'static> Future for AllocateAsync<'_, S> {
                 }
                 this.pool.shared.drain_pending();
             }
-            let seen = this.pool.shared.returns();
+            let seen = this.pool.shared.uses.returns();
             let err = match without_backpressure(|| this.pool.try_allocate(this.layout)) {
                 Ok(block) => return Poll::Ready(Ok(block)),
                 Err(e) if !worth_waiting(&e) => return Poll::Ready(Err(e)),
                 Err(e) => e,
             };
             let Some(completions) = this.pool.shared.oldest_pending_completions() else {
-                if this.pool.shared.room_returning(seen) {
+                if this.pool.shared.uses.room_returning(seen) {
                     // A drain on another thread is putting blocks back (it holds no lock
                     // and is done in a few locks' time): try again.
                     continue;

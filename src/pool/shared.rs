@@ -576,18 +576,6 @@ impl<S: MemorySource> Shared<S> {
         Some(fences.iter().map(|f| f.completion()).collect())
     }
 
-    /// The count of finished returns of completed blocks to the free lists, to read before
-    /// an attempt at the cap and give to [`Shared::room_returning`] after it fails.
-    pub(crate) fn returns(&self) -> usize {
-        self.uses.returns()
-    }
-
-    /// Whether room came back since `seen` (see [`Shared::returns`]) or is coming back
-    /// (a drain is putting completed blocks back): a failed attempt should try again.
-    pub(crate) fn room_returning(&self, seen: usize) -> bool {
-        self.uses.room_returning(seen)
-    }
-
     /// Returns the pending blocks whose fences completed to the free lists; returns how
     /// many. The list is taken out, polled without the lock, and settled; a panic while
     /// polling cannot lose it (fences are polled under `catch_unwind`).
