@@ -9,7 +9,8 @@
 #                        (BENCH = .gpu/bench-device, N = 4 pairs; carry [".gpu"])
 #
 # Prints, per process, the bench's line of batch medians (median / fastest of 200 batches
-# of 10^4 pairs at every size), and appends it to $OUT/hit-layout.txt.
+# of 10^4 pairs at every size) and its line of the hit against a 64-byte `malloc` in
+# alternating batches (with the median ratio), and appends them to $OUT/hit-layout.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bench=${1:-.gpu/bench-device}
@@ -21,8 +22,12 @@ for ((i = 1; i <= n; i++)); do
   for layout in ordinary fixed; do
     pre=()
     [[ $layout == fixed ]] && pre=(setarch "$(uname -m)" -R)
-    line=$(timeout 60 "${pre[@]}" "$bench" --bench 'device_hit/cache_ptr' --warm-up-time 0.2 \
-      --measurement-time 0.4 --sample-size 10 2>&1 | grep 'per pair' || echo "no result")
-    echo "$layout $i: ${line#*: }" | tee -a "$out"
+    lines=$(timeout 90 "${pre[@]}" "$bench" --bench 'device_hit/cache_ptr' --warm-up-time 0.2 \
+      --measurement-time 0.4 --sample-size 10 2>&1 | grep -E 'per pair|alternating' || echo "no result")
+    while IFS= read -r line; do
+      what=medians
+      [[ $line == *alternating* ]] && what="against malloc"
+      echo "$layout $i, $what: ${line#*: }" | tee -a "$out"
+    done <<< "$lines"
   done
 done
