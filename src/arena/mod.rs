@@ -430,6 +430,9 @@ pub struct Arena<S: HostVisible = HostSource> {
 // use while it moves. It stays `!Sync`: the cells make concurrent allocation a data race.
 unsafe impl<S: HostVisible> Send for Arena<S> {}
 
+/// [`Bump::grow_in_place`] or [`Bump::shrink_in_place`], for `Arena::resize`.
+type InPlace<S> = unsafe fn(&Bump<S>, NonNull<u8>, Layout, Layout) -> Option<NonNull<u8>>;
+
 impl Arena<HostSource> {
     /// An arena over pageable host memory with the default configuration.
     ///
@@ -668,6 +671,49 @@ impl<S: HostVisible> Arena<S> {
         if self.uses.recorded.load(Ordering::Acquire) {
             self.bump.protect();
         }
+    }
+
+    /// `grow` and `shrink`: the block at `ptr` (allocated with `old`) resized in place by
+    /// `in_place` where it manages, else moved to a new block with its first
+    /// `min(old, new)` bytes.
+    ///
+    /// # Safety
+    /// 1. `ptr` is a live block of this arena allocated with `old`, and the pair meets
+    ///    `in_place`'s contract (`Bump::grow_in_place`: `new.size() >= old.size()`;
+    ///    `Bump::shrink_in_place`: `new.size() <= old.size()`).
+    #[inline(always)]
+    unsafe fn resize(
+        &self,
+        ptr: NonNull<u8>,
+        old: Layout,
+        new: Layout,
+        in_place: InPlace<S>,
+    ) -> Result<NonNull<[u8]>, AllocError> {
+        self.protect_if_used();
+        // SAFETY: obligation 1.
+        if let Some(p) = unsafe { in_place(&self.bump, ptr, old, new) } {
+            self.uses
+                .trace
+                .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+            if nvtx::on() {
+                self.reannotate((ptr, old.size()), (p, new.size()));
+            }
+            return Ok(NonNull::slice_from_raw_parts(p, new.size()));
+        }
+        let p = self
+            .alloc_block(new.size(), new.align())
+            .inspect_err(|e| self.uses.trace.failure(new, e))?;
+        // SAFETY: the old block holds old.size() bytes (obligation 1) and the new one at
+        // least new.size(); it is fresh, so the two do not overlap.
+        unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), old.size().min(new.size())) };
+        self.uses
+            .trace
+            .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+        // The new block is a region already (`alloc_block`); the old one is no longer.
+        if nvtx::on() && old.size() != 0 {
+            self.unannotate(ptr);
+        }
+        Ok(NonNull::slice_from_raw_parts(p, new.size()))
     }
 
     // ----- reuse -----
@@ -942,32 +988,9 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
 
     #[inline]
     unsafe fn grow(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        self.protect_if_used();
         // SAFETY: the trait's caller passes a live block allocated with `old`, and
-        // `new.size() >= old.size()`.
-        if let Some(p) = unsafe { self.bump.grow_in_place(ptr, old, new) } {
-            self.uses
-                .trace
-                .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
-            if nvtx::on() {
-                self.reannotate((ptr, old.size()), (p, new.size()));
-            }
-            return Ok(NonNull::slice_from_raw_parts(p, new.size()));
-        }
-        let p = self
-            .alloc_block(new.size(), new.align())
-            .inspect_err(|e| self.uses.trace.failure(new, e))?;
-        // SAFETY: the old block has old.size() bytes; the new block is fresh, so the two
-        // do not overlap, and it has at least new.size() >= old.size() bytes.
-        unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), old.size()) };
-        self.uses
-            .trace
-            .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
-        // The new block is a region already (`alloc_block`); the old one is no longer.
-        if nvtx::on() && old.size() != 0 {
-            self.unannotate(ptr);
-        }
-        Ok(NonNull::slice_from_raw_parts(p, new.size()))
+        // `new.size() >= old.size()`: `grow_in_place`'s contract.
+        unsafe { self.resize(ptr, old, new, Bump::grow_in_place) }
     }
 
     #[inline]
@@ -984,30 +1007,8 @@ unsafe impl<S: HostVisible> Allocator for &Arena<S> {
 
     #[inline]
     unsafe fn shrink(&self, ptr: NonNull<u8>, old: Layout, new: Layout) -> Result<NonNull<[u8]>, AllocError> {
-        self.protect_if_used();
         // SAFETY: the trait's caller passes a live block allocated with `old`, and
-        // `new.size() <= old.size()`.
-        if let Some(p) = unsafe { self.bump.shrink_in_place(ptr, old, new) } {
-            self.uses
-                .trace
-                .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
-            if nvtx::on() {
-                self.reannotate((ptr, old.size()), (p, new.size()));
-            }
-            return Ok(NonNull::slice_from_raw_parts(p, new.size()));
-        }
-        let p = self
-            .alloc_block(new.size(), new.align())
-            .inspect_err(|e| self.uses.trace.failure(new, e))?;
-        // SAFETY: the old block holds old.size() >= new.size() bytes; the new one is fresh.
-        unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), new.size()) };
-        self.uses
-            .trace
-            .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
-        // The new block is a region already (`alloc_block`); the old one is no longer.
-        if nvtx::on() && old.size() != 0 {
-            self.unannotate(ptr);
-        }
-        Ok(NonNull::slice_from_raw_parts(p, new.size()))
+        // `new.size() <= old.size()`: `shrink_in_place`'s contract.
+        unsafe { self.resize(ptr, old, new, Bump::shrink_in_place) }
     }
 }
