@@ -197,7 +197,6 @@ fn device_hit_sim(c: &mut Criterion) {
     let pool = SimPool::new(256 << 20);
     let paged = SimPool::paged(256 << 20);
     let stream = SimStream::new();
-    let malloc = malloc_64;
     let hit = |size: usize| drop(black_box(pool.alloc(black_box(size), &stream).expect("sim")));
     let hit_paged = |size: usize| drop(black_box(paged.alloc(black_box(size), &stream).expect("sim")));
     let mut g = c.benchmark_group("device_hit_sim");
@@ -205,7 +204,7 @@ fn device_hit_sim(c: &mut Criterion) {
         .sample_size(20)
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(1));
-    g.bench_function(BenchmarkId::new("malloc", "64B"), |b| b.iter(malloc));
+    g.bench_function(BenchmarkId::new("malloc", "64B"), |b| b.iter(malloc_64));
     for &size in sizes {
         g.bench_function(BenchmarkId::new("sim_cache", size_label(size)), |b| {
             b.iter(|| hit(size))
@@ -218,7 +217,7 @@ fn device_hit_sim(c: &mut Criterion) {
     if wanted("device_hit_sim") {
         // Criterion's means suffer on a loaded machine; the batches' median and minimum
         // less so.
-        let base = per_call(200, 10_000, malloc);
+        let base = per_call(200, 10_000, malloc_64);
         let rows: Vec<String> = sizes
             .iter()
             .map(|&size| {

@@ -691,28 +691,27 @@ impl<S: HostVisible> Arena<S> {
     ) -> Result<NonNull<[u8]>, AllocError> {
         self.protect_if_used();
         // SAFETY: obligation 1.
-        if let Some(p) = unsafe { in_place(&self.bump, ptr, old, new) } {
-            self.uses
-                .trace
-                .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
+        let p = if let Some(p) = unsafe { in_place(&self.bump, ptr, old, new) } {
             if nvtx::on() {
                 self.reannotate((ptr, old.size()), (p, new.size()));
             }
-            return Ok(NonNull::slice_from_raw_parts(p, new.size()));
-        }
-        let p = self
-            .alloc_block(new.size(), new.align())
-            .inspect_err(|e| self.uses.trace.failure(new, e))?;
-        // SAFETY: the old block holds old.size() bytes (obligation 1) and the new one at
-        // least new.size(); it is fresh, so the two do not overlap.
-        unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), old.size().min(new.size())) };
+            p
+        } else {
+            let p = self
+                .alloc_block(new.size(), new.align())
+                .inspect_err(|e| self.uses.trace.failure(new, e))?;
+            // SAFETY: the old block holds old.size() bytes (obligation 1) and the new one
+            // at least new.size(); it is fresh, so the two do not overlap.
+            unsafe { ptr::copy_nonoverlapping(ptr.as_ptr(), p.as_ptr(), old.size().min(new.size())) };
+            // The new block is a region already (`alloc_block`); the old one is no longer.
+            if nvtx::on() && old.size() != 0 {
+                self.unannotate(ptr);
+            }
+            p
+        };
         self.uses
             .trace
             .resized((ptr.as_ptr(), old), (p.as_ptr(), new, new.size()));
-        // The new block is a region already (`alloc_block`); the old one is no longer.
-        if nvtx::on() && old.size() != 0 {
-            self.unannotate(ptr);
-        }
         Ok(NonNull::slice_from_raw_parts(p, new.size()))
     }
 
