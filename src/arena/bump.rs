@@ -73,6 +73,12 @@ pub(crate) struct Bump<S: HostVisible> {
     /// `chunks[in_use..]` are empty spares waiting for reuse.
     chunks: RefCell<Vec<Chunk>>,
     in_use: Cell<usize>,
+    /// `chunks[..named]` may be named by a checkpoint of this epoch: a refill keeps such
+    /// a chunk in use even when frees (newest first) emptied it, so that the checkpoint
+    /// stays a position of the arena. Raised by `checkpoint`, set by `rewind` (a
+    /// checkpoint naming a later chunk names a position the rewind undid), 0 in a new
+    /// epoch.
+    named: Cell<usize>,
     /// `held == chunks.iter().map(|c| c.size).sum()`, and `held <= limit`.
     held: Cell<usize>,
     /// Size of the next regular chunk: grows geometrically up to `max_chunk`.
@@ -98,6 +104,7 @@ impl<S: HostVisible> Bump<S> {
             guard: Cell::new(0),
             chunks: RefCell::new(Vec::new()),
             in_use: Cell::new(0),
+            named: Cell::new(0),
             held: Cell::new(0),
             next_chunk: Cell::new(config.first_chunk.max(PAGE_SIZE)),
             config,
@@ -156,9 +163,9 @@ impl<S: HostVisible> Bump<S> {
         let mut chunks = self.chunks.borrow_mut();
         let mut in_use = self.in_use.get();
         if in_use > 0 {
-            if self.ptr.get() as usize == self.end.get() {
-                // Holds no block: a spare now. (A checkpoint never names an empty
-                // current chunk: see `checkpoint`.)
+            if self.ptr.get() as usize == self.end.get() && in_use > self.named.get() {
+                // Holds no block, and no checkpoint names it (one taken while it is
+                // empty names the position before it: see `checkpoint`): a spare now.
                 in_use -= 1;
             } else {
                 chunks[in_use - 1].left_at = self.ptr.get() as usize;
@@ -326,6 +333,12 @@ impl<S: HostVisible> Bump<S> {
         self.ptr.set(chunk.base.as_ptr().wrapping_add(chunk.size));
     }
 
+    /// Every block is freed at once: the checkpoints taken so far name no position.
+    fn new_epoch(&self) {
+        self.epoch.set(self.epoch.get() + 1);
+        self.named.set(0);
+    }
+
     /// Back to the empty state (no current chunk).
     fn leave_all(&self) {
         self.ptr.set(ptr::null_mut());
@@ -431,7 +444,7 @@ impl<S: HostVisible> Bump<S> {
     /// to the source. `hooks.wait()` runs first when memory will be reused or freed; if
     /// it fails, every chunk is given up instead.
     pub(crate) fn reset(&mut self, hooks: &impl Hooks) {
-        self.epoch.set(self.epoch.get() + 1);
+        self.new_epoch();
         if self.chunks.get_mut().is_empty() {
             return;
         }
@@ -471,6 +484,7 @@ impl<S: HostVisible> Bump<S> {
                 (base, ptr) = (c.base.as_ptr() as usize, c.left_at);
             }
         }
+        self.named.set(self.named.get().max(in_use));
         Checkpoint {
             in_use,
             base,
@@ -505,6 +519,7 @@ impl<S: HostVisible> Bump<S> {
             return self.give_up_all(hooks);
         }
         let Checkpoint { in_use, ptr, .. } = cp;
+        self.named.set(in_use);
         if in_use == 0 {
             self.leave_all();
         } else {
@@ -526,7 +541,7 @@ impl<S: HostVisible> Bump<S> {
 
     /// Gives up every chunk after a failed wait.
     fn give_up_all(&mut self, hooks: &impl Hooks) {
-        self.epoch.set(self.epoch.get() + 1);
+        self.new_epoch();
         let chunks = core::mem::take(self.chunks.get_mut());
         let held: usize = chunks.iter().map(|c| c.size).sum();
         for c in chunks {

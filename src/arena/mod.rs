@@ -773,7 +773,10 @@ impl<S: HostVisible> Arena<S> {
     ///
     /// A checkpoint below where the arena stands (every block after it freed already: the
     /// newest block reclaimed by its free, or an earlier rewind to an earlier checkpoint)
-    /// frees nothing: the bump pointer only ever moves up.
+    /// frees nothing: the bump pointer only ever moves up. Frees that empty the
+    /// checkpoint's chunk do not retire it: the chunk stays the arena's (empty, not
+    /// recycled for later blocks) until a rewind to that checkpoint or an earlier one, or
+    /// a reset.
     ///
     /// # Panics
     /// If `checkpoint` is not a position in this arena's current chunks: one of another

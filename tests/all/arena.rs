@@ -468,6 +468,44 @@ fn nested_checkpoints() {
     assert_eq!(arena.used_bytes(), 0);
 }
 
+/// A checkpoint stays a position of the arena when the blocks of its chunk are freed
+/// one by one (newest first, so the frees reclaim them) and the arena then moves to
+/// another chunk: rewinding to it frees what came after it and keeps what came before
+/// (found by an audit: the refill recycled the emptied chunk, and the rewind panicked).
+#[test]
+fn a_mark_whose_chunk_was_emptied_by_frees_still_rewinds() {
+    let mut arena = Arena::with_config(HostSource, ArenaConfig::host().with_first_chunk(64 * KIB));
+    let first = (&arena).allocate(layout(100, 8)).unwrap();
+    // SAFETY: a live block of 100 bytes.
+    unsafe { first.cast::<u8>().as_ptr().write_bytes(0xA5, 100) };
+    let big = layout(200 * KIB, 8); // a chunk of its own
+    let b = (&arena).allocate(big).unwrap();
+    let mark = arena.checkpoint(); // names `b`'s chunk
+                                   // SAFETY: the newest block, freed with its layout: its chunk is empty again.
+    unsafe { (&arena).deallocate(b.cast(), big) };
+    let after = (&arena).allocate(layout(400 * KIB, 8)).unwrap(); // does not fit that chunk
+                                                                  // SAFETY: a live block of 400 KiB.
+    unsafe { after.cast::<u8>().as_ptr().write_bytes(1, 400 * KIB) };
+    let used_after = arena.used_bytes();
+    arena.rewind(mark);
+    assert!(
+        arena.used_bytes() < used_after,
+        "the block after the mark is freed"
+    );
+    // SAFETY: allocated before the mark: the rewind left it alone.
+    let kept = unsafe { core::slice::from_raw_parts(first.cast::<u8>().as_ptr(), 100) };
+    assert!(kept.iter().all(|&x| x == 0xA5));
+    // The same through `scope`, which rewinds to a mark of its own.
+    let c = (&arena).allocate(big).unwrap();
+    arena.scope(|a| {
+        // SAFETY: the newest block, freed with its layout.
+        unsafe { a.deallocate(c.cast(), big) };
+        let v: Vec<u8, _> = collect_in(core::iter::repeat_n(7u8, 400 * KIB), a);
+        assert_eq!(v.len(), 400 * KIB);
+    });
+    assert_eq!(*Box::new_in(5u32, &arena), 5, "usable afterwards");
+}
+
 #[test]
 fn scope_frees_on_return() {
     let mut arena = Arena::host();
