@@ -50,7 +50,7 @@ pub fn fallback_allocations() -> u64 {
 #[cold]
 #[inline(never)]
 fn fallback_allocate<R: Route>(layout: Layout) -> Result<NonNull<[u8]>, AllocError> {
-    crate::source::host::note_fallback(R::KIND);
+    crate::source::host::warn_fallback(R::KIND);
     check_physical_memory(layout.size())?;
     // The fallback keeps the kind's cap (the pinned cap): code that stays under it without
     // a GPU stays under it with one.
@@ -61,7 +61,10 @@ fn fallback_allocate<R: Route>(layout: Layout) -> Result<NonNull<[u8]>, AllocErr
     // SAFETY: the layout has nonzero size.
     let p = unsafe { System.alloc(layout) };
     match NonNull::new(p) {
-        Some(p) => Ok(NonNull::slice_from_raw_parts(p, layout.size())),
+        Some(p) => {
+            crate::source::host::count_fallback();
+            Ok(NonNull::slice_from_raw_parts(p, layout.size()))
+        }
         None => {
             if let Some(b) = budget {
                 b.release(layout.size());

@@ -57,14 +57,20 @@ unsafe impl HostVisible for HostSource {}
 static FALLBACKS: crate::sync::global::AtomicU64 = crate::sync::global::AtomicU64::new(0);
 static WARNED: crate::sync::global::AtomicBool = crate::sync::global::AtomicBool::new(false);
 
-/// Counts an allocation of CUDA memory served from pageable host memory because no
-/// driver is present, and warns once per process.
-pub(crate) fn note_fallback(kind: &str) {
+/// Warns once per process that `kind` allocations fall back to pageable host memory
+/// because no driver is present (at the first attempt, so that a fallback that fails is
+/// explained too).
+pub(crate) fn warn_fallback(kind: &str) {
     use crate::sync::global::Ordering;
     if !WARNED.swap(true, Ordering::Relaxed) {
         log::warn!("cudalloc: no CUDA driver; {kind} allocations fall back to pageable host memory");
     }
-    FALLBACKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Counts an allocation of CUDA memory that pageable host memory served (only one that
+/// succeeded: [`fallbacks`] counts blocks handed out).
+pub(crate) fn count_fallback() {
+    FALLBACKS.fetch_add(1, crate::sync::global::Ordering::Relaxed);
 }
 
 /// Allocations of CUDA memory served from pageable host memory for lack of a driver.

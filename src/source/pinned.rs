@@ -84,8 +84,10 @@ unsafe impl MemorySource for PinnedSource {
     fn allocate(&self, size: usize) -> Result<NonNull<u8>> {
         debug_assert!(size > 0, "zero-size requests never reach CUDA");
         if self.fallback && !crate::cuda::driver_available() {
-            super::host::note_fallback("pinned");
-            return HostSource.allocate(size);
+            super::host::warn_fallback("pinned");
+            let block = HostSource.allocate(size)?;
+            super::host::count_fallback();
+            return Ok(block);
         }
         crate::util::check_physical_memory(size)?;
         let p = raw::host_alloc(size, self.flags)?;

@@ -404,3 +404,36 @@ fn backpressure_off_fails_at_once() {
     assert!(t.elapsed() < Duration::from_secs(5));
     never.store(true, Ordering::Release);
 }
+
+/// Found by an audit (2026-12-07): without a driver, a request the pageable fallback
+/// could not serve (here 1 PiB) counted in `fallback_allocations()` and the handles'
+/// `stats().fallbacks` as an allocation served. In a child process without the driver
+/// (`CUDALLOC_NO_DRIVER=1`), so that no other test's allocations move the counter and
+/// the GPU machine runs it too.
+#[test]
+fn failed_fallback_allocations_are_not_counted_as_served() {
+    if std::env::var_os("CUDALLOC_TEST_CHILD").is_none() {
+        child(
+            "defects::failed_fallback_allocations_are_not_counted_as_served",
+            &[("CUDALLOC_NO_DRIVER", "1")],
+        );
+        return;
+    }
+    assert!(!cudalloc::cuda::driver_available());
+    let before = cudalloc::fallback_allocations();
+    let huge = Layout::from_size_align(1 << 50, 8).unwrap();
+    assert!(cudalloc::PinnedAlloc.allocate(huge).is_err());
+    assert!(cudalloc::ManagedAlloc.allocate(huge).is_err());
+    assert_eq!(
+        cudalloc::fallback_allocations(),
+        before,
+        "failures counted as served"
+    );
+    let small = Layout::from_size_align(64, 8).unwrap();
+    let p = cudalloc::PinnedAlloc.allocate(small).unwrap();
+    let served = cudalloc::fallback_allocations();
+    assert!(served > before, "a block served from pageable memory is counted");
+    assert_eq!(cudalloc::PinnedAlloc::stats().fallbacks, served);
+    // SAFETY: allocated above with this layout, not used afterwards.
+    unsafe { cudalloc::PinnedAlloc.deallocate(p.cast(), small) };
+}
