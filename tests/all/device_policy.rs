@@ -173,3 +173,39 @@ fn without_small_blocks_the_driver_pool_reserves_nothing_for_the_heaps_blocks() 
     assert_eq!(pool.peak_reserved(), 16 << 20);
     drop(a);
 }
+
+/// Found by an audit (2026-12-07): on the simulated GPU a request near `isize::MAX`
+/// aborted the process (the page heap grew its chunk table for the whole range without
+/// a fallible reservation), and the driver-pool model handed out blocks that wrapped
+/// past the end of the address space. Now every such request fails as a device's does,
+/// and the pool goes on.
+#[test]
+fn huge_requests_on_the_simulated_gpu_fail_and_the_pool_goes_on() {
+    let s = SimStream::new();
+    for pool in [
+        SimPool::new(1 << 20),
+        SimPool::uncached(),
+        SimPool::paged(1 << 20),
+        SimPool::paged_uncached(),
+    ] {
+        for bytes in [isize::MAX as usize, usize::MAX - 4095, 1 << 50, 1 << 43] {
+            assert!(pool.alloc(bytes, &s).is_err(), "{bytes} bytes");
+        }
+        let live: Vec<SimBuffer> = [1 << 20, 8 << 20, 64 << 20]
+            .iter()
+            .map(|&b| pool.alloc(b, &s).unwrap())
+            .collect();
+        let mut ends: Vec<(u64, u64)> = live
+            .iter()
+            .zip([1u64 << 20, 8 << 20, 64 << 20])
+            .map(|(b, n)| (b.device_ptr(), b.device_ptr().checked_add(n).expect("no wrap")))
+            .collect();
+        ends.sort_unstable();
+        assert!(
+            ends.windows(2).all(|w| w[0].1 <= w[1].0),
+            "distinct blocks: {ends:x?}"
+        );
+        drop(live);
+        assert_eq!(pool.stats().live_buffers, 0);
+    }
+}

@@ -195,8 +195,17 @@ fn sim_pool_name(device: u32) -> String {
     format!("SimPool({device})")
 }
 
+/// The most the simulated device holds, whatever limit it is given: 4 TiB, more than any
+/// GPU, and small enough that the addresses it hands out (its driver pool's from 1 MiB,
+/// its page heap's from 16 TiB, `FakePhys`) never wrap or meet, so that a huge request
+/// fails as a device's does instead of handing out a block past the end of the address
+/// space.
+pub(crate) const DEVICE_BYTES: u64 = 1 << 42;
+
 impl FakeBackend {
+    /// A simulated device that holds at most `limit` bytes (and at most [`DEVICE_BYTES`]).
     pub(crate) fn new(limit: u64) -> Self {
+        let limit = limit.min(DEVICE_BYTES);
         Self {
             pages: None,
             reservations: Arc::new(Reservations::new(None)),
@@ -367,7 +376,7 @@ impl FakeBackend {
     fn charge(&self, b: u64) -> Result<()> {
         let mut held = self.held.load(Ordering::SeqCst);
         loop {
-            if held + b > self.limit {
+            if held.saturating_add(b) > self.limit {
                 return Err(Error::OutOfMemory {
                     requested: b as usize,
                 });

@@ -391,8 +391,12 @@ impl Phys for FakePhys {
             st.violation(format!("reserve of {bytes} bytes"));
         }
         let va = st.next_va;
-        // A gap after each range, so that a mapping past its end is caught.
-        st.next_va += bytes as u64 + st.granule as u64;
+        // A gap after each range, so that a mapping past its end is caught. An address
+        // space that would wrap is a reservation the driver refuses.
+        st.next_va = (bytes as u64)
+            .checked_add(st.granule as u64)
+            .and_then(|n| va.checked_add(n))
+            .ok_or(Error::OutOfMemory { requested: bytes })?;
         st.ranges.insert(va, bytes);
         Ok(va)
     }

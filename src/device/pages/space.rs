@@ -89,8 +89,8 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
         (start / cg..end.div_ceil(cg)).map(move |c| (c, end.min((c + 1) * cg) - start.max(c * cg)))
     }
 
-    /// Reserves a region for at least `n` units; returns its first unit (a free run
-    /// of the whole region).
+    /// With the turn: reserves a region for at least `n` units; returns its first unit
+    /// (a free run of the whole region).
     pub(super) fn add_region(&self, st: &mut Held<'_, B>, n: usize) -> Result<usize> {
         let cu = self.chunk_units;
         let too_large = || Error::OutOfMemory {
@@ -101,12 +101,24 @@ impl<P: Phys, B: StreamOrder> PageHeap<P, B> {
             .checked_next_multiple_of(cu)
             .ok_or_else(too_large)?;
         let bytes = units.checked_mul(self.unit).ok_or_else(too_large)?;
-        let va = st.unlocked(|| self.phys.reserve(bytes))?;
-        st.stats.range_reserves += 1;
+        // The region's bookkeeping first (a chunk entry for every chunk of the range): a
+        // request the heap cannot even describe fails here, before any driver call, with
+        // nothing changed, instead of aborting in an infallible `Vec` growth.
         let first = st.next_index;
-        st.next_index = first + units + cu;
+        let next = first
+            .checked_add(units)
+            .and_then(|n| n.checked_add(cu))
+            .ok_or_else(too_large)?;
+        let chunks = next / cu;
+        let more = chunks.saturating_sub(st.chunks.len());
+        st.chunks.try_reserve(more).map_err(|_| too_large())?;
+        st.regions.try_reserve(1).map_err(|_| too_large())?;
+        let va = st.unlocked(|| self.phys.reserve(bytes))?;
+        // With the turn (the caller's): no other thread added a region meanwhile.
+        debug_assert_eq!(st.next_index, first, "page heap: a region added without the turn");
+        st.stats.range_reserves += 1;
+        st.next_index = next;
         st.regions.push(Region { first, units, va });
-        let chunks = st.next_index / cu;
         st.chunks.resize_with(chunks, Chunk::default);
         self.put_run(st, first, units, Vec::new());
         Ok(first)
