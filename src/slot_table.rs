@@ -14,6 +14,15 @@ use core::ptr::NonNull;
 use crate::sync::global::{AtomicU64, Ordering};
 use crate::sync::UnsafeCell;
 
+/// Where the hot path finds this thread's table of one kind: a pointer in a `const`
+/// thread-local without `Drop`, which (unlike the table's own thread-local, whose access
+/// checks that its destructor is registered and may call to register it) is one load
+/// with no call behind it, so the hit compiles to a leaf. Null until a slow path of the
+/// thread publishes the table ([`SlotTable::publish`]) and again from the start of the
+/// table's destruction. Not under loom, whose thread-locals the models check.
+#[cfg(not(loom))]
+pub(crate) type HotKey<E> = std::thread::LocalKey<core::cell::Cell<*const SlotTable<E>>>;
+
 /// Slots per table: pools of one kind that get thread caches at once.
 pub(crate) const SLOTS: usize = 64;
 
@@ -25,8 +34,11 @@ pub(crate) trait SlotEntry {
 
 /// One thread's entries, by slot. Lives in a thread-local, so only its thread reaches it
 /// (it is not `Sync`: the cells are not).
-pub(crate) struct SlotTable<E> {
+pub(crate) struct SlotTable<E: 'static> {
     slots: [UnsafeCell<Option<Box<E>>>; SLOTS],
+    /// The thread-local pointer the hot path reads, if the table has one.
+    #[cfg(not(loom))]
+    hot: Option<&'static HotKey<E>>,
 }
 
 impl<E: SlotEntry> SlotTable<E> {
@@ -36,7 +48,52 @@ impl<E: SlotEntry> SlotTable<E> {
     pub(crate) const fn new() -> Self {
         Self {
             slots: [const { UnsafeCell::new(None) }; SLOTS],
+            hot: None,
         }
+    }
+
+    /// An empty table that [`publish`](Self::publish) makes reachable through `hot`
+    /// ([`SlotTable::hot_entry_ptr`]).
+    #[cfg(not(loom))]
+    pub(crate) const fn with_hot(hot: &'static HotKey<E>) -> Self {
+        Self {
+            slots: [const { UnsafeCell::new(None) }; SLOTS],
+            hot: Some(hot),
+        }
+    }
+
+    /// Makes this table reachable through its hot pointer (nothing for a table without
+    /// one, and under loom).
+    ///
+    /// # Safety
+    /// 1. `self` is the table in a thread-local of the calling thread (so it stays at this
+    ///    address until its destructor runs, which clears the pointer first).
+    #[inline(always)]
+    pub(crate) unsafe fn publish(&self) {
+        #[cfg(not(loom))]
+        if let Some(hot) = self.hot {
+            // A `const` thread-local without `Drop` is never destroyed: `try_with` cannot
+            // fail, and an error would only leave the pointer unset (the slow way).
+            let _ = hot.try_with(|p| p.set(self));
+        }
+    }
+
+    /// The entry of pool `uid` in `slot` of this thread's table behind `hot`, as
+    /// [`entry_ptr`](Self::entry_ptr) gives it; `None` also while no table is published
+    /// (the caller takes its slow path, which goes through the table's thread-local).
+    #[cfg(not(loom))]
+    #[inline(always)]
+    pub(crate) fn hot_entry_ptr(hot: &'static HotKey<E>, slot: usize, uid: u64) -> Option<NonNull<E>> {
+        let table = hot.try_with(|p| p.get()).ok()?;
+        if table.is_null() {
+            return None;
+        }
+        // SAFETY: `hot` is this thread's, and only `publish` sets it: to a table in a
+        // thread-local of this thread (its obligation 1), which stays at that address
+        // until its destructor, whose first act is to clear `hot`. So a non-null pointer
+        // is a live table of this thread, reached here through a shared reference only
+        // (its cells are borrowed within `entry_ptr` alone).
+        unsafe { &*table }.entry_ptr(slot, uid)
     }
 
     /// An empty table (loom's cells have no `const` constructor).
@@ -118,6 +175,12 @@ impl<E: SlotEntry> SlotTable<E> {
 
 impl<E> Drop for SlotTable<E> {
     fn drop(&mut self) {
+        // First: from here on the hot path takes the slow way, which finds the
+        // thread-local destroyed.
+        #[cfg(not(loom))]
+        if let Some(hot) = self.hot {
+            let _ = hot.try_with(|p| p.set(core::ptr::null()));
+        }
         for slot in &self.slots {
             // SAFETY: the table is being destroyed on its own thread; no borrow of a cell
             // is live (borrows never outlive `with`, `take` and `replace`). The entry is

@@ -52,8 +52,16 @@ pub(crate) trait PoolHandle: Clone + Send + Sync + 'static {
     /// 1. Called once, by the handle's drop; the handle is not used afterwards.
     unsafe fn release_ref(&mut self);
     /// Runs `f` with this thread's table of caches of pools of this type; `None` while the
-    /// thread's locals are being destroyed.
+    /// thread's locals are being destroyed. Publishes the table for [`PoolHandle::hot_entry`].
     fn with_table<R>(f: impl FnOnce(&SlotTable<LocalCache<Self>>) -> R) -> Option<R>;
+    /// The hot path's way to this thread's entry of pool `uid` in `slot`
+    /// ([`SlotTable::entry_ptr`]): through the table's hot pointer where the handle type
+    /// has one (`SlotTable::hot_entry_ptr`), so that the hit makes no call; `None` as well
+    /// before a slow path of this thread published the table.
+    #[inline(always)]
+    fn hot_entry(slot: usize, uid: u64) -> Option<NonNull<LocalCache<Self>>> {
+        Self::with_table(|t| t.entry_ptr(slot, uid)).flatten()
+    }
     /// The slots of pools of this type in their tables.
     fn slots() -> &'static SlotBits;
     /// Whether the hot path describes blocks to an attached NVTX tool (its one branch,
@@ -130,7 +138,7 @@ impl<P: PoolHandle> SlotEntry for LocalCache<P> {
 /// a call that reaches the table in no other way.
 #[inline(always)]
 fn local_cache<P: PoolHandle>(slot: usize, uid: u64) -> Option<NonNull<LocalCache<P>>> {
-    P::with_table(|t| t.entry_ptr(slot, uid)).flatten()
+    P::hot_entry(slot, uid)
 }
 
 /// The allocation hit: a block of the class of `bytes` (nonzero) freed on `stream`, from
@@ -445,37 +453,96 @@ fn release_parts<P: PoolHandle>(
     pool: P,
     uses: Option<Box<Vec<StreamOf<P>>>>,
 ) {
-    let core = pool.core();
-    // Seen before the block goes anywhere (another thread may take it at once).
+    // Seen before the block goes anywhere (another thread may take it at once). Every
+    // call on this path is a tail call, so that the common case keeps its values in
+    // registers and saves none (the observed free, the stream search, the slow path and
+    // a close's reclaim each continue in a function of their own).
     if observe::wanted(observed::<P>()) {
-        observe_free::<P>(core, ptr, bytes, &stream, uses.is_none());
+        return release_observed((ptr, class), bytes, stream, pool, uses);
     }
+    let core = pool.core();
     // One test for the common case: a class below `LARGE` is a block cached by class
     // (an empty buffer's class is `NOT_CACHED`, above it).
     if let (Some(slot), None, true) = (core.slot, &uses, class < LARGE) {
-        let id = P::B::stream_id(&stream);
         if let Some(mut e) = local_cache::<P>(slot, core.uid) {
+            let id = P::B::stream_id(&stream);
             // SAFETY: as in `try_alloc_fast`: the entry stays in the table during this
-            // statement, no other reference to it is live, and `push` does not reach the
-            // table (it moves the block and the handles into the cache, or gives the
+            // statement, no other reference to it is live, and `push_last` does not reach
+            // the table (it moves the block and the handles into the cache, or gives the
             // handles back).
-            let pushed = unsafe { e.as_mut() }.cache.push(id, class, ptr, stream, pool);
-            match pushed {
+            let pushed = unsafe { e.as_mut() }
+                .cache
+                .push_last(id, class, ptr, stream, pool);
+            return match pushed {
                 // Read after the push is published (`close.rs`).
                 // SAFETY: as above; the push's borrow ended.
                 Ok(()) if unsafe { e.as_ref() }.cache.reclaim_requested() => P::after_push(e),
                 Ok(()) => {}
-                Err((stream, pool)) => release_slow(pool, ptr, bytes, stream, None),
-            }
-            return;
+                Err((stream, pool)) => release_searched(pool, ptr, bytes, stream, class),
+            };
         }
     }
-    if let (Some(slot), None, LARGE) = (core.slot, &uses, class) {
+    release_uncached(pool, ptr, bytes, stream, uses, class);
+}
+
+/// [`release_parts`] for a free an NVTX tool or the recorder sees.
+#[cold]
+#[inline(never)]
+#[allow(clippy::box_collection)]
+fn release_observed<P: PoolHandle>(
+    (ptr, class): (u64, usize),
+    bytes: usize,
+    stream: StreamOf<P>,
+    pool: P,
+    uses: Option<Box<Vec<StreamOf<P>>>>,
+) {
+    let core = pool.core();
+    observe_free::<P>(core, ptr, bytes, &stream, uses.is_none());
+    if let (None, true) = (&uses, class < LARGE) {
+        return release_searched(pool, ptr, bytes, stream, class);
+    }
+    release_uncached(pool, ptr, bytes, stream, uses, class);
+}
+
+/// The free of a block cached by class (no uses on other streams) that the stream's
+/// last slot did not take: into this thread's bin for its stream found by a search, else
+/// through the slow path.
+#[cold]
+#[inline(never)]
+fn release_searched<P: PoolHandle>(pool: P, ptr: u64, bytes: usize, stream: StreamOf<P>, class: usize) {
+    let core = pool.core();
+    let Some(mut e) = core.slot.and_then(|slot| local_cache::<P>(slot, core.uid)) else {
+        return release_slow(pool, ptr, bytes, stream, None);
+    };
+    let id = P::B::stream_id(&stream);
+    // SAFETY: as in `release_parts`; `push` does not reach the table either.
+    match unsafe { e.as_mut() }.cache.push(id, class, ptr, stream, pool) {
+        // SAFETY: as above; the push's borrow ended.
+        Ok(()) if unsafe { e.as_ref() }.cache.reclaim_requested() => P::after_push(e),
+        Ok(()) => {}
+        Err((stream, pool)) => release_slow(pool, ptr, bytes, stream, None),
+    }
+}
+
+/// The free of a block not cached by class: a large block into this thread's large
+/// slots, anything else (an empty buffer, a block with uses on other streams, one too
+/// large to cache) through the slow path.
+#[cold]
+#[inline(never)]
+#[allow(clippy::box_collection)]
+fn release_uncached<P: PoolHandle>(
+    pool: P,
+    ptr: u64,
+    bytes: usize,
+    stream: StreamOf<P>,
+    uses: Option<Box<Vec<StreamOf<P>>>>,
+    class: usize,
+) {
+    if let (Some(slot), None, LARGE) = (pool.core().slot, &uses, class) {
         return release_large(pool, ptr, bytes, stream, slot);
     }
     release_slow(pool, ptr, bytes, stream, uses);
 }
-
 /// The free of a large block: into this thread's large slots with its handles, else
 /// through the slow path.
 #[inline(always)]

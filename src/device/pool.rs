@@ -26,7 +26,24 @@ pub(crate) struct Inner {
 
 thread_local_const! {
     /// This thread's caches of device pools, by the pools' slots.
-    static TABLE: SlotTable<LocalCache<PoolRef>> = SlotTable::new();
+    static TABLE: SlotTable<LocalCache<PoolRef>> = table();
+}
+
+#[cfg(not(loom))]
+std::thread_local! {
+    /// Where the hot path finds `TABLE` (`SlotTable::hot_entry_ptr`).
+    static HOT: core::cell::Cell<*const SlotTable<LocalCache<PoolRef>>> =
+        const { core::cell::Cell::new(core::ptr::null()) };
+}
+
+#[cfg(not(loom))]
+const fn table() -> SlotTable<LocalCache<PoolRef>> {
+    SlotTable::with_hot(&HOT)
+}
+
+#[cfg(loom)]
+fn table() -> SlotTable<LocalCache<PoolRef>> {
+    SlotTable::new()
 }
 
 /// The slots of device pools in their thread-local tables.
@@ -91,7 +108,19 @@ impl PoolHandle for PoolRef {
 
     #[inline(always)]
     fn with_table<R>(f: impl FnOnce(&SlotTable<LocalCache<Self>>) -> R) -> Option<R> {
-        TABLE.try_with(f).ok()
+        TABLE
+            .try_with(|t| {
+                // SAFETY: `t` is this thread's `TABLE` (obligation 1).
+                unsafe { t.publish() };
+                f(t)
+            })
+            .ok()
+    }
+
+    #[cfg(not(loom))]
+    #[inline(always)]
+    fn hot_entry(slot: usize, uid: u64) -> Option<core::ptr::NonNull<LocalCache<Self>>> {
+        SlotTable::hot_entry_ptr(&HOT, slot, uid)
     }
 
     fn slots() -> &'static SlotBits {

@@ -15,7 +15,9 @@ use super::local::{self, Core, LocalCache, Owned, PoolHandle};
 use super::order::StreamOrder;
 use super::pages::page_threshold;
 use crate::error::Result;
-use crate::slot_table::{SlotBits, SlotTable};
+#[cfg(not(loom))]
+use crate::slot_table::HotKey;
+use crate::slot_table::{SlotBits, SlotEntry, SlotTable};
 use crate::sync::global::{Arc, Weak};
 use crate::sync::thread_local_const;
 use core::marker::PhantomData;
@@ -107,12 +109,37 @@ mod sealed {
 }
 
 thread_local_const! {
-    static TABLE: SlotTable<LocalCache<SimRef<Annotated>>> = SlotTable::new();
+    static TABLE: SlotTable<LocalCache<SimRef<Annotated>>> = table(&HOT);
 }
 
 thread_local_const! {
-    static BARE_TABLE: SlotTable<LocalCache<SimRef<Bare>>> = SlotTable::new();
+    static BARE_TABLE: SlotTable<LocalCache<SimRef<Bare>>> = table(&BARE_HOT);
 }
+
+/// A table of `E` reached by the hot path through `HotKey` `_hot` (as `DevicePool`'s).
+#[cfg(not(loom))]
+const fn table<E: SlotEntry>(hot: &'static HotKey<E>) -> SlotTable<E> {
+    SlotTable::with_hot(hot)
+}
+
+#[cfg(loom)]
+fn table<E: SlotEntry>(_hot: &()) -> SlotTable<E> {
+    SlotTable::new()
+}
+
+#[cfg(not(loom))]
+std::thread_local! {
+    /// Where the hot paths find `TABLE` and `BARE_TABLE` (`SlotTable::hot_entry_ptr`).
+    static HOT: core::cell::Cell<*const SlotTable<LocalCache<SimRef<Annotated>>>> =
+        const { core::cell::Cell::new(core::ptr::null()) };
+    static BARE_HOT: core::cell::Cell<*const SlotTable<LocalCache<SimRef<Bare>>>> =
+        const { core::cell::Cell::new(core::ptr::null()) };
+}
+
+#[cfg(loom)]
+static HOT: () = ();
+#[cfg(loom)]
+static BARE_HOT: () = ();
 
 static SLOTS: SlotBits = SlotBits::new();
 
@@ -162,6 +189,8 @@ impl<M: Branch> PoolHandle for SimRef<M> {
         if M::NVTX {
             TABLE
                 .try_with(|t| {
+                    // SAFETY: `t` is this thread's `TABLE` (obligation 1).
+                    unsafe { t.publish() };
                     // SAFETY: `Self` is `SimRef<Annotated>` here (above): the cast
                     // changes no type.
                     f(unsafe { &*core::ptr::from_ref(t).cast() })
@@ -170,11 +199,25 @@ impl<M: Branch> PoolHandle for SimRef<M> {
         } else {
             BARE_TABLE
                 .try_with(|t| {
+                    // SAFETY: as above, for `BARE_TABLE`.
+                    unsafe { t.publish() };
                     // SAFETY: `Self` is `SimRef<Bare>` here (above): the cast changes no
                     // type.
                     f(unsafe { &*core::ptr::from_ref(t).cast() })
                 })
                 .ok()
+        }
+    }
+
+    #[cfg(not(loom))]
+    #[inline(always)]
+    fn hot_entry(slot: usize, uid: u64) -> Option<core::ptr::NonNull<LocalCache<Self>>> {
+        // As in `with_table`: in each arm `Self` is the type of that table's entries, so
+        // the casts change no type.
+        if M::NVTX {
+            SlotTable::hot_entry_ptr(&HOT, slot, uid).map(|e| e.cast())
+        } else {
+            SlotTable::hot_entry_ptr(&BARE_HOT, slot, uid).map(|e| e.cast())
         }
     }
 

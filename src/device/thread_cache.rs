@@ -374,6 +374,19 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         let Some(i) = self.find(id) else {
             return Err((stream, pool));
         };
+        self.push_at(i, class, ptr, stream, pool)
+    }
+
+    /// [`push`](Self::push) into slot `i`, one [`find`](Self::find) returned.
+    #[inline(always)]
+    fn push_at(
+        &mut self,
+        i: usize,
+        class: usize,
+        ptr: u64,
+        stream: B::Stream,
+        pool: P,
+    ) -> Result<(), Handles<B, P>> {
         let room = self.max_bytes - self.bytes;
         let Some(bin) = self.found_bin(i, class) else {
             return Err((stream, pool));
@@ -385,6 +398,24 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         bin.push_within_capacity(ptr, Some((stream, pool)));
         self.count(i, 1, size);
         Ok(())
+    }
+
+    /// [`push`](Self::push) into the slot of the stream used last only (no search, so
+    /// no call): the free's common case, which leaves any other to `push`.
+    #[inline(always)]
+    pub(crate) fn push_last(
+        &mut self,
+        id: StreamId,
+        class: usize,
+        ptr: u64,
+        stream: B::Stream,
+        pool: P,
+    ) -> Result<(), Handles<B, P>> {
+        let last = self.last & (MAX_STREAMS - 1);
+        if self.ids[last] != Some(id) {
+            return Err((stream, pool));
+        }
+        self.push_at(last, class, ptr, stream, pool)
     }
 
     /// The allocation fast path of a large block: one of `bytes` freed on stream `id`,

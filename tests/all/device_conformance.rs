@@ -259,3 +259,46 @@ fn random_allocations_on_many_streams_and_threads_keep_their_contents() {
     }
     assert_eq!(cudalloc::cuda::drop_errors(), errors);
 }
+
+/// A buffer dropped by a thread-local's destructor goes back to its pool, whether the
+/// thread's table of caches is still there then (the free's hot path, through the table's
+/// pointer) or already destroyed (the slow path, with no thread cache): on the simulated
+/// GPU, where the hot path is the real pool's code.
+#[test]
+fn buffers_dropped_by_thread_local_destructors_go_back_to_the_pool() {
+    use std::cell::RefCell;
+
+    use cudalloc::device::sim::{SimBuffer, SimPool, SimStream};
+
+    struct Holder(Option<SimBuffer>);
+    thread_local! {
+        // Registered before the table (first used first): destroyed after it.
+        static BEFORE: RefCell<Holder> = const { RefCell::new(Holder(None)) };
+        // Registered after the table: destroyed before it.
+        static AFTER: RefCell<Holder> = const { RefCell::new(Holder(None)) };
+    }
+    let pool = SimPool::new(1 << 20);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let s = SimStream::new();
+            BEFORE.with(|_| {});
+            // The thread's first allocation makes its cache (and registers the table).
+            drop(pool.alloc(4096, &s).unwrap());
+            let hits = pool.hits();
+            let (a, b) = (pool.alloc(4096, &s).unwrap(), pool.alloc(4096, &s).unwrap());
+            assert!(pool.hits() > hits, "the thread's cache served a block");
+            BEFORE.with(|h| h.borrow_mut().0 = Some(a));
+            AFTER.with(|h| h.borrow_mut().0 = Some(b));
+        })
+        .join()
+        .unwrap();
+    });
+    let st = pool.stats();
+    assert_eq!((st.live_buffers, st.live_bytes), (0, 0), "{st:?}");
+    assert_eq!(st.held_bytes, st.cached_bytes + st.pending_bytes, "{st:?}");
+    // Both blocks are back where a new allocation finds them.
+    let s = SimStream::new();
+    let again: Vec<SimBuffer> = (0..3).map(|_| pool.alloc(4096, &s).unwrap()).collect();
+    assert_eq!(pool.stats().live_buffers, 3);
+    drop(again);
+}
