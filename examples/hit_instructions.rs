@@ -6,12 +6,13 @@
 //! the NVTX annotations compiled out.
 //!
 //! ```text
-//! cargo run --release --example hit_instructions -- PATH N
+//! cargo run --release --example hit_instructions -- PATH N [BYTES]
 //! ```
 //!
 //! PATH: `host_pool` (`Pool<HostSource>`, 256 B), `device_sim` (`SimPool::annotated`,
 //! `DevicePool`'s hot path on the simulated GPU, 256 B), `device_sim_bare` (the same with
-//! the NVTX branch compiled out), `system` (`System`, 256 B), `counting`
+//! the NVTX branch compiled out; BYTES sets their request, 256 by default, e.g. 16 MiB for
+//! a large block's path), `system` (`System`, 256 B), `counting`
 //! (`Counting<System>`, 256 B). The host paths' pairs write the block's first byte; the
 //! `device_sim` paths allocate and free only.
 
@@ -55,7 +56,11 @@ fn global_pair(a: &impl GlobalAlloc) {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(path), Some(Ok(n))) = (args.first(), args.get(1).map(|n| n.parse::<u64>())) else {
-        eprintln!("usage: hit_instructions PATH N (see the comment at the top of the file)");
+        eprintln!("usage: hit_instructions PATH N [BYTES] (see the comment at the top of the file)");
+        return ExitCode::from(2);
+    };
+    let Ok(bytes) = args.get(2).map_or(Ok(256), |b| b.parse::<usize>()) else {
+        eprintln!("hit_instructions: BYTES must be a number");
         return ExitCode::from(2);
     };
     match path.as_str() {
@@ -77,12 +82,12 @@ fn main() -> ExitCode {
             if path == "device_sim" {
                 let pool = SimPool::annotated(256 << 20);
                 run(n, || {
-                    drop(black_box(pool.alloc(black_box(256), &s).expect("sim")))
+                    drop(black_box(pool.alloc(black_box(bytes), &s).expect("sim")))
                 });
             } else {
                 let pool = SimPool::bare(256 << 20);
                 run(n, || {
-                    drop(black_box(pool.alloc(black_box(256), &s).expect("sim")))
+                    drop(black_box(pool.alloc(black_box(bytes), &s).expect("sim")))
                 });
             }
         }
