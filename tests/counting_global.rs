@@ -356,10 +356,79 @@ fn a_threaded_prefault_leaves_nothing_in_the_callers_window() {
     );
 }
 
+/// Found by an audit (2026-12-07): a thread's first use of a pool inside a window made
+/// the pool's cache for that thread (its entry, bins, statistics), which lives until the
+/// thread exits, and the window reported it as the user's leak; so did a pool's shared
+/// lists growing when a thread cache overflowed. The crate's bookkeeping is counted in
+/// the totals but not in windows. On a fresh thread for each allocator, with the pool
+/// made (and `std`'s own lazies warmed) before the window, as a test harness's threads
+/// see it; the GPU handles too where a driver is present.
+fn a_pools_thread_cache_is_not_the_users_leak() {
+    use allocator_api2::alloc::Allocator;
+    use allocator_api2::vec::Vec as AVec;
+    use cudalloc::device::sim::{SimPool, SimStream};
+    use cudalloc::pool::Pool;
+    use cudalloc::source::HostSource;
+
+    fn on_a_fresh_thread(name: &str, f: impl FnOnce() + Send) {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                drop(std::hint::black_box(Box::new(1u64))); // std's per-thread lazies
+                let w = Window::open();
+                f();
+                if let Err(report) = w.check() {
+                    panic!("{name}: {report}");
+                }
+            });
+        });
+    }
+    let pool = Pool::new(HostSource);
+    drop(AVec::<u8, _>::with_capacity_in(100, &pool));
+    on_a_fresh_thread("Pool<HostSource>", || {
+        drop(AVec::<u8, _>::with_capacity_in(100, &pool));
+        drop(AVec::<u8, _>::with_capacity_in(1 << 20, &pool)); // a large block
+                                                               // Enough frees of one class to overflow the thread's bin into the shared lists.
+        let blocks: std::vec::Vec<_> = (0..4096)
+            .map(|_| pool.allocate(Layout::new::<[u8; 64]>()).unwrap())
+            .collect();
+        for b in blocks {
+            // SAFETY: allocated just above with this layout, freed once.
+            unsafe { pool.deallocate(b.cast(), Layout::new::<[u8; 64]>()) };
+        }
+    });
+    let sim = SimPool::new(1 << 20);
+    let s = SimStream::new();
+    drop(sim.alloc(4096, &s).unwrap());
+    // The stream outlives the window (as streams do): the blocks the cache keeps hold
+    // their stream's handle.
+    on_a_fresh_thread("SimPool", || {
+        drop(sim.alloc(4096, &s).unwrap());
+        drop(sim.alloc(16 << 20, &s).unwrap());
+    });
+    drop(AVec::<u8, _>::with_capacity_in(100, cudalloc::PinnedAlloc));
+    drop(AVec::<u8, _>::with_capacity_in(100, cudalloc::ManagedAlloc));
+    on_a_fresh_thread("PinnedAlloc and ManagedAlloc", || {
+        drop(AVec::<u8, _>::with_capacity_in(100, cudalloc::PinnedAlloc));
+        drop(AVec::<u8, _>::with_capacity_in(100, cudalloc::ManagedAlloc));
+    });
+    if let Ok(device) = cudalloc::device::DevicePool::get(0) {
+        let stream = cudalloc::cuda::Stream::new(0).unwrap();
+        drop(device.alloc::<u8>(4096, &stream).unwrap());
+        on_a_fresh_thread("DevicePool", || {
+            drop(device.alloc::<u8>(4096, &stream).unwrap());
+            drop(device.alloc::<u8>(16 << 20, &stream).unwrap());
+        });
+    }
+}
+
 fn main() {
     #[cfg_attr(not(feature = "backtrace"), allow(unused_mut))]
     let mut tests: Vec<(&str, fn())> = vec![
         ("window_sees_heap_allocations", window_sees_heap_allocations),
+        (
+            "a_pools_thread_cache_is_not_the_users_leak",
+            a_pools_thread_cache_is_not_the_users_leak,
+        ),
         (
             "a_threaded_prefault_leaves_nothing_in_the_callers_window",
             a_threaded_prefault_leaves_nothing_in_the_callers_window,

@@ -7,6 +7,17 @@
 //! | [`Window`], [`assert_no_leaks_on_this_thread`], [`check_leaks_on_this_thread`] | this thread, through every `Counting` |
 //! | [`ProcessWindow`], [`Counting::assert_no_leaks_across_threads`], [`Counting::check_leaks_across_threads`] | every thread, through one `Counting` |
 //!
+//! The crate's own pools keep memory past the call that made it: a thread's cache of a
+//! pool, made at the thread's first use of it and freed when the thread exits, the
+//! lists a pool grows, the process-wide pools behind [`PinnedAlloc`](crate::PinnedAlloc)
+//! and [`DevicePool::get`](crate::device::DevicePool::get). That bookkeeping is counted
+//! in every `Counting`'s totals (so a [`ProcessWindow`] around a thread's first use of a
+//! pool sees it, if the thread outlives the window) but never in a thread's windows: a
+//! test's window around its use of a pool reports only what the test kept. One thing
+//! the caches keep is the test's: a cached device block holds its buffer's stream
+//! handle, so a stream made and dropped inside the window stays allocated until the
+//! block is reused or the cache flushed (make streams outside the window).
+//!
 //! Files, each depending only on those after it: `window.rs` (windows, leak checks and
 //! reports) -> this file (`Counting` and its hot path) -> `sites.rs` (the blocks
 //! allocated in windows, with their stacks under feature `backtrace`) -> `thread.rs` (per-thread state) -> `counters.rs` (per-allocator
@@ -59,7 +70,7 @@ pub use window::{
 
 use crate::sync::global::{AtomicUsize, Ordering};
 use counters::Counters;
-pub(crate) use sites::{uncounted, uncounted_thread};
+pub(crate) use sites::{bookkeeping, uncounted, uncounted_thread};
 use thread::{current, ThreadState};
 
 /// An allocator that counts what passes through `A`: allocations, frees, reallocations,
@@ -242,7 +253,7 @@ impl<A> Counting<A> {
         let size64 = size as u64;
         let counted = current(|t| {
             self.counters.record_alloc(t.slot(), size64);
-            if self.recording(t) {
+            if self.recording(t) && !sites::is_bookkeeping() {
                 self.alloc_in_window(t, ptr, size);
             }
         });
@@ -285,6 +296,8 @@ impl<A> Counting<A> {
         let size64 = size as u64;
         let counted = current(|t| {
             self.counters.record_free(t.slot(), size64);
+            // A free counts in the window even in bookkeeping: the block may be one the
+            // window allocated (a buffer's record of its uses, which the pool frees later).
             if t.window_open() {
                 t.on_free(size64);
             }
@@ -304,7 +317,7 @@ impl<A> Counting<A> {
         }
         let counted = current(|t| {
             self.counters.record_realloc(t.slot(), old as u64, new as u64);
-            if t.window_open() {
+            if t.window_open() && !sites::is_bookkeeping() {
                 t.on_realloc(old as u64, new as u64);
             }
         });
@@ -334,7 +347,9 @@ impl<A> Counting<A> {
             return;
         }
         self.counters.record_failure();
-        let _ = current(|t| t.on_failure());
+        if !sites::is_bookkeeping() {
+            let _ = current(|t| t.on_failure());
+        }
     }
 
     /// Counts the outcome of growing or shrinking a block from `old` to `new` bytes: a
@@ -702,6 +717,31 @@ mod tests {
         });
         drop(Box::new_in(1u8, &c));
         assert_eq!(c.snapshot().allocs, before.allocs + 2, "counted again after");
+    }
+
+    /// The crate's bookkeeping (`bookkeeping`) is counted in the totals, but what it
+    /// allocates is not the window's; what it frees is (a block the window allocated
+    /// and handed to a pool, freed in the pool's slow path).
+    #[test]
+    fn bookkeeping_counts_in_the_totals_and_only_its_frees_in_windows() {
+        let c = Counting::new(System);
+        drop(Box::new_in(1u8, &c));
+        let before = c.snapshot();
+        let w = Window::open();
+        let kept = bookkeeping(|| Box::new_in([0u8; 24], &c));
+        let after = c.snapshot();
+        assert_eq!(
+            (after.allocs, after.live_bytes()),
+            (before.allocs + 1, 24),
+            "in the totals"
+        );
+        assert!(w.check().is_ok(), "not the window's");
+        let w = Window::open();
+        let handed = Box::new_in([0u8; 40], &c);
+        bookkeeping(|| drop(handed));
+        assert!(w.check().is_ok(), "its free balances the window's allocation");
+        bookkeeping(|| drop(kept));
+        assert_eq!(c.snapshot().live_bytes(), 0);
     }
 
     use counters::SHARDS;

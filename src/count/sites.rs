@@ -53,12 +53,14 @@ mod table;
 
 #[cfg(not(loom))]
 pub(crate) use table::{
-    any, collect, detach, forget, is_internal, now, record, uncounted, uncounted_thread, Detached, ENABLED,
+    any, bookkeeping, collect, detach, forget, is_bookkeeping, is_internal, now, record, uncounted,
+    uncounted_thread, Detached, ENABLED,
 };
 
 #[cfg(loom)]
 pub(crate) use off::{
-    any, collect, detach, forget, is_internal, now, record, uncounted, uncounted_thread, Detached, ENABLED,
+    any, bookkeeping, collect, detach, forget, is_bookkeeping, is_internal, now, record, uncounted,
+    uncounted_thread, Detached, ENABLED,
 };
 
 /// Stand-ins for the table under loom (its lock and thread-locals are std's).
@@ -85,6 +87,15 @@ mod off {
     }
 
     pub(crate) fn uncounted_thread() {}
+
+    #[inline(always)]
+    pub(crate) fn is_bookkeeping() -> bool {
+        false
+    }
+
+    pub(crate) fn bookkeeping<R>(f: impl FnOnce() -> R) -> R {
+        f()
+    }
 
     #[inline(always)]
     pub(crate) fn forget(_instance: impl FnOnce() -> usize, _addr: usize) {}

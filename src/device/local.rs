@@ -300,40 +300,44 @@ pub(crate) fn record_failure<P: PoolHandle>(pool: &P, bytes: usize, stream: &Str
 
 /// Runs `f` with this thread's cache for `pool` (made if needed; `None` if the pool has
 /// none or the thread's locals are gone). The cache is out of the thread-local table
-/// meanwhile, so `f` may take long, call CUDA and drop handles.
+/// meanwhile, so `f` may take long, call CUDA and drop handles. The crate's bookkeeping
+/// (`count::bookkeeping`): the thread's cache made here lives as long as the thread, and
+/// the pool's lists grow here, so a leak check's window does not count them.
 pub(crate) fn with_thread_cache<P: PoolHandle, R>(
     pool: &P,
     f: impl FnOnce(Option<&mut ThreadCache<P::B, P>>) -> R,
 ) -> R {
-    let core = pool.core();
-    let Some(slot) = core.slot else {
-        return f(None);
-    };
-    let uid = core.uid;
-    let mut entry = P::with_table(|t| t.take(slot, uid)).flatten().or_else(|| {
-        let cache = core.cache.new_thread_cache()?;
-        let mut e = Box::new(LocalCache {
-            uid,
-            cache,
-            owner: pool.downgrade(),
+    crate::count::bookkeeping(|| {
+        let core = pool.core();
+        let Some(slot) = core.slot else {
+            return f(None);
+        };
+        let uid = core.uid;
+        let mut entry = P::with_table(|t| t.take(slot, uid)).flatten().or_else(|| {
+            let cache = core.cache.new_thread_cache()?;
+            let mut e = Box::new(LocalCache {
+                uid,
+                cache,
+                owner: pool.downgrade(),
+            });
+            // Boxed: the cache stays at this address until the entry is dropped.
+            let at: *mut ThreadCache<P::B, P> = &mut e.cache;
+            e.cache
+                .stats()
+                .cache
+                .store(at.cast(), crate::sync::Ordering::Release);
+            Some(e)
         });
-        // Boxed: the cache stays at this address until the entry is dropped.
-        let at: *mut ThreadCache<P::B, P> = &mut e.cache;
-        e.cache
-            .stats()
-            .cache
-            .store(at.cast(), crate::sync::Ordering::Release);
-        Some(e)
-    });
-    let r = f(entry.as_deref_mut().map(|e| &mut e.cache));
-    if let Some(e) = entry {
-        // Dropped after the table is released: dropping an entry flushes it into a pool.
-        let mut e = Some(e);
-        let displaced = P::with_table(|t| t.replace(slot, e.take()));
-        drop(displaced);
-        drop(e); // the thread's locals are being destroyed: flushed now
-    }
-    r
+        let r = f(entry.as_deref_mut().map(|e| &mut e.cache));
+        if let Some(e) = entry {
+            // Dropped after the table is released: dropping an entry flushes it into a pool.
+            let mut e = Some(e);
+            let displaced = P::with_table(|t| t.replace(slot, e.take()));
+            drop(displaced);
+            drop(e); // the thread's locals are being destroyed: flushed now
+        }
+        r
+    })
 }
 
 /// The class of a block that no thread cache holds (too large to cache, or empty).

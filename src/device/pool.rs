@@ -263,7 +263,9 @@ impl DevicePool {
         if let Some(pool) = slot.get() {
             return Ok(pool.clone());
         }
-        let pool = Self::new(device, DevicePoolConfig::default())?;
+        // The crate's bookkeeping (`count::bookkeeping`): made on first use, kept for the
+        // process, so a leak check's window does not count it.
+        let pool = crate::count::bookkeeping(|| Self::new(device, DevicePoolConfig::default()))?;
         // Two threads may race to create it: one wins, the other's pool is dropped.
         Ok(slot.get_or_init(|| pool).clone())
     }
@@ -460,7 +462,7 @@ impl DevicePool {
 
 fn process_pools() -> &'static [OnceLock<DevicePool>] {
     static POOLS: OnceLock<Box<[OnceLock<DevicePool>]>> = OnceLock::new();
-    POOLS.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect())
+    POOLS.get_or_init(|| crate::count::bookkeeping(|| (0..device_count()).map(|_| OnceLock::new()).collect()))
 }
 
 /// Trims every process-wide pool (at exit under compute-sanitizer: `cuda/exit.rs`).

@@ -35,7 +35,8 @@ fn pinned_default_limit() -> Option<usize> {
 
 pub(crate) fn pinned_budget() -> &'static Arc<Budget> {
     static BUDGET: OnceLock<Arc<Budget>> = OnceLock::new();
-    BUDGET.get_or_init(|| Arc::new(Budget::new(pinned_default_limit())))
+    // The crate's bookkeeping: made once, kept for the process (`count::bookkeeping`).
+    BUDGET.get_or_init(|| crate::count::bookkeeping(|| Arc::new(Budget::new(pinned_default_limit()))))
 }
 
 /// Sets the cap on pinned bytes held by the process-wide pinned pools together.
@@ -54,10 +55,13 @@ static MANAGED: [OnceLock<Pool<ManagedSource>>; 2] = [const { OnceLock::new() };
 /// The process-wide pinned pool for `flags`, created on first use.
 #[inline]
 pub(crate) fn pinned_pool(flags: HostAllocFlags) -> &'static Pool<PinnedPoolSource> {
+    // The crate's bookkeeping: made on first use, kept for the process.
     PINNED[(flags.bits() & 7) as usize].get_or_init(|| {
-        let source = PinnedPoolSource::new(flags, PinnedGrowth::from_env());
-        Pool::with_budget(source, PoolConfig::default(), pinned_budget().clone())
-            .traced_as(crate::trace::pinned_name(flags.bits()))
+        crate::count::bookkeeping(|| {
+            let source = PinnedPoolSource::new(flags, PinnedGrowth::from_env());
+            Pool::with_budget(source, PoolConfig::default(), pinned_budget().clone())
+                .traced_as(crate::trace::pinned_name(flags.bits()))
+        })
     })
 }
 
@@ -84,9 +88,12 @@ fn attach_index(attach: ManagedAttach) -> usize {
 /// own: every `ManagedSource` shares a cap of 90% of the device's memory.
 #[inline]
 pub(crate) fn managed_pool(attach: ManagedAttach) -> &'static Pool<ManagedSource> {
+    // The crate's bookkeeping: made on first use, kept for the process.
     MANAGED[attach_index(attach)].get_or_init(|| {
-        Pool::new(ManagedSource::new(attach))
-            .traced_as(["ManagedAlloc", "ManagedAlloc(host)"][attach_index(attach)])
+        crate::count::bookkeeping(|| {
+            Pool::new(ManagedSource::new(attach))
+                .traced_as(["ManagedAlloc", "ManagedAlloc(host)"][attach_index(attach)])
+        })
     })
 }
 

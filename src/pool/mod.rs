@@ -688,36 +688,40 @@ impl<S: MemorySource + 'static> Pool<S> {
     #[cold]
     #[inline(never)]
     fn alloc_small_slow(&self, class: usize) -> Result<NonNull<[u8]>> {
-        let sh = &*self.shared;
-        sh.drain();
-        let size = class_size(class);
-        let mut batch = Batch::new();
-        let cached = self.ensure_cache();
-        let want = if cached {
-            self.with_cache(|c| c.refill_count(class).min(c.room(class) + 1))
-                .unwrap_or(1)
-                .clamp(1, MAX_BATCH)
-        } else {
-            1
-        };
-        let _moving = match sh.take_small(class, want, &mut batch) {
-            Ok(moving) => moving,
-            Err(e) => return Err(self.failed(e)),
-        };
-        let Some(first) = batch.pop() else {
-            return Err(self.failed(Error::OutOfMemory { requested: size }));
-        };
-        if !batch.is_empty() {
-            self.with_cache(|c| {
-                let room = c.room(class);
-                c.fill(class, batch.drain_up_to(room));
-            });
+        crate::count::bookkeeping(|| {
+            let sh = &*self.shared;
+            sh.drain();
+            let size = class_size(class);
+            let mut batch = Batch::new();
+            let cached = self.ensure_cache();
+            let want = if cached {
+                self.with_cache(|c| c.refill_count(class).min(c.room(class) + 1))
+                    .unwrap_or(1)
+                    .clamp(1, MAX_BATCH)
+            } else {
+                1
+            };
+            let _moving = match sh.take_small(class, want, &mut batch) {
+                Ok(moving) => moving,
+                Err(e) => return Err(self.failed(e)),
+            };
+            let Some(first) = batch.pop() else {
+                return Err(self.failed(Error::OutOfMemory { requested: size }));
+            };
             if !batch.is_empty() {
-                sh.give_small(class, batch.drain());
+                self.with_cache(|c| {
+                    if c.has_bin(class) {
+                        let room = c.room(class);
+                        c.fill(class, batch.drain_up_to(room));
+                    }
+                });
+                if !batch.is_empty() {
+                    sh.give_small(class, batch.drain());
+                }
             }
-        }
-        sh.acct.count_shared_alloc();
-        Ok(NonNull::slice_from_raw_parts(first.as_non_null(), size))
+            sh.acct.count_shared_alloc();
+            Ok(NonNull::slice_from_raw_parts(first.as_non_null(), size))
+        })
     }
 
     /// A large block from the shared extents or the source (after this thread's cache
@@ -726,36 +730,38 @@ impl<S: MemorySource + 'static> Pool<S> {
     #[cold]
     #[inline(never)]
     fn alloc_large(&self, layout: Layout, growing: bool) -> Result<NonNull<[u8]>> {
-        let sh = &*self.shared;
-        let need = match align_up(layout.size(), PAGE_SIZE) {
-            Some(n) if n <= isize::MAX as usize => n,
-            _ => {
-                return Err(self.failed(Error::TooLarge {
-                    requested: layout.size(),
-                    limit: isize::MAX as usize,
-                }))
+        crate::count::bookkeeping(|| {
+            let sh = &*self.shared;
+            let need = match align_up(layout.size(), PAGE_SIZE) {
+                Some(n) if n <= isize::MAX as usize => n,
+                _ => {
+                    return Err(self.failed(Error::TooLarge {
+                        requested: layout.size(),
+                        limit: isize::MAX as usize,
+                    }))
+                }
+            };
+            if growing {
+                // A growing block looks at every free extent: this thread's cached large
+                // blocks go back to the shared extents first (where they merge with their
+                // neighbours), as they would on a flush.
+                let _moving = sh.transfers.begin();
+                for (p, _) in self.with_cache(|c| c.take_large_blocks()).unwrap_or_default() {
+                    sh.give_large(p.addr(), true);
+                }
             }
-        };
-        if growing {
-            // A growing block looks at every free extent: this thread's cached large
-            // blocks go back to the shared extents first (where they merge with their
-            // neighbours), as they would on a flush.
-            let _moving = sh.transfers.begin();
-            for (p, _) in self.with_cache(|c| c.take_large_blocks()).unwrap_or_default() {
-                sh.give_large(p.addr(), true);
+            sh.drain();
+            let t = sh
+                .take_large(need, layout.align(), growing)
+                .map_err(|e| self.failed(e))?;
+            sh.acct.count_shared_alloc();
+            if t.ptr.addr() == t.base && self.ensure_cache() {
+                // The epoch the block was handed out in: if it moves before the free, the
+                // entry is merely distrusted then.
+                self.with_cache(|c| c.lend(t.base, t.usable, t.epoch));
             }
-        }
-        sh.drain();
-        let t = sh
-            .take_large(need, layout.align(), growing)
-            .map_err(|e| self.failed(e))?;
-        sh.acct.count_shared_alloc();
-        if t.ptr.addr() == t.base && self.ensure_cache() {
-            // The epoch the block was handed out in: if it moves before the free, the
-            // entry is merely distrusted then.
-            self.with_cache(|c| c.lend(t.base, t.usable, t.epoch));
-        }
-        Ok(NonNull::slice_from_raw_parts(t.ptr.as_non_null(), t.usable))
+            Ok(NonNull::slice_from_raw_parts(t.ptr.as_non_null(), t.usable))
+        })
     }
 
     #[cold]
@@ -833,34 +839,38 @@ impl<S: MemorySource + 'static> Pool<S> {
     #[cold]
     #[inline(never)]
     fn free_with_uses(&self, p: BlockPtr, layout: Layout) {
-        let class = self.classify(layout.size(), layout.align());
-        let kind = class.map_or(BlockKind::Large, BlockKind::Small);
-        if !self.shared.defer_free(p, kind) {
-            self.free_unused(p, layout);
-        }
+        crate::count::bookkeeping(|| {
+            let class = self.classify(layout.size(), layout.align());
+            let kind = class.map_or(BlockKind::Large, BlockKind::Small);
+            if !self.shared.defer_free(p, kind) {
+                self.free_unused(p, layout);
+            }
+        })
     }
 
     #[cold]
     #[inline(never)]
     fn free_small_slow(&self, class: usize, p: BlockPtr) {
-        let sh = &*self.shared;
-        // A thread that only frees (a consumer) gets a cache too: its frees then reach the
-        // shared list in batches rather than one lock each.
-        self.ensure_cache();
-        let _moving = sh.transfers.begin();
-        let cached = self.with_cache(|c| {
-            // Bin full: half of it to the shared list. Still no room (the byte budget):
-            // the whole cache.
-            let half = c.take_half(class);
-            sh.give_small(class, half);
-            c.push(class, p) || {
-                sh.flush_cache(c);
-                c.push(class, p)
+        crate::count::bookkeeping(|| {
+            let sh = &*self.shared;
+            // A thread that only frees (a consumer) gets a cache too: its frees then reach the
+            // shared list in batches rather than one lock each.
+            self.ensure_cache();
+            let _moving = sh.transfers.begin();
+            let cached = self.with_cache(|c| {
+                // Bin full: half of it to the shared list. Still no room (the byte budget):
+                // the whole cache.
+                let half = c.take_half(class);
+                sh.give_small(class, half);
+                c.push(class, p) || {
+                    sh.flush_cache(c);
+                    c.push(class, p)
+                }
+            });
+            if cached != Some(true) {
+                sh.give_small(class, [p]);
             }
-        });
-        if cached != Some(true) {
-            sh.give_small(class, [p]);
-        }
+        })
     }
 
     /// The large-block free: to this thread's cache if it handed the block out and has
@@ -876,7 +886,9 @@ impl<S: MemorySource + 'static> Pool<S> {
     #[cold]
     #[inline(never)]
     fn free_large_shared(&self, p: BlockPtr) {
-        self.shared.give_large(p.addr(), true);
+        crate::count::bookkeeping(|| {
+            self.shared.give_large(p.addr(), true);
+        })
     }
 }
 

@@ -47,10 +47,31 @@ impl ThreadCounters for ThreadStats {
 }
 
 struct Bin {
-    /// Free blocks of the class, most recently freed last.
+    /// Free blocks of the class, most recently freed last; room for `cap` of them
+    /// allocated at the bin's first use ([`Bin::reserve`]), never grown afterwards.
     items: Vec<BlockPtr>,
     /// The most blocks the bin holds.
     cap: usize,
+}
+
+/// Allocates the room for every large block a cache may hold, after a flush took the
+/// list (see [`Bin::reserve`]).
+#[cold]
+#[inline(never)]
+fn reserve_large(large: &mut Vec<(BlockPtr, usize)>) -> bool {
+    crate::count::bookkeeping(|| large.try_reserve_exact(LARGE_ENTRIES).is_ok())
+}
+
+impl Bin {
+    /// Allocates the room for `cap` blocks (the bin's first use); false if the memory
+    /// cannot be had (the block then goes to the pool's shared lists). The cache's own
+    /// bookkeeping: it lives as long as the thread, so a leak check's window on this
+    /// thread does not count it (`count::bookkeeping`).
+    #[cold]
+    #[inline(never)]
+    fn reserve(&mut self) -> bool {
+        crate::count::bookkeeping(|| self.items.try_reserve_exact(self.cap).is_ok())
+    }
 }
 
 /// A cache's contents, taken out: (class, blocks) per class with any, and the large
@@ -88,6 +109,7 @@ impl CacheCore {
                     cap,
                 })
                 .collect(),
+            // Room for every large block it may hold, allocated at its first push.
             large: Vec::new(),
             lent: [(0, 0, 0); LENT_ENTRIES],
             bytes: 0,
@@ -141,8 +163,8 @@ impl CacheCore {
         if bin.items.len() >= bin.cap || self.bytes + size > self.max_bytes {
             return false;
         }
-        if bin.items.capacity() == 0 {
-            bin.items.reserve_exact(bin.cap);
+        if bin.items.capacity() == 0 && !bin.reserve() {
+            return false;
         }
         bin.items.push(p);
         self.bytes += size;
@@ -163,12 +185,21 @@ impl CacheCore {
         (bin.cap - bin.items.len()).min(by_bytes)
     }
 
-    /// Adds refilled blocks (at most [`CacheCore::room`] of them).
+    /// Whether the bin of `class` has its room allocated (allocating it if not): false
+    /// only when the memory for it cannot be had.
+    pub(crate) fn has_bin(&mut self, class: usize) -> bool {
+        let bin = &mut self.bins[class];
+        bin.items.capacity() != 0 || bin.reserve()
+    }
+
+    /// Adds refilled blocks (at most [`CacheCore::room`] of them) to a bin that
+    /// [`CacheCore::has_bin`] allocated.
     pub(crate) fn fill(&mut self, class: usize, blocks: impl Iterator<Item = BlockPtr>) {
         let bin = &mut self.bins[class];
-        if bin.items.capacity() == 0 {
-            bin.items.reserve_exact(bin.cap);
-        }
+        debug_assert!(
+            bin.items.capacity() >= bin.cap,
+            "a bin filled before its room was allocated"
+        );
         let before = bin.items.len();
         bin.items.extend(blocks);
         let n = bin.items.len() - before;
@@ -295,6 +326,9 @@ impl CacheCore {
         let (size, lent_at) = (e.1, e.2);
         *e = (0, 0, 0);
         if lent_at != epoch || self.large.len() >= LARGE_ENTRIES || self.bytes + size > self.max_bytes {
+            return false;
+        }
+        if self.large.capacity() == 0 && !reserve_large(&mut self.large) {
             return false;
         }
         self.large.push((p, size));

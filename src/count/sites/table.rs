@@ -75,6 +75,11 @@ enum State {
     Capturing,
     /// Building a report: allocations and their frees are neither counted nor recorded.
     Internal,
+    /// The crate's own bookkeeping (a pool's thread cache made on first use, its lists'
+    /// growth): allocations and reallocations are counted in the allocator's totals, as
+    /// every block is, but neither in this thread's windows nor recorded, because they
+    /// outlive the windows by design. Frees count in windows as ever.
+    Bookkeeping,
 }
 
 thread_local! {
@@ -86,6 +91,27 @@ thread_local! {
 #[inline(always)]
 pub(crate) fn is_internal() -> bool {
     STATE.try_with(|s| s.get() == State::Internal).unwrap_or(false)
+}
+
+/// Whether this thread is in the crate's bookkeeping ([`bookkeeping`]), so that what it
+/// allocates or frees now stays out of its windows.
+#[inline(always)]
+pub(crate) fn is_bookkeeping() -> bool {
+    STATE.try_with(|s| s.get() == State::Bookkeeping).unwrap_or(false)
+}
+
+/// Runs `f` as the crate's bookkeeping: what this thread allocates (or grows by
+/// reallocation) meanwhile is counted in every `Counting`'s totals but not in this
+/// thread's windows, and no site is recorded for it; frees count as ever (a block the
+/// window allocated may be freed here: a buffer's record of its uses, which the pool
+/// frees in its slow path). For the metadata a pool keeps beyond the call that made it
+/// (a thread's cache, made on the thread's first use of the pool and freed when the
+/// thread exits; the pool's lists), which a leak check of the user's code must not
+/// report. A block allocated here and freed in a window counts there as a free without
+/// an allocation, which no verdict reports.
+pub(crate) fn bookkeeping<R>(f: impl FnOnce() -> R) -> R {
+    let _bookkeeping = Enter::from_idle(State::Bookkeeping);
+    f()
 }
 
 /// This thread's state set to another for as long as the guard lives.
