@@ -14,9 +14,10 @@ pub(crate) struct LiveBlocks {
 }
 
 impl LiveBlocks {
-    /// A block at `addr` was handed out.
+    /// A block at `addr` was handed out. The set's growth is the crate's bookkeeping
+    /// (`count::bookkeeping`): it lives as long as the pool, not the user's window.
     pub(crate) fn on_alloc(&self, addr: usize) {
-        if !lock(&self.live).insert(addr) {
+        if !crate::count::bookkeeping(|| lock(&self.live).insert(addr)) {
             panic!("cudalloc debug-checks: the pool handed out block {addr:#x} while it was live (internal error)");
         }
     }
