@@ -127,6 +127,15 @@ impl Enter {
             .flatten()
             .inspect(|_| set_site_busy(true))
     }
+
+    /// Enters `state` if the thread is in the crate's bookkeeping; `None` otherwise.
+    fn from_bookkeeping(state: State) -> Option<Enter> {
+        STATE
+            .try_with(|s| (s.get() == State::Bookkeeping).then(|| Enter(s.replace(state))))
+            .ok()
+            .flatten()
+            .inspect(|_| set_site_busy(true))
+    }
 }
 
 impl Drop for Enter {
@@ -140,7 +149,9 @@ impl Drop for Enter {
 /// while a report is built): for the crate's own short-lived helper work, such as the
 /// prefault threads it starts and joins inside an allocation.
 pub(crate) fn uncounted<R>(f: impl FnOnce() -> R) -> R {
-    let _internal = Enter::from_idle(State::Internal);
+    // From bookkeeping too (a pool's slow path that starts prefault threads): what the
+    // threads free is not counted, so what starting them allocates must not be either.
+    let _internal = Enter::from_idle(State::Internal).or_else(|| Enter::from_bookkeeping(State::Internal));
     f()
 }
 
