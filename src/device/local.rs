@@ -471,12 +471,12 @@ fn release_parts<P: PoolHandle>(
         if let Some(mut e) = local_cache::<P>(slot, core.uid) {
             let id = P::B::stream_id(&stream);
             // SAFETY: as in `try_alloc_fast`: the entry stays in the table during this
-            // statement, no other reference to it is live, and `push_last` does not reach
+            // statement, no other reference to it is live, and `push` does not reach
             // the table (it moves the block and the handles into the cache, or gives the
             // handles back).
             let pushed = unsafe { e.as_mut() }
                 .cache
-                .push_last(id, class, ptr, stream, pool);
+                .push::<false>(id, class, ptr, stream, pool);
             return match pushed {
                 // Read after the push is published (`close.rs`).
                 // SAFETY: as above; the push's borrow ended.
@@ -520,7 +520,10 @@ fn release_searched<P: PoolHandle>(pool: P, ptr: u64, bytes: usize, stream: Stre
     };
     let id = P::B::stream_id(&stream);
     // SAFETY: as in `release_parts`; `push` does not reach the table either.
-    match unsafe { e.as_mut() }.cache.push(id, class, ptr, stream, pool) {
+    match unsafe { e.as_mut() }
+        .cache
+        .push::<true>(id, class, ptr, stream, pool)
+    {
         // SAFETY: as above; the push's borrow ended.
         Ok(()) if unsafe { e.as_ref() }.cache.reclaim_requested() => P::after_push(e),
         Ok(()) => {}

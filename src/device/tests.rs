@@ -132,7 +132,7 @@ fn free(
 ) {
     if uses.is_empty() {
         if let (Some(t), Some(class)) = (tc.as_deref_mut(), c.class_for(bytes)) {
-            match t.push(s.id(), class, ptr, s.clone(), ()) {
+            match t.push::<true>(s.id(), class, ptr, s.clone(), ()) {
                 Ok(()) => return,
                 Err((stream, ())) => return c.free_slow(tc, ptr, bytes, stream, uses),
             }

@@ -246,14 +246,18 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         class < self.caps.len()
     }
 
-    /// The slot of stream `id`: the one used last, else a search.
+    /// The slot of stream `id`: the one used last, else (with `SEARCH`) a search.
     #[inline(always)]
-    fn find(&mut self, id: StreamId) -> Option<usize> {
+    fn find<const SEARCH: bool>(&mut self, id: StreamId) -> Option<usize> {
         let last = self.last & (MAX_STREAMS - 1);
         if self.ids[last] == Some(id) {
             return Some(last);
         }
-        self.search(id)
+        if SEARCH {
+            self.search(id)
+        } else {
+            None
+        }
     }
 
     #[cold]
@@ -342,7 +346,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         if self.reclaim_requested() {
             return None;
         }
-        let i = self.find(id)?;
+        let i = self.find::<true>(id)?;
         let bin = self.found_bin(i, class)?;
         let (ptr, handles) = bin.pop()?;
         let size = bin.size;
@@ -361,9 +365,11 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     /// path. A reclaim request is read *after* the push, by the caller
     /// ([`reclaim_requested`](Self::reclaim_requested)): the push is published first, so
     /// that a pool's close, which raises the flag and then reads the counts, sees either
-    /// the block or its flag read by this thread (`close.rs`).
+    /// the block or its flag read by this thread (`close.rs`). Without `SEARCH`, only
+    /// into the slot of the stream used last (no search, so no call: the free's common
+    /// case, which leaves any other to a push with the search).
     #[inline(always)]
-    pub(crate) fn push(
+    pub(crate) fn push<const SEARCH: bool>(
         &mut self,
         id: StreamId,
         class: usize,
@@ -371,22 +377,9 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         stream: B::Stream,
         pool: P,
     ) -> Result<(), Handles<B, P>> {
-        let Some(i) = self.find(id) else {
+        let Some(i) = self.find::<SEARCH>(id) else {
             return Err((stream, pool));
         };
-        self.push_at(i, class, ptr, stream, pool)
-    }
-
-    /// [`push`](Self::push) into slot `i`, one [`find`](Self::find) returned.
-    #[inline(always)]
-    fn push_at(
-        &mut self,
-        i: usize,
-        class: usize,
-        ptr: u64,
-        stream: B::Stream,
-        pool: P,
-    ) -> Result<(), Handles<B, P>> {
         let room = self.max_bytes - self.bytes;
         let Some(bin) = self.found_bin(i, class) else {
             return Err((stream, pool));
@@ -400,24 +393,6 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         Ok(())
     }
 
-    /// [`push`](Self::push) into the slot of the stream used last only (no search, so
-    /// no call): the free's common case, which leaves any other to `push`.
-    #[inline(always)]
-    pub(crate) fn push_last(
-        &mut self,
-        id: StreamId,
-        class: usize,
-        ptr: u64,
-        stream: B::Stream,
-        pool: P,
-    ) -> Result<(), Handles<B, P>> {
-        let last = self.last & (MAX_STREAMS - 1);
-        if self.ids[last] != Some(id) {
-            return Err((stream, pool));
-        }
-        self.push_at(last, class, ptr, stream, pool)
-    }
-
     /// The allocation fast path of a large block: one of `bytes` freed on stream `id`,
     /// with its buffer's handles. `None` on a miss, or when another thread asked for the
     /// blocks.
@@ -426,7 +401,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         if self.reclaim_requested() {
             return None;
         }
-        let i = self.find(id)?;
+        let i = self.find::<true>(id)?;
         let k = self.large.iter().rposition(|l| l.bytes == bytes && l.slot == i)?;
         let taken = self.take_large_at(k);
         self.large_misses = 0;
@@ -483,7 +458,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
         if self.large.len() >= LARGE_SLOTS || bytes > self.max_bytes - self.bytes {
             return Err(handles);
         }
-        let Some(i) = self.find(id) else {
+        let Some(i) = self.find::<true>(id) else {
             return Err(handles);
         };
         let n = self.large.len();

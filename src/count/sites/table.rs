@@ -121,17 +121,13 @@ impl Enter {
     /// Enters `state` if the thread is idle; `None` if it is already in site code (or
     /// its thread-locals are gone).
     fn from_idle(state: State) -> Option<Enter> {
-        STATE
-            .try_with(|s| (s.get() == State::Idle).then(|| Enter(s.replace(state))))
-            .ok()
-            .flatten()
-            .inspect(|_| set_site_busy(true))
+        Self::from(&[State::Idle], state)
     }
 
-    /// Enters `state` if the thread is in the crate's bookkeeping; `None` otherwise.
-    fn from_bookkeeping(state: State) -> Option<Enter> {
+    /// Enters `state` if the thread is in one of the states `from`; `None` otherwise.
+    fn from(from: &[State], state: State) -> Option<Enter> {
         STATE
-            .try_with(|s| (s.get() == State::Bookkeeping).then(|| Enter(s.replace(state))))
+            .try_with(|s| from.contains(&s.get()).then(|| Enter(s.replace(state))))
             .ok()
             .flatten()
             .inspect(|_| set_site_busy(true))
@@ -151,7 +147,7 @@ impl Drop for Enter {
 pub(crate) fn uncounted<R>(f: impl FnOnce() -> R) -> R {
     // From bookkeeping too (a pool's slow path that starts prefault threads): what the
     // threads free is not counted, so what starting them allocates must not be either.
-    let _internal = Enter::from_idle(State::Internal).or_else(|| Enter::from_bookkeeping(State::Internal));
+    let _internal = Enter::from(&[State::Idle, State::Bookkeeping], State::Internal);
     f()
 }
 

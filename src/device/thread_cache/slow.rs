@@ -14,7 +14,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
     /// stream holding least; its contents come back for the shared cache.
     pub(crate) fn entry(&mut self, stream: &B::Stream) -> (usize, Option<Evicted<B>>) {
         let id = B::stream_id(stream);
-        if let Some(i) = self.find(id) {
+        if let Some(i) = self.find::<true>(id) {
             return (i, None);
         }
         let (i, evicted) = match self.ids.iter().position(Option::is_none) {
@@ -91,7 +91,7 @@ impl<B: StreamOrder, P> ThreadCache<B, P> {
 
     /// Takes one block of `class` of stream `stream` (slow path: its handles dropped).
     pub(crate) fn take_block(&mut self, stream: &B::Stream, class: usize) -> Option<u64> {
-        let i = self.find(B::stream_id(stream))?;
+        let i = self.find::<true>(B::stream_id(stream))?;
         self.take(i, class)
     }
 
