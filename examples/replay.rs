@@ -20,6 +20,8 @@
 //!   --svg FILE         the trace's timeline (bytes live and reserved over time)
 //!   --fit              the smallest limit each limitable pool replays the trace in
 //!   --lenient          skip bad lines and events (counted) instead of stopping
+//!   --rounds N         replay N times per allocator, in rounds that alternate them;
+//!                      each row is the median round by total time (default 1)
 
 #[path = "common/replay_report.rs"]
 mod replay_report;
@@ -68,6 +70,13 @@ fn parse_args() -> Result<Args, String> {
             "--svg" => a.svg = Some(value("--svg")?.into()),
             "--fit" => a.replay.fit = true,
             "--lenient" => a.replay.lenient = true,
+            "--rounds" => {
+                let v = value("--rounds")?;
+                a.replay.rounds = match v.parse() {
+                    Ok(n) if n > 0 => n,
+                    _ => return Err(format!("--rounds {v}: a count of at least 1")),
+                };
+            }
             s if s.starts_with("--") => return Err(format!("unknown option {s}")),
             s if trace.is_none() => trace = Some(PathBuf::from(s)),
             s => return Err(format!("one trace at a time ({s})")),
@@ -82,7 +91,7 @@ fn main() -> ExitCode {
         Ok(a) => a,
         Err(e) => {
             eprintln!("replay: {e}");
-            eprintln!("usage: replay TRACE [--allocators LIST] [--memory host|device] [--json F] [--csv DIR] [--svg F] [--fit] [--lenient]");
+            eprintln!("usage: replay TRACE [--allocators LIST] [--memory host|device] [--json F] [--csv DIR] [--svg F] [--fit] [--lenient] [--rounds N]");
             return ExitCode::from(2);
         }
     };

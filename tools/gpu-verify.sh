@@ -3,7 +3,8 @@
 # part's output appended as it comes, so that a call cut short by its time limit still
 # brings back what finished: every staged test (REQUIRE_GPU=1), the hit pair
 # (`device_hit/cache`), RMM's random workload against its peers (`device_random/none`), the
-# sample traces replayed on every backing (`example-replay`), the hit again (a second
+# sample traces replayed on every backing (`example-replay --rounds 5`: each row the median
+# of five alternating replays), the hit again (a second
 # process), and the traces on PyTorch's and CuPy's allocators (`tools/peers_replay.py`).
 #
 #   here:                ../shared/tools/gpu-stage --features cudarc,test-hooks
@@ -35,7 +36,7 @@ timeout 150 .gpu/bench-device --bench device_random/none 2>&1 |
   grep --line-buffered -vE '^Benchmarking|^$|Found|outlier|high|low' | log
 for t in "${traces[@]}"; do
   echo "##### replay $t $(date +%T)" | log
-  timeout 60 .gpu/example-replay "$t" 2>&1 | grep -E '^\|' | log
+  timeout 120 .gpu/example-replay "$t" --rounds 5 2>&1 | grep -E '^\|' | log
 done
 hit 2 | log
 for t in "${traces[@]}"; do

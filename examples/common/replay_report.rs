@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use cudalloc::trace::format;
-use cudalloc::trace::replay::{targets, Plan, ReplayOptions};
+use cudalloc::trace::replay::{targets, Plan, ReplayOptions, ReplayReport, Target};
 use cudalloc::trace::{Action, Trace, TraceMemory};
 
 use crate::report::{self, Table, Unit};
@@ -25,6 +25,10 @@ pub struct ReplayArgs {
     pub fit: bool,
     /// Skip bad lines and events (counted) instead of stopping.
     pub lenient: bool,
+    /// Replays per allocator (0 or 1: one), in rounds that run every allocator once, in
+    /// an order rotated by one each round; each row is the allocator's median round by
+    /// total time, with the fastest and slowest totals beside it.
+    pub rounds: usize,
 }
 
 /// The replay of one trace: the lines of a report and the trace read.
@@ -142,18 +146,28 @@ pub fn replay_file(args: &ReplayArgs, progress: &dyn Fn(&str)) -> Result<Replaye
     .col("allocator", "allocator", Unit::Label)
     .col("limit", "smallest limit", Unit::Bytes)
     .col("limit_ratio", "limit / peak requested", Unit::Ratio);
+    let rounds = args.rounds.max(1);
+    if rounds > 1 {
+        let spread = [
+            ("total_min_ms", "fastest total"),
+            ("total_max_ms", "slowest total"),
+        ];
+        for (key, title) in spread {
+            table = table.col(key, title, Unit::Millis);
+        }
+    }
+    let runs = run_rounds(&chosen, &plan, rounds, progress);
     let mut notes: Vec<String> = Vec::new();
     let mut never_freed = None;
-    for t in &chosen {
-        progress(&t.name);
-        let r = match t.run(&plan) {
-            Ok(r) => r,
+    for (t, runs) in chosen.iter().zip(runs) {
+        let (r, spread) = match runs {
+            Ok(runs) => median_run(runs),
             Err(e) => {
                 table.note(format!("{}: did not run: {e}", t.name));
                 continue;
             }
         };
-        table.push(vec![
+        let mut row = vec![
             r.allocator.clone().into(),
             (r.total_ns as f64 / 1e6).into(),
             (r.alloc_median_ns as f64).into(),
@@ -166,7 +180,12 @@ pub fn replay_file(args: &ReplayArgs, progress: &dyn Fn(&str)) -> Result<Replaye
             r.reserved_ratio().into(),
             (r.failures as usize).into(),
             (r.never_freed_blocks as usize).into(),
-        ]);
+        ];
+        if rounds > 1 {
+            row.push((spread.0 as f64 / 1e6).into());
+            row.push((spread.1 as f64 / 1e6).into());
+        }
+        table.push(row);
         never_freed.get_or_insert((r.never_freed_blocks, r.never_freed_bytes));
         if let Some(f) = &r.first_failure {
             notes.push(format!(
@@ -198,6 +217,12 @@ pub fn replay_file(args: &ReplayArgs, progress: &dyn Fn(&str)) -> Result<Replaye
     for n in notes {
         table.note(n);
     }
+    if rounds > 1 {
+        table.note(format!(
+            "Each allocator replayed the trace {rounds} times, in rounds that run every allocator once (the \
+             order rotated by one each round); each row is its median round by total time."
+        ));
+    }
     table.note(
         "Times per operation include the clock reads around the call; total is the wall time of the whole \
          replay, with the handing of turns between replay threads. On a GPU the driver's one-time set-up of \
@@ -213,4 +238,42 @@ pub fn replay_file(args: &ReplayArgs, progress: &dyn Fn(&str)) -> Result<Replaye
     }
     out.trace = trace;
     Ok(out)
+}
+
+/// Replays `plan` on every target `rounds` times: round `k` starts at target `k` (mod
+/// their number) and runs each once, so that no allocator always runs first or right
+/// after the same one. Per target: its reports in round order, or its first error (a
+/// target that fails once is not run again).
+fn run_rounds(
+    chosen: &[Target],
+    plan: &Plan,
+    rounds: usize,
+    progress: &dyn Fn(&str),
+) -> Vec<Result<Vec<ReplayReport>, String>> {
+    let mut runs: Vec<Result<Vec<ReplayReport>, String>> = chosen.iter().map(|_| Ok(Vec::new())).collect();
+    for round in 0..rounds {
+        for i in (0..chosen.len()).map(|j| (j + round) % chosen.len()) {
+            let Ok(done) = &mut runs[i] else { continue };
+            let t = &chosen[i];
+            progress(&if rounds > 1 {
+                format!("{} (round {} of {rounds})", t.name, round + 1)
+            } else {
+                t.name.clone()
+            });
+            match t.run(plan) {
+                Ok(r) => done.push(r),
+                Err(e) => runs[i] = Err(e),
+            }
+        }
+    }
+    runs
+}
+
+/// The median of one target's replays by total time (the lower median of an even
+/// number), with the fastest and slowest totals.
+fn median_run(mut runs: Vec<ReplayReport>) -> (ReplayReport, (u64, u64)) {
+    runs.sort_by_key(|r| r.total_ns);
+    let spread = (runs[0].total_ns, runs[runs.len() - 1].total_ns);
+    let median = runs.swap_remove((runs.len() - 1) / 2);
+    (median, spread)
 }

@@ -489,3 +489,60 @@ fn replay_statistics_saturate_instead_of_overflowing() {
     assert_eq!((r.never_freed_blocks, r.never_freed_bytes), (1 << 17, u64::MAX));
     assert_eq!((r.peak_requested, r.peak_held), (u64::MAX, u64::MAX));
 }
+
+/// `replay --rounds N`: every allocator replays the trace N times, and its row is the
+/// median of those replays, with the fastest and slowest beside it; the trace's own
+/// figures are those of a single replay.
+#[test]
+fn replaying_in_rounds_reports_each_allocators_median_between_its_fastest_and_slowest() {
+    use crate::replay_report::{replay_file, ReplayArgs};
+    use crate::report::Value;
+    let args = |rounds| ReplayArgs {
+        trace: concat!(env!("CARGO_MANIFEST_DIR"), "/traces/rmm_random.csv").into(),
+        memory: Some(TraceMemory::Host),
+        allocators: vec!["global".into(), "pool".into()],
+        rounds,
+        ..Default::default()
+    };
+    let heard = Mutex::new(Vec::new());
+    let rounds = replay_file(&args(3), &|what: &str| {
+        heard.lock().unwrap().push(what.to_owned())
+    })
+    .unwrap();
+    let once = replay_file(&args(1), &|_: &str| {}).unwrap();
+    let (table, single) = (&rounds.tables[0], &once.tables[0]);
+    let col = |t: &crate::report::Table, key: &str| t.columns.iter().position(|c| c.key == key).unwrap();
+    let num = |v: &Value| match v {
+        Value::Num(n) => *n,
+        other => panic!("not a number: {other:?}"),
+    };
+    assert!(
+        single.columns.iter().all(|c| c.key != "total_min_ms"),
+        "one round: no spread columns"
+    );
+    assert_eq!(table.rows.len(), single.rows.len());
+    assert!(table.rows.len() >= 2, "the rows asked for: {:?}", table.rows);
+    let heard = heard.into_inner().unwrap();
+    for (row, one) in table.rows.iter().zip(&single.rows) {
+        let (total, min, max) = (
+            num(&row[col(table, "total_ms")]),
+            num(&row[col(table, "total_min_ms")]),
+            num(&row[col(table, "total_max_ms")]),
+        );
+        assert!(min <= total && total <= max, "{row:?}");
+        let Value::Text(name) = &row[0] else {
+            panic!("{row:?}")
+        };
+        for round in 1..=3 {
+            let step = format!("{name} (round {round} of 3)");
+            assert!(heard.contains(&step), "{step} not run: {heard:?}");
+        }
+        for key in ["peak_requested", "failures", "never_freed"] {
+            assert_eq!(row[col(table, key)], one[col(single, key)], "{name}: {key}");
+        }
+    }
+    assert!(table
+        .notes
+        .iter()
+        .any(|n| n.contains("replayed the trace 3 times")));
+}
