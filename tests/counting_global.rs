@@ -421,6 +421,34 @@ fn a_pools_thread_cache_is_not_the_users_leak() {
     }
 }
 
+/// The same for the process-wide window (2026-12-07): this thread's first use of a pool
+/// inside a `ProcessWindow` makes the pool's cache for this thread, which outlives the
+/// window; the window reported it as a leak with no site. The crate's bookkeeping is in
+/// the totals but in no window's delta, and the user's own block still is.
+fn a_pools_thread_cache_is_not_a_leak_in_a_process_window() {
+    use allocator_api2::vec::Vec as AVec;
+    use cudalloc::pool::Pool;
+    use cudalloc::source::HostSource;
+
+    let pool = Pool::new(HostSource);
+    let before = GLOBAL.snapshot();
+    let w = GLOBAL.process_window();
+    drop(AVec::<u8, _>::with_capacity_in(100, &pool));
+    drop(AVec::<u8, _>::with_capacity_in(1 << 20, &pool));
+    if let Err(report) = w.check() {
+        panic!("a pool's first use on this thread: {report}");
+    }
+    let kept = GLOBAL.snapshot().delta(&before);
+    assert!(kept.net_count() > 0, "the cache is counted in the totals: {kept}");
+
+    let w = GLOBAL.process_window();
+    let planted = Box::new(7u64);
+    let report = w.check().expect_err("the user's block is still a leak");
+    assert_eq!((report.leaked_count(), report.leaked_bytes()), (1, 8), "{report}");
+    drop(planted);
+    drop(pool);
+}
+
 fn main() {
     #[cfg_attr(not(feature = "backtrace"), allow(unused_mut))]
     let mut tests: Vec<(&str, fn())> = vec![
@@ -428,6 +456,10 @@ fn main() {
         (
             "a_pools_thread_cache_is_not_the_users_leak",
             a_pools_thread_cache_is_not_the_users_leak,
+        ),
+        (
+            "a_pools_thread_cache_is_not_a_leak_in_a_process_window",
+            a_pools_thread_cache_is_not_a_leak_in_a_process_window,
         ),
         (
             "a_threaded_prefault_leaves_nothing_in_the_callers_window",

@@ -11,9 +11,9 @@
 //! pool, made at the thread's first use of it and freed when the thread exits, the
 //! lists a pool grows, the process-wide pools behind [`PinnedAlloc`](crate::PinnedAlloc)
 //! and [`DevicePool::get`](crate::device::DevicePool::get). That bookkeeping is counted
-//! in every `Counting`'s totals (so a [`ProcessWindow`] around a thread's first use of a
-//! pool sees it, if the thread outlives the window) but never in a thread's windows: a
-//! test's window around its use of a pool reports only what the test kept. One thing
+//! in every `Counting`'s totals but in no window, on a thread or process-wide: a test's
+//! window around its use of a pool reports only what the test kept. (Its frees count
+//! as frees everywhere: a window can see more frees than allocations, never a leak.) One thing
 //! the caches keep is the test's: a cached device block holds its buffer's stream
 //! handle, so a stream made and dropped inside the window stays allocated until the
 //! block is reused or the cache flushed (make streams outside the window).
@@ -68,7 +68,7 @@ pub use window::{
     assert_no_leaks_on_this_thread, check_leaks_on_this_thread, LeakReport, LeakScope, ProcessWindow, Window,
 };
 
-use crate::sync::global::{AtomicUsize, Ordering};
+use crate::sync::global::{AtomicU64, AtomicUsize, Ordering};
 use counters::Counters;
 pub(crate) use sites::{bookkeeping, uncounted, uncounted_thread};
 use thread::{current, ThreadState};
@@ -136,6 +136,9 @@ pub struct Counting<A> {
     counters: Counters,
     /// Open [`ProcessWindow`]s on this allocator (they turn on site capture).
     process_windows: AtomicUsize,
+    /// Allocations (count, bytes) made by the crate's bookkeeping while a
+    /// [`ProcessWindow`] was open: in the totals, kept out of the windows' deltas.
+    aside: [AtomicU64; 2],
     /// This allocator's identity in the site table, assigned on first use (0: none yet).
     /// Not its address: a collection may own its `Counting` by value and move it.
     id: AtomicUsize,
@@ -158,6 +161,7 @@ impl<A> Counting<A> {
             inner,
             counters: Counters::new(),
             process_windows: AtomicUsize::new(0),
+            aside: [AtomicU64::new(0), AtomicU64::new(0)],
             id: AtomicUsize::new(0),
         }
     }
@@ -169,6 +173,7 @@ impl<A> Counting<A> {
             inner,
             counters: Counters::new(),
             process_windows: AtomicUsize::new(0),
+            aside: [AtomicU64::new(0), AtomicU64::new(0)],
             id: AtomicUsize::new(0),
         }
     }
@@ -253,13 +258,34 @@ impl<A> Counting<A> {
         let size64 = size as u64;
         let counted = current(|t| {
             self.counters.record_alloc(t.slot(), size64);
-            if self.recording(t) && !sites::is_bookkeeping() {
+            if sites::is_bookkeeping() {
+                self.set_aside(size64);
+            } else if self.recording(t) {
                 self.alloc_in_window(t, ptr, size);
             }
         });
         if counted.is_none() {
             self.counters.record_alloc(usize::MAX, size64);
         }
+    }
+
+    /// Keeps a bookkeeping allocation out of open [`ProcessWindow`]s' deltas (a window
+    /// on a thread never counts one). Every allocation takes the full path while one is
+    /// open (`Counters::block_fast_path`), so none is missed.
+    #[inline(always)]
+    fn set_aside(&self, size: u64) {
+        if self.process_windows.load(Ordering::Relaxed) != 0 {
+            self.aside[0].fetch_add(1, Ordering::Relaxed);
+            self.aside[1].fetch_add(size, Ordering::Relaxed);
+        }
+    }
+
+    /// The allocations (count, bytes) [`Counting::set_aside`] has kept out so far.
+    pub(crate) fn aside(&self) -> (u64, u64) {
+        (
+            self.aside[0].load(Ordering::Relaxed),
+            self.aside[1].load(Ordering::Relaxed),
+        )
     }
 
     /// What an allocation adds while a window is open: the thread's totals (read only by
