@@ -96,6 +96,15 @@ pub(super) fn drain_before_launch() -> bool {
     true
 }
 
+impl<B: Lanes, T> Drop for Flight<B, T> {
+    /// Unwinding from a closure's panic: the batches in flight are waited for before
+    /// their values are dropped, as after an error (empty otherwise: every run drains or
+    /// abandons them).
+    fn drop(&mut self) {
+        self.abandon_all();
+    }
+}
+
 /// A launched batch waiting for its drain.
 struct InFlight<T, Done> {
     batch: usize,
@@ -160,10 +169,21 @@ impl<B: Lanes, T> Flight<B, T> {
                 return Err(e);
             }
         };
-        if let Err(e) = self.make_room(buffer, drain) {
-            lanes.abandon(lease);
-            drop(first);
-            return Err(e);
+        // The drain may panic: `first` (work already queued) is then dropped only after
+        // that work, as on an error.
+        let room = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.make_room(buffer, drain)));
+        match room {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                lanes.abandon(lease);
+                drop(first);
+                return Err(e);
+            }
+            Err(panic) => {
+                lanes.abandon(lease);
+                drop(first);
+                std::panic::resume_unwind(panic);
+            }
         }
         let value = match finish(batch, &lease, first) {
             Ok(v) => v,

@@ -89,6 +89,34 @@ struct RingInner<A: Allocator> {
     buffer_len: usize,
 }
 
+impl<A: Allocator> Drop for RingInner<A> {
+    /// The last handle and the last lease are gone: the buffers go back to their
+    /// allocator, but only once the GPU is done with them (the events the ring waits for
+    /// before a reuse), so that no copy or kernel still queued reads or writes memory the
+    /// allocator may hand to someone else. A buffer whose event cannot be waited for is
+    /// leaked, as a lease whose use could not be recorded is.
+    fn drop(&mut self) {
+        let free = core::mem::take(&mut lock(&self.state).free);
+        // Every wait first, then every free (one buffer's free must not come before
+        // another's wait).
+        let unknown: std::vec::Vec<bool> = free
+            .iter()
+            .map(|slot| match &slot.last_use {
+                Some(e) => e.synchronize().map_err(|e| {
+                    crate::cuda::record_drop_error("waiting for a staging buffer's last use", e);
+                }),
+                None => Ok(()),
+            })
+            .map(|r| r.is_err())
+            .collect();
+        for (slot, unknown) in free.into_iter().zip(unknown) {
+            if unknown {
+                core::mem::forget(slot.buf);
+            }
+        }
+    }
+}
+
 struct RingState<A: Allocator> {
     /// Buffers not leased, in the order they were given back (the front was used
     /// longest ago). `free.len() + leased == buffers`.

@@ -19,6 +19,7 @@ mod sections;
 mod ab_report;
 mod allocators;
 mod arena;
+mod audit_staging_arena;
 mod backpressure;
 mod conformance;
 mod counting;
