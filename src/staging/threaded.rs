@@ -229,10 +229,13 @@ where
     let job_rx = Mutex::new(job_rx);
     let (fill, stop_ref, job_rx_ref) = (&fill, &stop, &job_rx);
     let mut panic = None;
+    // More workers than batches, or than batches filled ahead, would only wait.
+    let workers = shape.threads.min(shape.ahead).min(batches);
     let out = std::thread::scope(|scope| {
-        for _ in 0..shape.threads {
+        let mut started = 0;
+        for _ in 0..workers {
             let done_tx = done_tx.clone();
-            scope.spawn(move || loop {
+            let spawned = std::thread::Builder::new().spawn_scoped(scope, move || loop {
                 // One worker waits in `recv` at a time; the others wait for the lock.
                 let job = lock(job_rx_ref).recv();
                 let Ok((batch, mut lease)) = job else { return };
@@ -246,8 +249,16 @@ where
                     return;
                 }
             });
+            // The system may refuse a thread: the run goes on with those it has.
+            if spawned.is_err() {
+                break;
+            }
+            started += 1;
         }
         drop(done_tx);
+        if started == 0 && workers > 0 {
+            return Err(Error::InvalidArgument("the system started no fill thread").into());
+        }
         let mut filled = |issuer: &mut Issuer<B, T, E>| -> core::result::Result<(), E> {
             let t0 = Instant::now();
             let got = done_rx.recv();

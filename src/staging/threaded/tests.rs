@@ -643,3 +643,18 @@ fn a_split_run_refuses_no_batches_in_flight() {
         "a closure ran before the arguments were checked"
     );
 }
+
+/// Found by the audit of 2026-12-07: `fill_threads(n)` started `n` threads whatever the
+/// batches, so a huge `n` panicked when the system refused a thread. A run starts at
+/// most as many as it has batches (and batches ahead), and goes on with those the
+/// system gave it.
+#[test]
+fn a_huge_number_of_fill_threads_starts_only_as_many_as_the_batches_need() {
+    let ring = FakeRing::new(4);
+    // Before the fix this spawned until the system refused, then panicked.
+    let (out, seen) = run_fake(&ring, shape(usize::MAX, usize::MAX, 2), 6, None);
+    let run = out.expect("the run completes");
+    assert_eq!(run.pipeline.batches, 6);
+    assert_eq!(seen.drains, (0..6).collect::<std::vec::Vec<_>>());
+    assert!(ring.all_complete() && ring.free() == 4);
+}
