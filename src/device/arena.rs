@@ -197,6 +197,8 @@ impl DeviceArena {
     /// Contents are unspecified.
     #[inline]
     pub fn alloc<T: DeviceCopy>(&self, len: usize) -> Result<ArenaSlice<'_, T>> {
+        #[allow(clippy::let_unit_value)] // evaluated at compile time: the alignment check
+        let () = super::Aligned::<T>::OK;
         let bytes = len.checked_mul(size_of::<T>()).ok_or(Error::TooLarge {
             requested: usize::MAX,
             limit: MAX_CHUNK,

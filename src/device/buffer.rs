@@ -250,6 +250,8 @@ impl DevicePool {
     // saves costs a tenth of it.
     #[inline(always)]
     pub fn alloc<T: DeviceCopy>(&self, len: usize, stream: &Stream) -> Result<DeviceBuffer<T>> {
+        #[allow(clippy::let_unit_value)] // evaluated at compile time: the alignment check
+        let () = super::Aligned::<T>::OK;
         // No device check on the hit: a bin of this pool's thread cache only holds blocks
         // freed on streams of its device (stream ids are never reused), so a stream of
         // another device misses and the slow path refuses it.

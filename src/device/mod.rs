@@ -115,9 +115,57 @@ pub use report::{DeviceEntry, DeviceMemorySummary, DevicePoolStats, DeviceReport
 /// fn device_copy<T: cudalloc::device::DeviceCopy>() {}
 /// device_copy::<bool>();
 /// ```
+///
+/// Its alignment may be at most [`MAX_ELEMENT_ALIGN`] (256 bytes, where every device
+/// block starts): [`DevicePool::alloc`] and [`DeviceArena::alloc`] of a type aligned to
+/// more fail to compile, instead of handing out memory its type says is misaligned.
+///
+/// ```
+/// use cudalloc::{cuda::Stream, device::{DeviceBuffer, DevicePool}};
+/// # use zerocopy::{FromBytes, Immutable, IntoBytes};
+/// #[derive(Clone, Copy, FromBytes, IntoBytes, Immutable)]
+/// #[repr(C, align(256))]
+/// struct Tile([u8; 256]);
+/// fn tiles(pool: &DevicePool, s: &Stream) -> cudalloc::Result<DeviceBuffer<Tile>> {
+///     pool.alloc::<Tile>(4, s)
+/// }
+/// let _compiled: fn(&DevicePool, &Stream) -> _ = tiles;
+/// ```
+///
+/// ```compile_fail,E0080
+/// use cudalloc::{cuda::Stream, device::{DeviceBuffer, DevicePool}};
+/// # use zerocopy::{FromBytes, Immutable, IntoBytes};
+/// #[derive(Clone, Copy, FromBytes, IntoBytes, Immutable)]
+/// #[repr(C, align(512))]
+/// struct Tile([u8; 512]);
+/// fn tiles(pool: &DevicePool, s: &Stream) -> cudalloc::Result<DeviceBuffer<Tile>> {
+///     pool.alloc::<Tile>(4, s) // aligned to 512: refused
+/// }
+/// let _compiled: fn(&DevicePool, &Stream) -> _ = tiles;
+/// ```
 pub trait DeviceCopy: FromBytes + IntoBytes + Immutable + Copy + Send + Sync + 'static {}
 
 impl<T: FromBytes + IntoBytes + Immutable + Copy + Send + Sync + 'static> DeviceCopy for T {}
+
+/// The most a [`DeviceCopy`] element may be aligned to: every block of the device pools
+/// and arenas starts at a multiple of 256 bytes, as `cuMemAlloc`'s blocks do.
+///
+/// ```
+/// use cudalloc::device::MAX_ELEMENT_ALIGN;
+/// assert!(core::mem::align_of::<[f64; 4]>() <= MAX_ELEMENT_ALIGN);
+/// ```
+pub const MAX_ELEMENT_ALIGN: usize = 256;
+
+/// `Aligned::<T>::OK`, named where a typed device range is made, fails to compile for a
+/// `T` aligned to more than [`MAX_ELEMENT_ALIGN`] (no cost at run time).
+pub(crate) struct Aligned<T>(core::marker::PhantomData<T>);
+
+impl<T> Aligned<T> {
+    pub(crate) const OK: () = assert!(
+        core::mem::align_of::<T>() <= MAX_ELEMENT_ALIGN,
+        "a device element type may be aligned to at most MAX_ELEMENT_ALIGN (256) bytes"
+    );
+}
 
 /// The length accessors of a typed device range (a `len` field counting elements of `T`):
 /// [`DeviceBuffer`]'s and [`ArenaSlice`]'s, written once.
