@@ -501,27 +501,21 @@ fn an_error_of_any_closure_midway_is_returned_and_every_buffer_comes_back() {
     let at = |b: usize| if b == 5 { Err(FAIL) } else { Ok(()) };
     for which in ["fill", "launch", "finish", "drain"] {
         let drained = std::cell::Cell::new(0);
+        let fails = |what: &str, b: usize| if which == what { at(b) } else { Ok(()) };
+        let drain = |b: usize, v: usize| {
+            assert_eq!(b, v);
+            fails("drain", b)?;
+            drained.set(drained.get() + 1);
+            Ok(())
+        };
         let err = ring
             .pipeline()
             .run_split(
                 9,
-                |b, _| if which == "fill" { at(b) } else { Ok(()) },
-                |b, _| if which == "launch" { at(b) } else { Ok(()) },
-                |b, _, ()| {
-                    if which == "finish" {
-                        at(b).map(|()| b)
-                    } else {
-                        Ok(b)
-                    }
-                },
-                |b, v| {
-                    assert_eq!(b, v);
-                    if which == "drain" {
-                        at(b)?;
-                    }
-                    drained.set(drained.get() + 1);
-                    Ok(())
-                },
+                |b, _| fails("fill", b),
+                |b, _| fails("launch", b),
+                |b, _, ()| fails("finish", b).map(|()| b),
+                drain,
             )
             .unwrap_err();
         assert!(
@@ -534,26 +528,13 @@ fn an_error_of_any_closure_midway_is_returned_and_every_buffer_comes_back() {
         if which == "finish" {
             continue;
         }
-        let err = ring
-            .pipeline()
-            .fill_threads(2)
+        let threaded = ring.pipeline().fill_threads(2);
+        let err = threaded
             .run(
                 9,
-                |b, _| if which == "fill" { at(b) } else { Ok(()) },
-                |b, _| {
-                    if which == "launch" {
-                        at(b).map(|()| b)
-                    } else {
-                        Ok(b)
-                    }
-                },
-                |b, v| {
-                    assert_eq!(b, v);
-                    if which == "drain" {
-                        at(b)?;
-                    }
-                    Ok(())
-                },
+                |b, _| fails("fill", b),
+                |b, _| fails("launch", b).map(|()| b),
+                drain,
             )
             .unwrap_err();
         assert!(
@@ -676,35 +657,23 @@ fn a_panic_in_a_fill_or_a_launch_leaves_every_buffer_in_the_ring() {
     let streams = [Stream::new(0).unwrap(), Stream::new(0).unwrap()];
     let ring = StagingRing::new(PinnedAlloc, &streams, 1, 64).unwrap();
     for panic_in_fill in [true, false] {
+        let fill = |b: usize| {
+            assert!(!(panic_in_fill && b == 3), "fill panics (on purpose)");
+            Ok::<_, Error>(())
+        };
+        let launch = |b: usize| {
+            assert!(panic_in_fill || b != 3, "launch panics (on purpose)");
+            Ok(())
+        };
         let out = catch_unwind(AssertUnwindSafe(|| {
-            ring.pipeline().run(
-                6,
-                |b, _| {
-                    assert!(!(panic_in_fill && b == 3), "fill panics (on purpose)");
-                    Ok::<_, Error>(())
-                },
-                |b, _| {
-                    assert!(panic_in_fill || b != 3, "launch panics (on purpose)");
-                    Ok(())
-                },
-                |_, ()| Ok(()),
-            )
+            ring.pipeline()
+                .run(6, |b, _| fill(b), |b, _| launch(b), |_, ()| Ok(()))
         }));
         assert!(out.is_err());
         every_buffer_back(&ring);
         let out = catch_unwind(AssertUnwindSafe(|| {
-            ring.pipeline().fill_threads(2).run(
-                6,
-                |b, _| {
-                    assert!(!(panic_in_fill && b == 3), "fill panics (on purpose)");
-                    Ok::<_, Error>(())
-                },
-                |b, _| {
-                    assert!(panic_in_fill || b != 3, "launch panics (on purpose)");
-                    Ok(())
-                },
-                |_, ()| Ok(()),
-            )
+            let threaded = ring.pipeline().fill_threads(2);
+            threaded.run(6, |b, _| fill(b), |b, _| launch(b), |_, ()| Ok(()))
         }));
         assert!(out.is_err());
         every_buffer_back(&ring);
