@@ -199,9 +199,11 @@ impl DeviceArena {
     pub fn alloc<T: DeviceCopy>(&self, len: usize) -> Result<ArenaSlice<'_, T>> {
         #[allow(clippy::let_unit_value)] // evaluated at compile time: the alignment check
         let () = super::Aligned::<T>::OK;
-        let bytes = len.checked_mul(size_of::<T>()).ok_or(Error::TooLarge {
+        // The limit is the device's memory, as the pool's own refusal says: a request
+        // larger than a chunk gets a chunk of its own.
+        let bytes = len.checked_mul(size_of::<T>()).ok_or_else(|| Error::TooLarge {
             requested: usize::MAX,
-            limit: MAX_CHUNK,
+            limit: self.pool.device_bytes(),
         })?;
         let ptr = if bytes == 0 { 0 } else { self.bump(bytes)? };
         if crate::trace::on() && ptr != 0 {
@@ -230,9 +232,9 @@ impl DeviceArena {
 
     #[inline(always)]
     fn bump(&self, bytes: usize) -> Result<u64> {
-        let need = round_to_granule(bytes).ok_or(Error::TooLarge {
+        let need = round_to_granule(bytes).ok_or_else(|| Error::TooLarge {
             requested: bytes,
-            limit: MAX_CHUNK,
+            limit: self.pool.device_bytes(),
         })?;
         {
             let chunks = self.chunks.borrow();

@@ -266,6 +266,11 @@ impl<A: Allocator> StagingRing<A> {
 
     /// The next buffer the GPU is done with, if there is one now. Never blocks.
     ///
+    /// `None` while another thread's `next`, `try_next` or future is checking the free
+    /// buffers' events (they are out of the list for that moment), even if one of them
+    /// is free: a caller that must have a buffer waits with [`next`](Self::next) or
+    /// [`next_async`](Self::next_async), which see every buffer given back.
+    ///
     /// ```
     /// use cudalloc::{cuda::Stream, staging::StagingRing, PinnedAlloc};
     /// if let Ok(s) = Stream::new(0) {
