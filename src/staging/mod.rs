@@ -96,21 +96,10 @@ impl<A: Allocator> Drop for RingInner<A> {
     /// allocator may hand to someone else. A buffer whose event cannot be waited for is
     /// leaked, as a lease whose use could not be recorded is.
     fn drop(&mut self) {
-        let free = core::mem::take(&mut lock(&self.state).free);
-        // Every wait first, then every free (one buffer's free must not come before
-        // another's wait).
-        let unknown: std::vec::Vec<bool> = free
-            .iter()
-            .map(|slot| match &slot.last_use {
-                Some(e) => e.synchronize().map_err(|e| {
-                    crate::cuda::record_drop_error("waiting for a staging buffer's last use", e);
-                }),
-                None => Ok(()),
-            })
-            .map(|r| r.is_err())
-            .collect();
-        for (slot, unknown) in free.into_iter().zip(unknown) {
-            if unknown {
+        for slot in core::mem::take(&mut lock(&self.state).free) {
+            let Some(e) = &slot.last_use else { continue };
+            if let Err(e) = e.synchronize() {
+                crate::cuda::record_drop_error("waiting for a staging buffer's last use", e);
                 core::mem::forget(slot.buf);
             }
         }
